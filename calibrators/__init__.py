@@ -1,0 +1,49 @@
+"""Calibration methods, one module each, found by name.
+
+A calibrator keeps streaming state for one tensor: ``update(batch)`` folds in a batch,
+``merge(other)`` folds in another calibrator's state (a shard of the same dataset), and
+``result()`` gives the range and threshold as a ``Range``. Third parties add methods through the
+entry-point group ``qtool.calibrators``, whose objects are calibrator classes with a ``name``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+REGISTRY: dict[str, type] = {}
+
+
+@dataclass(frozen=True)
+class Range:
+    min: float
+    max: float
+    threshold: float  # for symmetric quantization: the tensor is taken as [-threshold, threshold]
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    for ep in entry_points(group="qtool.calibrators"):
+        if ep.name not in REGISTRY:
+            cls = ep.load()
+            REGISTRY[ep.name] = cls
+
+
+def names() -> list[str]:
+    _load_entry_points()
+    return sorted(REGISTRY)
+
+
+def get(name: str) -> type:
+    if name not in REGISTRY:
+        _load_entry_points()
+    if name not in REGISTRY:
+        raise KeyError(f"unknown calibration method '{name}'; choose one of {', '.join(names())}")
+    return REGISTRY[name]
+
+
+from . import minmax  # noqa: E402,F401  (registration)

@@ -1,0 +1,209 @@
+"""The integer-only executor: runs a QDQ model the way an integer device would.
+
+Lowering (setup) finds each ``DequantizeLinear -> op -> QuantizeLinear`` group whose op has an
+integer kernel and derives its integer parameters; floats are used only there. At run time the
+group's kernel sees only integer arrays. Everything else runs as what it is: QuantizeLinear and
+DequantizeLinear at the float boundaries, and fenced float ops through ``onnx.reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx.reference import ReferenceEvaluator
+
+from .errors import QtoolError
+from .fixedpoint import DEFAULT_ROUNDING
+from .model import graph_inputs, initializers
+from .ops import REGISTRY, IntegerOp, NodeView, Operand, Raw, Unsupported
+from .qparams import QParams, dequantize_array, quantize_array
+
+
+@dataclass
+class Step:
+    kind: str  # "integer", "float", "quantize" or "dequantize"
+    node: onnx.NodeProto
+    inputs: list[str]
+    outputs: list[str]
+    op: IntegerOp | None = None
+    params: object = None
+    qparams: QParams | None = None  # of the output (integer, quantize) or input (dequantize)
+    key: str = ""  # the float tensor this step's integer output stands for
+    reason: str = ""  # why a node with a kernel runs in float
+    absorbs: str = ""  # the QuantizeLinear node whose output an integer step produces
+    specialized: dict = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    outputs: dict[str, np.ndarray]
+    integer: dict[str, np.ndarray] = field(default_factory=dict)  # key -> integer tensor
+
+
+def _metadata(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+class IntegerExecutor:
+    def __init__(self, model: onnx.ModelProto):
+        meta = _metadata(model)
+        self.rounding = meta.get("qtool.rounding", DEFAULT_ROUNDING)
+        self.multiplier_bits = int(meta.get("qtool.multiplier_bits", "32"))
+        self.model = model
+        self.opsets = {o.domain or "": o.version for o in model.opset_import}
+        self.constants = initializers(model)
+        self.producer = {out: node for node in model.graph.node for out in node.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in model.graph.node:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+        self.output_names = [o.name for o in model.graph.output]
+        self.input_names = [i.name for i in graph_inputs(model)]
+        self.steps = self._prune(self._lower())
+        self._float_evaluators: dict[str, ReferenceEvaluator] = {}
+
+    # -- lowering ----------------------------------------------------------------------------------
+    def _qparams_of(self, node: onnx.NodeProto) -> QParams:
+        """(S, Z) of a QuantizeLinear/DequantizeLinear node from its constant inputs."""
+        if node.input[1] not in self.constants:
+            raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant scale")
+        scale = self.constants[node.input[1]]
+        if len(node.input) > 2 and node.input[2]:
+            zero = self.constants.get(node.input[2])
+            if zero is None:
+                raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant zero point")
+        else:
+            zero = np.zeros(scale.shape, dtype=np.uint8)
+        axis = None
+        if scale.ndim == 1 and scale.size > 1:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        if scale.ndim == 0 or scale.size == 1:
+            return QParams(float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]), str(zero.dtype))
+        return QParams(scale.astype(np.float32), zero.astype(np.int64), str(zero.dtype), axis)
+
+    def _lower(self) -> list[Step]:
+        absorbed_q = set()
+        steps = []
+        for node in self.model.graph.node:
+            if node.op_type == "QuantizeLinear":
+                if node.name not in absorbed_q:
+                    steps.append(Step("quantize", node, [node.input[0]], [node.output[0]],
+                                      qparams=self._qparams_of(node), key=node.input[0]))
+                continue
+            if node.op_type == "DequantizeLinear":
+                steps.append(Step("dequantize", node, [node.input[0]], [node.output[0]],
+                                  qparams=self._qparams_of(node)))
+                continue
+            step, reason = self._integer_step(node)
+            if step is not None:
+                absorbed_q.add(step.absorbs)
+                steps.append(step)
+            else:
+                steps.append(Step("float", node, [n for n in node.input if n], list(node.output),
+                                  reason=reason))
+        return steps
+
+    def _integer_step(self, node: onnx.NodeProto):
+        op = REGISTRY.get(node.op_type)
+        if op is None:
+            return None, "no integer kernel"
+        users = self.consumers.get(node.output[0], [])
+        if (len(node.output) != 1 or len(users) != 1 or users[0].op_type != "QuantizeLinear"
+                or node.output[0] in self.output_names):
+            return None, "output is not followed by a single QuantizeLinear"
+        q_node = users[0]
+        operands, run_inputs = [], []
+        consts = op.constants(node)
+        for i, name in enumerate(node.input):
+            if not name:
+                operands.append(None)
+                continue
+            source = self.producer.get(name)
+            if source is not None and source.op_type == "DequantizeLinear":
+                qp = self._qparams_of(source)
+                value = self.constants.get(source.input[0])
+                operands.append(Operand(qp, value))
+                if value is None:
+                    run_inputs.append(source.input[0])
+            elif isinstance(consts.get(i), Raw):
+                operands.append(Operand(None, self.constants.get(name)))
+                run_inputs.append(name)
+            else:
+                return None, f"input '{name}' is not quantized"
+        view = NodeView(node, operands, self._qparams_of(q_node), self.rounding, self.multiplier_bits)
+        try:
+            params = op.derive(view)
+        except Unsupported as e:
+            return None, str(e)
+        step = Step("integer", node, run_inputs, [q_node.output[0]], op=op, params=params,
+                    qparams=view.output, key=node.output[0], absorbs=q_node.name)
+        return step, ""
+
+    def _prune(self, steps: list[Step]) -> list[Step]:
+        """Drop steps whose outputs nothing needs (e.g. DequantizeLinear absorbed by a group)."""
+        needed = set(self.output_names)
+        kept = []
+        for step in reversed(steps):
+            if any(o in needed for o in step.outputs):
+                kept.append(step)
+                needed.update(step.inputs)
+        return kept[::-1]
+
+    # -- running -----------------------------------------------------------------------------------
+    def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False) -> Result:
+        env = dict(self.constants)
+        for name in self.input_names:
+            if name not in feeds:
+                raise QtoolError(f"missing input '{name}' (inputs: {', '.join(self.input_names)})")
+            env[name] = feeds[name]
+        result = Result({})
+        for step in self.steps:
+            values = [env[n] for n in step.inputs]
+            outputs = self._run_step(step, values)
+            for name, value in zip(step.outputs, outputs):
+                env[name] = value
+            if keep_integer and step.kind in ("integer", "quantize"):
+                result.integer[step.key] = outputs[0]
+        result.outputs = {name: env[name] for name in self.output_names}
+        return result
+
+    def _run_step(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
+        if step.kind == "integer":
+            shapes = tuple(v.shape for v in values)
+            params = step.specialized.get(shapes)
+            if params is None:
+                params = step.specialized[shapes] = step.op.specialize(step.params, list(shapes))
+            try:
+                return [step.op.run(params, *values)]
+            except OverflowError:
+                raise QtoolError(f"int32 accumulator overflow in {step.node.op_type} node "
+                                 f"'{step.node.name}'") from None
+        if step.kind == "quantize":
+            return [quantize_array(values[0], step.qparams)]
+        if step.kind == "dequantize":
+            return [dequantize_array(values[0], step.qparams)]
+        return self._run_float(step, values)
+
+    def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
+        node = step.node
+        evaluator = self._float_evaluators.get(node.name)
+        if evaluator is None:
+            graph = onnx.helper.make_graph(
+                [node], "fenced", [onnx.ValueInfoProto(name=n) for n in node.input if n],
+                [onnx.ValueInfoProto(name=n) for n in node.output if n])
+            model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))
+            evaluator = self._float_evaluators[node.name] = ReferenceEvaluator(model)
+        feeds = dict(zip(step.inputs, values))
+        return evaluator.run(None, feeds)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def float_nodes(self) -> list[tuple[str, str, str]]:
+        """Nodes that run in float: (op_type, name, why)."""
+        return [(s.node.op_type, s.node.name, s.reason) for s in self.steps if s.kind == "float"]
+
+    def integer_keys(self) -> dict[str, tuple[str, QParams]]:
+        """Float tensor name -> (op_type producing it, its (S, Z)) for every integer tensor."""
+        return {s.key: (s.node.op_type if s.kind == "integer" else "QuantizeLinear", s.qparams)
+                for s in self.steps if s.kind in ("integer", "quantize")}

@@ -1,0 +1,141 @@
+"""Fixed-point requantization: a float scale as ``multiplier / 2**rshift`` and the integer shift.
+
+Setup (float) and run (integer) are separate: ``quantize_multiplier`` turns a scale into integers
+once; ``rounding_rshift``/``requantize``/``saturate`` touch only int64 arrays.
+
+Conventions (../shared/DESIGN.md, "Fixed-point requantization"):
+
+* 32-bit: ``scale = m * 2**e`` with ``m`` in [0.5, 1); ``multiplier = round(m * 2**31)`` lies in
+  [2**30, 2**31) and ``rshift = 31 - e``. A multiplier that rounds to 2**31 is halved and the shift
+  reduced by one. ``rshift`` is negative (a left shift) only for scales >= 2**31.
+* 8-bit (TPU-MLIR ``getRShiftAndMultiplierFromQScale``, max multiplier 127): the smallest ``rshift``
+  with ``scale * 2**(rshift + 1) >= 127``, ``multiplier = trunc(scale * 2**rshift)``. For scales
+  above 127 the shift goes negative instead of clamping the multiplier, so the value stays exact.
+* The shift rounds in one of ``ROUNDING_MODES``. Products are int64: an int32 accumulator times a
+  multiplier below 2**31 stays below 2**62.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+ROUNDING_MODES = ("half_up", "half_away_from_zero", "half_to_even", "toward_zero")
+DEFAULT_ROUNDING = "half_up"
+MULTIPLIER_BITS = (32, 8)
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_INT_RANGES = {
+    "int8": (-128, 127),
+    "uint8": (0, 255),
+    "int16": (-(2**15), 2**15 - 1),
+    "int32": (INT32_MIN, INT32_MAX),
+}
+
+
+@dataclass(frozen=True)
+class Requant:
+    """``y = rounding_rshift(x * multiplier, rshift)``; fields are ints or per-channel int64 arrays."""
+
+    multiplier: int | np.ndarray
+    rshift: int | np.ndarray
+
+
+def check_rounding(mode: str) -> str:
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(ROUNDING_MODES)}")
+    return mode
+
+
+def quantize_multiplier(scale: float, bits: int = 32) -> tuple[int, int]:
+    """Return ``(multiplier, rshift)`` with ``multiplier / 2**rshift`` approximating ``scale``."""
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    if bits == 32:
+        m, e = math.frexp(scale)
+        multiplier = math.floor(m * 2**31 + 0.5)  # m * 2**31 is exact in a double
+        if multiplier == 2**31:
+            multiplier //= 2
+            e += 1
+        return multiplier, 31 - e
+    if bits == 8:
+        _, e = math.frexp(scale)
+        rshift = 6 - e  # first guess; the loops make it exact (ldexp is exact)
+        while math.ldexp(scale, rshift + 1) < 127:
+            rshift += 1
+        while math.ldexp(scale, rshift) >= 127:
+            rshift -= 1
+        return int(math.ldexp(scale, rshift)), rshift
+    raise ValueError(f"multiplier bits must be one of {MULTIPLIER_BITS}, got {bits}")
+
+
+def quantize_multipliers(scales, bits: int = 32) -> Requant:
+    """Per-channel ``quantize_multiplier``: int64 arrays shaped like ``scales``."""
+    flat = np.asarray(scales, dtype=np.float64).reshape(-1)
+    pairs = [quantize_multiplier(s, bits) for s in flat]
+    shape = np.shape(scales)
+    multiplier = np.array([p[0] for p in pairs], dtype=np.int64).reshape(shape)
+    rshift = np.array([p[1] for p in pairs], dtype=np.int64).reshape(shape)
+    return Requant(multiplier, rshift)
+
+
+def rounding_rshift(x, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
+    """``x / 2**rshift`` rounded in ``mode``; ``x`` int64, ``rshift`` broadcastable ints.
+
+    A negative ``rshift`` is a left shift that saturates at about +-2**62. Shifts above 63 act as
+    63, which is exact for ``|x| < 2**62`` (the result is 0 in every mode).
+    """
+    x = np.asarray(x)
+    if x.dtype != np.int64:
+        raise TypeError(f"rounding_rshift expects int64, got {x.dtype}")
+    r = np.asarray(rshift, dtype=np.int64)
+    if np.any(r < 0):
+        left = np.clip(-r, 0, 62)
+        limit = np.right_shift(np.int64(2**62), left)
+        x = np.where(r < 0, np.left_shift(np.clip(x, -limit, limit), left), x)
+    r = np.clip(r, 1, 63)
+    floor = np.right_shift(x, r)
+    rem = x - np.left_shift(floor, r)  # in [0, 2**r)
+    half = np.left_shift(np.int64(1), r - 1)
+    if mode == "half_up":
+        up = rem >= half
+    elif mode == "half_away_from_zero":
+        up = (rem > half) | ((rem == half) & (x >= 0))
+    elif mode == "half_to_even":
+        up = (rem > half) | ((rem == half) & ((floor & 1) == 1))
+    elif mode == "toward_zero":
+        up = (rem != 0) & (x < 0)
+    else:
+        check_rounding(mode)
+    shifted = floor + up.astype(np.int64)
+    return np.where(np.asarray(rshift) > 0, shifted, x)
+
+
+def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
+    """``rounding_rshift(acc * multiplier, rshift)`` with the product in int64.
+
+    ``acc`` must fit int32 so that the product cannot leave int64.
+    """
+    acc = np.asarray(acc)
+    if acc.dtype.kind not in "iu":
+        raise TypeError(f"requantize expects an integer accumulator, got {acc.dtype}")
+    acc = acc.astype(np.int64)
+    if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
+        raise OverflowError("accumulator exceeds int32")
+    return rounding_rshift(acc * np.asarray(multiplier, dtype=np.int64), rshift, mode)
+
+
+def saturate(x, dtype: str) -> np.ndarray:
+    """Clamp to the range of integer ``dtype`` and cast."""
+    lo, hi = int_range(dtype)
+    return np.clip(x, lo, hi).astype(dtype)
+
+
+def int_range(dtype: str) -> tuple[int, int]:
+    try:
+        return _INT_RANGES[str(np.dtype(dtype))]
+    except KeyError:
+        raise ValueError(f"unsupported integer type {dtype!r}; choose one of {', '.join(_INT_RANGES)}")

@@ -1,0 +1,137 @@
+"""Loading, preparing and running float ONNX models."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, numpy_helper
+
+from .errors import QtoolError
+
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_model(path: str | Path) -> onnx.ModelProto:
+    """Load and check an ONNX model; problems become one-line ``QtoolError``s naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise QtoolError(f"model file '{path}' not found")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # protobuf raises DecodeError, truncated files raise others
+        raise QtoolError(f"model file '{path}' is not a valid ONNX model ({_first_line(e)})") from None
+    if not model.graph.node:
+        raise QtoolError(f"model file '{path}' is not a valid ONNX model (empty graph)")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise QtoolError(f"model file '{path}' fails the ONNX checker: {_first_line(e)}") from None
+    return model
+
+
+def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
+    """Fold constants and BatchNorm with onnxruntime's basic graph optimizer, then infer shapes.
+
+    Calibrate, quantize and verify all call this, so they see the same tensor names.
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="qtool-prepare-") as tmp:
+        options.optimized_model_filepath = os.path.join(tmp, "prepared.onnx")
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise QtoolError(f"onnxruntime cannot load {source}: {_first_line(e)}") from None
+        prepared = onnx.load(options.optimized_model_filepath)
+    _drop_unused_initializers(prepared)
+    _name_nodes(prepared)
+    return onnx.shape_inference.infer_shapes(prepared)
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a unique name: reports and --keep-float refer to nodes by name."""
+    seen = set()
+    for i, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    used.update(o.name for o in model.graph.output)
+    keep = [init for init in model.graph.initializer if init.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The inputs a caller feeds (initializers listed as inputs are excluded)."""
+    inits = {i.name for i in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in inits]
+
+
+def input_shape(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    dims = vi.type.tensor_type.shape.dim
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+
+
+def float_tensors(model: onnx.ModelProto) -> list[str]:
+    """Names of float activations in graph order: inputs, then each node's outputs."""
+    types = {vi.name: vi.type.tensor_type.elem_type
+             for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input)}
+    names = [vi.name for vi in graph_inputs(model) if types.get(vi.name) in FLOAT_TYPES]
+    for node in model.graph.node:
+        names.extend(o for o in node.output if o and types.get(o) in FLOAT_TYPES)
+    return list(dict.fromkeys(names))
+
+
+class FloatRunner:
+    """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
+
+    def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0):
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        known = {o.name for o in model.graph.output}
+        value_info = {vi.name: vi for vi in model.graph.value_info}
+        for name in extra_outputs:
+            if name not in known:
+                model.graph.output.append(value_info.get(name) or onnx.ValueInfoProto(name=name))
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                            providers=["CPUExecutionProvider"])
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            values = self.session.run(None, feeds)
+        except Exception as e:
+            raise QtoolError(f"onnxruntime failed on the float model: {_first_line(e)}") from None
+        return dict(zip(self.output_names, values))
+
+
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]

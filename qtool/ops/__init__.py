@@ -1,0 +1,151 @@
+"""Integer ops, one module per ONNX op_type, found through ``REGISTRY``.
+
+Each op class has three parts:
+
+* ``constants(node)``: for ``qtool quantize``, which inputs are weights, biases or raw constants;
+* ``derive(view)``: setup, where floats are allowed: scales become integer parameters;
+* ``run(params, *inputs)``: the kernel, integers only, in the order
+  accumulate -> requantize -> + zero point -> clamp -> cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import onnx
+
+from ..fixedpoint import DEFAULT_ROUNDING, Requant, quantize_multipliers, requantize, saturate
+from ..qparams import QParams
+
+REGISTRY: dict[str, "IntegerOp"] = {}
+
+
+def register(cls):
+    REGISTRY[cls.op_type] = cls()
+    return cls
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A constant input quantized symmetrically, per slice along ``axis`` when per-channel."""
+
+    axis: int | None
+
+
+@dataclass(frozen=True)
+class Bias:
+    """A constant input stored as int32 with scale ``S_in[activation] * S_in[weight]``."""
+
+    activation: int
+    weight: int
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A constant input kept as it is (shapes, axes)."""
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One input of a node as a kernel sees it: a quantized activation, a quantized constant
+    (``value`` set, ``qparams`` set) or a raw constant (``qparams`` None)."""
+
+    qparams: QParams | None
+    value: np.ndarray | None = None
+
+
+@dataclass
+class NodeView:
+    """Everything ``derive`` may read: the node, its resolved inputs and output, the options."""
+
+    node: onnx.NodeProto
+    inputs: list[Operand | None]
+    output: QParams
+    rounding: str = DEFAULT_ROUNDING
+    multiplier_bits: int = 32
+    attrs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.attrs = {a.name: onnx.helper.get_attribute_value(a) for a in self.node.attribute}
+
+    def attr(self, name, default=None):
+        value = self.attrs.get(name, default)
+        return value.decode() if isinstance(value, bytes) else value
+
+
+class Unsupported(Exception):
+    """Raised by ``derive`` or ``check`` when a node's form is outside what the kernel handles;
+    the node then runs in float and the reason is reported."""
+
+
+class IntegerOp:
+    op_type: ClassVar[str]
+    # Output takes the input's (S, Z): no arithmetic, only threshold propagation (DESIGN.md).
+    shares_qparams: ClassVar[bool] = False
+    # The op passes values through unchanged or clamps at zero; its input may take the output's
+    # range (backward propagation) when it has no other consumer.
+    clamps_below_zero: ClassVar[bool] = False
+
+    def constants(self, node: onnx.NodeProto) -> dict[int, Weight | Bias | Raw]:
+        return {}
+
+    def check(self, node: onnx.NodeProto, view_attrs: dict) -> None:
+        """Raise ``Unsupported`` for attribute combinations the kernel does not handle."""
+
+    def derive(self, view: NodeView):
+        raise NotImplementedError
+
+    def specialize(self, params, shapes: list[tuple[int, ...]]):
+        """Finish ``derive`` for concrete input shapes (setup, cached per shape by the executor)."""
+        return params
+
+    def run(self, params, *inputs: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+def node_attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def check_integer(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"integer kernel received {a.dtype} data")
+
+
+@dataclass(frozen=True)
+class Rescale:
+    """``y = requant(x - Z_x) + Z_y`` with ``M / 2**rshift = S_x / S_y``; identity when equal."""
+
+    zero_in: int
+    zero_out: int
+    requant: Requant | None
+    rounding: str
+    dtype: str
+
+    def __call__(self, q: np.ndarray) -> np.ndarray:
+        if self.requant is None:
+            return q
+        acc = q.astype(np.int64) - self.zero_in
+        y = requantize(acc, self.requant.multiplier, self.requant.rshift, self.rounding)
+        return saturate(y + self.zero_out, self.dtype)
+
+
+def rescale(src: QParams, dst: QParams, view: NodeView) -> Rescale:
+    same = float(src.scale) == float(dst.scale) and int(src.zero_point) == int(dst.zero_point)
+    requant = None
+    if not (same and src.dtype == dst.dtype):
+        requant = quantize_multipliers(float(src.scale) / float(dst.scale), view.multiplier_bits)
+    return Rescale(int(src.zero_point), int(dst.zero_point), requant, view.rounding, dst.dtype)
+
+
+def per_tensor(qp: QParams, what: str) -> QParams:
+    if np.ndim(qp.scale) != 0 and np.size(qp.scale) != 1:
+        raise Unsupported(f"{what} must be quantized per tensor")
+    return QParams(float(np.asarray(qp.scale).reshape(-1)[0]),
+                   int(np.asarray(qp.zero_point).reshape(-1)[0]), qp.dtype)
+
+
+from . import add, conv, gemm, pool, relu, shape  # noqa: E402,F401  (registration)

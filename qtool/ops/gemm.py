@@ -1,0 +1,87 @@
+"""Gemm and MatMul with a constant B: Conv's derivation with the output channel on the last axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, per_tensor,
+               register)
+from .conv import accumulator_bias, weight_scales
+from .intmatmul import int_matmul
+
+
+@dataclass(frozen=True)
+class MatMulParams:
+    weight: np.ndarray  # int8 [K, N]
+    bias: np.ndarray  # int64 [N], zero-point compensated
+    requant: Requant  # per output column
+    zero_out: int
+    rounding: str
+    dtype: str
+
+
+def _derive(view: NodeView, weight_axis: int, bias_index: int | None) -> MatMulParams:
+    x = per_tensor(view.inputs[0].qparams, f"{view.node.op_type} input A")
+    y = per_tensor(view.output, f"{view.node.op_type} output")
+    weight = view.inputs[1].value
+    if weight is None or weight.ndim != 2:
+        raise Unsupported("B must be a 2-D constant")
+    channels = weight.shape[weight_axis]
+    channel_scale = x.scale * weight_scales(view, 1, channels, weight_axis)
+    bias = accumulator_bias(view, bias_index, weight, weight_axis, channel_scale, x.zero_point)
+    return MatMulParams(
+        weight=weight if weight_axis == 1 else weight.T,
+        bias=bias,
+        requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
+        zero_out=y.zero_point,
+        rounding=view.rounding,
+        dtype=y.dtype,
+    )
+
+
+def _run(p: MatMulParams, x: np.ndarray) -> np.ndarray:
+    check_integer(x, p.weight)
+    acc = int_matmul(x, p.weight) + p.bias
+    y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
+    return saturate(y + p.zero_out, p.dtype)
+
+
+@register
+class Gemm(IntegerOp):
+    op_type = "Gemm"
+
+    def constants(self, node):
+        axis = 0 if node_attrs(node).get("transB", 0) else 1
+        return {1: Weight(axis=axis), 2: Bias(activation=0, weight=1)}
+
+    def check(self, node, attrs):
+        if attrs.get("transA", 0):
+            raise Unsupported("transA=1 is not supported")
+        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            raise Unsupported("alpha and beta must be 1")
+
+    def derive(self, view):
+        self.check(view.node, view.attrs)
+        return _derive(view, 0 if view.attr("transB", 0) else 1, 2)
+
+    def run(self, p, x):
+        if x.ndim != 2:
+            raise ValueError(f"Gemm input must be 2-D, got shape {x.shape}")
+        return _run(p, x)
+
+
+@register
+class MatMul(IntegerOp):
+    op_type = "MatMul"
+
+    def constants(self, node):
+        return {1: Weight(axis=1)}
+
+    def derive(self, view):
+        return _derive(view, 1, bias_index=None)
+
+    def run(self, p, x):
+        return _run(p, x)

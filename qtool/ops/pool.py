@@ -1,0 +1,134 @@
+"""Pooling.
+
+MaxPool compares integers and shares (S, Z) with its input. AveragePool and GlobalAveragePool
+(seed 003): ``q_y = requant(sum(q_x - Z_x)) + Z_y`` with ``M / 2**rshift = S_x / (S_y * k)``,
+which is the seed's ``Scale * sum(q_x) - Offset`` with the offset folded into the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from . import IntegerOp, NodeView, Rescale, Unsupported, check_integer, per_tensor, register, rescale
+from .conv import _im2col
+
+
+@dataclass(frozen=True)
+class Window:
+    kernel: tuple[int, int]
+    pads: tuple[int, int, int, int]  # top, left, bottom, right
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+
+    def patches(self, x: np.ndarray, fill: int):
+        """[n, C, kh*kw, out_h, out_w] windows of ``x`` padded with ``fill``."""
+        top, left, bottom, right = self.pads
+        padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=fill)
+        cols, out_h, out_w = _im2col(padded, *self.kernel, self.strides, self.dilations)
+        return cols.reshape(*cols.shape[:3], out_h, out_w)
+
+
+def _window(view: NodeView) -> Window:
+    kernel = tuple(view.attr("kernel_shape"))
+    if len(kernel) != 2:
+        raise Unsupported("only 2-D pooling is supported")
+    if view.attr("ceil_mode", 0):
+        raise Unsupported("ceil_mode=1 is not supported")
+    if view.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise Unsupported("auto_pad SAME_* is not supported")
+    pads = tuple(view.attr("pads", [0, 0, 0, 0]))
+    return Window(kernel, (pads[0], pads[1], pads[2], pads[3]), tuple(view.attr("strides", [1, 1])),
+                  tuple(view.attr("dilations", [1, 1])))
+
+
+@dataclass(frozen=True)
+class MaxPoolParams:
+    window: Window
+    fill: int  # the input type's minimum: never wins a comparison
+    rescale: Rescale
+
+
+@register
+class MaxPool(IntegerOp):
+    op_type = "MaxPool"
+    shares_qparams = True
+
+    def derive(self, view: NodeView) -> MaxPoolParams:
+        if len(view.node.output) > 1 and view.node.output[1]:
+            raise Unsupported("the Indices output is not supported")
+        x = per_tensor(view.inputs[0].qparams, "MaxPool input")
+        y = per_tensor(view.output, "MaxPool output")
+        return MaxPoolParams(_window(view), x.qmin, rescale(x, y, view))
+
+    def run(self, p: MaxPoolParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        return p.rescale(p.window.patches(x, p.fill).max(axis=2))
+
+
+@dataclass(frozen=True)
+class AvgPoolParams:
+    window: Window | None  # None: global
+    requant: Requant
+    zero_in: int
+    zero_out: int
+    rounding: str
+    dtype: str
+
+
+def _avg_params(view: NodeView, window: Window | None, count: int) -> AvgPoolParams:
+    op = view.node.op_type
+    x = per_tensor(view.inputs[0].qparams, f"{op} input")
+    y = per_tensor(view.output, f"{op} output")
+    requant = quantize_multipliers(x.scale / (y.scale * count), view.multiplier_bits)
+    return AvgPoolParams(window, requant, x.zero_point, y.zero_point, view.rounding, y.dtype)
+
+
+def _avg_run(p: AvgPoolParams, summed: np.ndarray) -> np.ndarray:
+    y = requantize(summed, p.requant.multiplier, p.requant.rshift, p.rounding)
+    return saturate(y + p.zero_out, p.dtype)
+
+
+@register
+class AveragePool(IntegerOp):
+    op_type = "AveragePool"
+
+    def derive(self, view: NodeView) -> AvgPoolParams:
+        window = _window(view)
+        if any(window.pads) and not view.attr("count_include_pad", 0):
+            raise Unsupported("padding with count_include_pad=0 is not supported")
+        return _avg_params(view, window, window.kernel[0] * window.kernel[1])
+
+    def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        # padding with Z_x adds real zeros, which count_include_pad=1 averages in
+        patches = p.window.patches(x, p.zero_in).astype(np.int64) - p.zero_in
+        return _avg_run(p, patches.sum(axis=2))
+
+
+@dataclass(frozen=True)
+class GlobalAvgPoolSetup:
+    """The window is the input's whole spatial extent, known only once a shape arrives;
+    ``specialize`` finishes the derivation per input shape."""
+
+    view: NodeView
+
+
+@register
+class GlobalAveragePool(IntegerOp):
+    op_type = "GlobalAveragePool"
+
+    def derive(self, view: NodeView) -> GlobalAvgPoolSetup:
+        _avg_params(view, None, 1)  # validates the quantization now, not at the first run
+        return GlobalAvgPoolSetup(view)
+
+    def specialize(self, setup: GlobalAvgPoolSetup, shapes) -> AvgPoolParams:
+        count = int(np.prod(shapes[0][2:], dtype=np.int64))
+        return _avg_params(setup.view, None, count)
+
+    def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        summed = (x.astype(np.int64) - p.zero_in).reshape(*x.shape[:2], -1).sum(axis=2)
+        return _avg_run(p, summed).reshape(*x.shape[:2], *([1] * (x.ndim - 2)))

@@ -1,0 +1,103 @@
+"""Scale and zero point from a calibrated range: ``r = S * (q - Z)``.
+
+Scales are rounded to float32 once, here, because that is what the ONNX model stores; every later
+derivation starts from the stored float32 value so quantizer and executor agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .fixedpoint import int_range
+
+# A zero-width or non-finite range would give S = 0 or NaN; it is widened to this threshold.
+MIN_THRESHOLD = 1e-6
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Scale and zero point of one tensor; per-channel fields are arrays along ``axis``."""
+
+    scale: float | np.ndarray
+    zero_point: int | np.ndarray
+    dtype: str = "int8"
+    axis: int | None = None
+
+    @property
+    def qmin(self) -> int:
+        return int_range(self.dtype)[0]
+
+    @property
+    def qmax(self) -> int:
+        return int_range(self.dtype)[1]
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def safe_range(lo: float, hi: float) -> tuple[float, float, bool]:
+    """Return ``(lo, hi, widened)``: the range made finite, containing 0 and not narrower than
+    ``MIN_THRESHOLD``. ``widened`` tells the caller to report it."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+        return -MIN_THRESHOLD, MIN_THRESHOLD, True
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if hi - lo < MIN_THRESHOLD:
+        return (lo, lo + MIN_THRESHOLD, True) if lo < 0 else (0.0, MIN_THRESHOLD, True)
+    return lo, hi, False
+
+
+def symmetric(threshold: float, dtype: str = "int8") -> QParams:
+    """``S = threshold / qmax`` and ``Z = 0``; uint8 covers [0, threshold] (a non-negative tensor)."""
+    _, threshold, _ = safe_range(0.0, abs(float(threshold)))
+    _, qmax = int_range(dtype)
+    return QParams(_f32(threshold / qmax), 0, dtype)
+
+
+def asymmetric(lo: float, hi: float, dtype: str = "int8") -> QParams:
+    """``S = (max - min) / (qmax - qmin)``, ``Z = round(qmin - min / S)``.
+
+    The range is widened to contain 0 first so that real 0 is exactly representable (padding and
+    Relu rely on it).
+    """
+    lo, hi, _ = safe_range(float(lo), float(hi))
+    qmin, qmax = int_range(dtype)
+    scale = _f32((hi - lo) / (qmax - qmin))
+    zero_point = int(np.clip(round(qmin - lo / scale), qmin, qmax))
+    return QParams(scale, zero_point, dtype)
+
+
+def per_channel_symmetric(weights: np.ndarray, axis: int = 0, dtype: str = "int8") -> QParams:
+    """One symmetric scale per slice along ``axis`` (weights: per output channel)."""
+    moved = np.moveaxis(np.asarray(weights, dtype=np.float64), axis, 0)
+    thresholds = np.abs(moved.reshape(moved.shape[0], -1)).max(axis=1)
+    _, qmax = int_range(dtype)
+    thresholds = np.maximum(thresholds, MIN_THRESHOLD)
+    scale = (thresholds / qmax).astype(np.float32)
+    return QParams(scale, np.zeros(scale.shape, dtype=np.int64), dtype, axis)
+
+
+def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
+    """Float to integer as ONNX QuantizeLinear does: divide, round half to even, add Z, saturate."""
+    scale, zero_point = _broadcastable(qp, np.ndim(x))
+    q = np.rint(np.asarray(x, dtype=np.float32) / scale).astype(np.int64) + zero_point
+    return np.clip(q, qp.qmin, qp.qmax).astype(qp.dtype)
+
+
+def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
+    scale, zero_point = _broadcastable(qp, np.ndim(q))
+    return ((q.astype(np.int64) - zero_point) * scale).astype(np.float32)
+
+
+def _broadcastable(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (float32) and zero point (int64) shaped to broadcast against a rank-``ndim`` tensor."""
+    scale = np.asarray(qp.scale, dtype=np.float32)
+    zero_point = np.asarray(qp.zero_point, dtype=np.int64)
+    if qp.axis is not None:
+        shape = [1] * ndim
+        shape[qp.axis] = -1
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    return scale, zero_point

@@ -1,0 +1,348 @@
+"""``qtool quantize``: rewrite a float model as QDQ ONNX from a calibration table.
+
+Nodes with an integer kernel (``qtool.ops.REGISTRY``) get DequantizeLinear on their inputs and
+QuantizeLinear on their output; weights become int8 initializers (per output channel by default),
+biases int32 at scale ``S_x * S_w``. Every other node stays float, fenced by the Q/DQ of its
+neighbours, and is named in the report with the reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import __version__
+from .errors import QtoolError
+from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
+from .model import file_digest, graph_inputs, initializers, load_model, prepare
+from .ops import REGISTRY, Bias, Unsupported, Weight, node_attrs
+from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
+from .table import Table
+
+ACTIVATION_TYPES = ("int8", "uint8")
+_ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
+             "int32": onnx.TensorProto.INT32}
+PER_CHANNEL_OPSET = 13  # DequantizeLinear's axis attribute
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    per_channel: bool = True
+    symmetric: bool = False
+    activation_type: str = "int8"
+    multiplier_bits: int = 32
+    rounding: str = DEFAULT_ROUNDING
+    keep_float: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        if self.activation_type not in ACTIVATION_TYPES:
+            raise QtoolError(f"unknown activation type '{self.activation_type}'; "
+                             f"choose one of {', '.join(ACTIVATION_TYPES)}")
+        if self.multiplier_bits not in MULTIPLIER_BITS:
+            raise QtoolError(f"multiplier bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, "
+                             f"got {self.multiplier_bits}")
+        if self.rounding not in ROUNDING_MODES:
+            raise QtoolError(f"unknown rounding mode '{self.rounding}'; "
+                             f"choose one of {', '.join(ROUNDING_MODES)}")
+
+
+@dataclass
+class QuantizeReport:
+    quantized: dict[str, int] = field(default_factory=dict)  # op_type -> count
+    kept_float: list[tuple[str, str, str]] = field(default_factory=list)  # op_type, node, why
+    widened: list[str] = field(default_factory=list)  # tensors whose range was too narrow
+    warnings: list[str] = field(default_factory=list)
+    opset: int = 0
+    size_before: int = 0
+    size_after: int = 0
+
+    def to_dict(self) -> dict:
+        return {"quantized": self.quantized,
+                "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
+                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
+                "size_before": self.size_before, "size_after": self.size_after}
+
+
+def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
+             table_name: str = "table") -> tuple[onnx.ModelProto, QuantizeReport]:
+    options.check()
+    source = load_model(model_path)
+    report = QuantizeReport(size_before=Path(model_path).stat().st_size)
+    digest = file_digest(model_path)
+    if table.model_sha256 != digest:
+        report.warnings.append(f"{table_name} was made for model '{table.model}' "
+                               f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
+                               f"(sha256 {digest[:12]})")
+    model = prepare(source, f"model file '{model_path}'")
+    model = _upgrade_opset(model, report)
+    rewritten = _Rewriter(model, table, options, report, table_name).run()
+    meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
+            "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest}
+    for key, value in meta.items():
+        rewritten.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
+    try:
+        onnx.checker.check_model(rewritten, full_check=True)
+    except onnx.checker.ValidationError as e:  # a bug in the rewriter, not a user error
+        raise RuntimeError(f"quantized model fails the ONNX checker: {e}") from e
+    report.size_after = rewritten.ByteSize()
+    return rewritten, report
+
+
+def _upgrade_opset(model: onnx.ModelProto, report: QuantizeReport) -> onnx.ModelProto:
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < PER_CHANNEL_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
+        except Exception as e:
+            raise QtoolError(f"cannot upgrade the model from opset {opset} to {PER_CHANNEL_OPSET} "
+                             f"for per-channel QDQ: {str(e).splitlines()[0]}") from None
+        report.warnings.append(f"opset upgraded from {opset} to {PER_CHANNEL_OPSET}")
+        opset = PER_CHANNEL_OPSET
+        model = onnx.shape_inference.infer_shapes(model)
+    report.opset = opset
+    return model
+
+
+class _Rewriter:
+    def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
+                 table_name: str):
+        self.model, self.table, self.opt, self.report = model, table, options, report
+        self.table_name = table_name
+        self.graph = model.graph
+        self.inits = initializers(model)
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in self.graph.node:
+            for name in node.input:
+                self.consumers[name].append(node)
+        self.outputs = {o.name for o in self.graph.output}
+        self.taken = set(self.inits) | {n for node in self.graph.node for n in node.output}
+        self.taken |= {i.name for i in self.graph.input}
+        self.nodes: list[onnx.NodeProto] = []
+        self.new_inits: list[onnx.TensorProto] = []
+        self.weight_cache: dict[tuple, str] = {}
+
+    def run(self) -> onnx.ModelProto:
+        integer = self._choose_nodes()
+        counts = Counter(node.op_type for node in self.graph.node if node.name in integer)
+        self.report.quantized = dict(sorted(counts.items()))
+        activations = self._activations(integer)
+        qparams = self._activation_qparams(integer, activations)
+        dq_name = {}
+        for vi in graph_inputs(self.model):
+            if vi.name in qparams:
+                dq_name[vi.name] = self._fence(vi.name, vi.name, qparams[vi.name])
+        for node in self.graph.node:
+            node = onnx.NodeProto.FromString(node.SerializeToString())
+            op = integer.get(node.name)
+            consts = op.constants(node) if op else {}
+            original = list(node.input)
+            for i, name in enumerate(original):
+                spec = consts.get(i)
+                if isinstance(spec, Weight):
+                    node.input[i] = self._weight(name, spec)
+                elif isinstance(spec, Bias) and name:
+                    node.input[i] = self._bias(name, node, original, spec, qparams)
+                elif name in dq_name:
+                    node.input[i] = dq_name[name]
+            self.nodes.append(node)
+            for out in node.output:
+                if out in qparams:
+                    produced = out
+                    if out in self.outputs:  # the graph output name goes to the final DequantizeLinear
+                        produced = self._fresh(f"{out}_float")
+                        node.output[list(node.output).index(out)] = produced
+                    dq_name[out] = self._fence(produced, out, qparams[out])
+        return self._assemble()
+
+    # -- which nodes and tensors -------------------------------------------------------------------
+    def _choose_nodes(self) -> dict:
+        integer = {}
+        keep = set(self.opt.keep_float)
+        for node in self.graph.node:
+            op = REGISTRY.get(node.op_type)
+            reason = None
+            if node.op_type in keep or node.name in keep:
+                reason = "kept float (--keep-float)"
+            elif op is None:
+                reason = "no integer kernel for this op type"
+            else:
+                try:
+                    op.check(node, node_attrs(node))
+                    reason = self._constants_reason(node, op)
+                except Unsupported as e:
+                    reason = str(e)
+            if reason:
+                self.report.kept_float.append((node.op_type, node.name, reason))
+            else:
+                integer[node.name] = op
+        return integer
+
+    def _constants_reason(self, node, op) -> str | None:
+        consts = op.constants(node)
+        for i, name in enumerate(node.input):
+            if not name:
+                continue
+            spec = consts.get(i)
+            if isinstance(spec, (Weight, Bias)) and name not in self.inits:
+                return f"input '{name}' must be a constant"
+            if isinstance(spec, Weight) and self.inits[name].dtype.kind != "f":
+                return f"weight '{name}' is not float"
+            if spec is None and name in self.inits:
+                return f"input '{name}' is a constant where an activation is expected"
+        return None
+
+    def _activations(self, integer) -> list[str]:
+        names = []
+        for node in self.graph.node:
+            op = integer.get(node.name)
+            if op is None:
+                continue
+            consts = op.constants(node)
+            names += [n for i, n in enumerate(node.input) if n and i not in consts]
+            names.append(node.output[0])
+        names = list(dict.fromkeys(names))
+        for name in names:
+            if name not in self.table.tensors:
+                user = next((n for n in self.graph.node if name in n.input or name in n.output), None)
+                where = f" ({user.op_type} node '{user.name}')" if user is not None else ""
+                raise QtoolError(f"tensor '{name}'{where} is not in the calibration table "
+                                 f"'{self.table_name}'")
+        return names
+
+    def _activation_qparams(self, integer, activations) -> dict[str, QParams]:
+        """(S, Z) per activation; ops that share (S, Z) join their input and output into one group
+        whose range covers both (forward and backward threshold propagation)."""
+        parent = {n: n for n in activations}
+
+        def find(n):
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for node in self.graph.node:
+            op = integer.get(node.name)
+            if op is not None and op.shares_qparams:
+                parent[find(node.output[0])] = find(node.input[0])
+        groups = defaultdict(list)
+        for n in activations:
+            groups[find(n)].append(n)
+        result = {}
+        for members in groups.values():
+            lo, hi, threshold = np.inf, -np.inf, 0.0
+            for name in members:
+                e_lo, e_hi, e_thr = self._effective_range(name, integer)
+                lo, hi, threshold = min(lo, e_lo), max(hi, e_hi), max(threshold, e_thr)
+            qp = self._qparams(lo, hi, threshold, members)
+            for name in members:
+                result[name] = qp
+        return result
+
+    def _effective_range(self, name, integer):
+        """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part."""
+        e = self.table.tensors[name]
+        users = self.consumers.get(name, [])
+        clamped = (users and name not in self.outputs
+                   and all(integer.get(u.name) is not None and integer[u.name].clamps_below_zero
+                           for u in users))
+        if not clamped:
+            return e.min, e.max, e.threshold
+        lo = max(e.min, 0.0)
+        return lo, e.max, min(e.threshold, max(abs(lo), abs(e.max)))
+
+    def _qparams(self, lo, hi, threshold, members) -> QParams:
+        dtype = self.opt.activation_type
+        _, _, widened = safe_range(0.0, threshold) if self.opt.symmetric else safe_range(lo, hi)
+        if widened:
+            self.report.widened.extend(members)
+        if self.opt.symmetric:
+            if dtype == "uint8" and lo < 0:
+                dtype = "int8"  # uint8 symmetric holds only [0, threshold]
+            return symmetric(threshold, dtype)
+        return asymmetric(lo, hi, dtype)
+
+    # -- emitting ----------------------------------------------------------------------------------
+    def _fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}_{k}", k + 1
+        self.taken.add(name)
+        return name
+
+    def _init(self, base: str, array: np.ndarray) -> str:
+        name = self._fresh(base)
+        self.new_inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def _qp_inits(self, base: str, qp: QParams, shape=()) -> tuple[str, str]:
+        scale = np.asarray(qp.scale, dtype=np.float32).reshape(shape)
+        zero_point = np.asarray(qp.zero_point).astype(qp.dtype).reshape(shape)
+        return self._init(f"{base}_scale", scale), self._init(f"{base}_zero_point", zero_point)
+
+    def _fence(self, produced: str, name: str, qp: QParams) -> str:
+        """QuantizeLinear then DequantizeLinear after ``produced``; returns the DQ output name."""
+        scale, zero_point = self._qp_inits(name, qp)
+        q_out = self._fresh(f"{name}_quantized")
+        dq_out = name if produced != name else self._fresh(f"{name}_dequantized")
+        self.nodes.append(helper.make_node("QuantizeLinear", [produced, scale, zero_point], [q_out],
+                                           name=self._fresh(f"{name}_QuantizeLinear")))
+        self.nodes.append(helper.make_node("DequantizeLinear", [q_out, scale, zero_point], [dq_out],
+                                           name=self._fresh(f"{name}_DequantizeLinear")))
+        return dq_out
+
+    def _weight_qparams(self, name: str, axis: int | None) -> QParams:
+        w = self.inits[name]
+        if self.opt.per_channel and axis is not None and w.ndim > 1:
+            return per_channel_symmetric(w, axis)
+        return symmetric(float(np.abs(w).max(initial=0.0)), "int8")
+
+    def _weight(self, name: str, spec: Weight) -> str:
+        key = (name, spec.axis if self.opt.per_channel else None)
+        if key in self.weight_cache:
+            return self.weight_cache[key]
+        qp = self._weight_qparams(name, spec.axis)
+        q = quantize_array(self.inits[name], qp)
+        q_name = self._init(f"{name}_quantized", q)
+        shape = np.shape(qp.scale)
+        scale, zero_point = self._qp_inits(name, qp, shape)
+        out = self._fresh(f"{name}_dequantized")
+        attrs = {"axis": qp.axis} if qp.axis is not None else {}
+        self.nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zero_point], [out],
+                                           name=self._fresh(f"{name}_DequantizeLinear"), **attrs))
+        self.weight_cache[key] = out
+        return out
+
+    def _bias(self, name: str, node, inputs: list[str], spec: Bias, qparams) -> str:
+        x_qp = qparams[inputs[spec.activation]]
+        w_name = inputs[spec.weight]
+        w_spec = REGISTRY[node.op_type].constants(node)[spec.weight]
+        w_qp = self._weight_qparams(w_name, w_spec.axis)
+        bias = self.inits[name].astype(np.float64).reshape(-1)
+        scale = (np.float64(x_qp.scale) * np.asarray(w_qp.scale, np.float64)).astype(np.float32)
+        scale = np.broadcast_to(scale, bias.shape).copy()
+        q = np.clip(np.rint(bias / scale.astype(np.float64)), -(2**31), 2**31 - 1).astype(np.int32)
+        q_name = self._init(f"{name}_quantized", q)
+        s_name = self._init(f"{name}_{node.name}_scale", scale)
+        z_name = self._init(f"{name}_{node.name}_zero_point", np.zeros(bias.shape, np.int32))
+        out = self._fresh(f"{name}_dequantized")
+        self.nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
+                                           name=self._fresh(f"{name}_DequantizeLinear"), axis=0))
+        return out
+
+    def _assemble(self) -> onnx.ModelProto:
+        used = {n for node in self.nodes for n in node.input}
+        inits = [numpy_helper.from_array(a, n) for n, a in self.inits.items() if n in used]
+        inits += [t for t in self.new_inits if t.name in used]
+        # weights' DequantizeLinear precede their users and Q/DQ follow producers: still topological
+        graph = helper.make_graph(self.nodes, self.graph.name,
+                                  list(self.graph.input), list(self.graph.output), inits)
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
+                                  producer_name="qtool", producer_version=__version__)
+        model.ir_version = self.model.ir_version
+        return onnx.shape_inference.infer_shapes(model)
+

@@ -1,0 +1,71 @@
+"""The calibration table: a header and one entry per tensor, as YAML or JSON.
+
+The writer is deterministic (graph order, fixed float repr) so two runs give identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import QtoolError
+from .fileio import atomic_write
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    min: float
+    max: float
+    threshold: float
+    method: str
+
+
+@dataclass
+class Table:
+    model: str
+    model_sha256: str
+    method: str
+    samples: int
+    qtool_version: str
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        header = {k: v for k, v in asdict(self).items() if k != "tensors"}
+        return {"qtool_table": FORMAT_VERSION, **header,
+                "tensors": {name: asdict(e) for name, e in self.tensors.items()}}
+
+    def dumps(self, fmt: str = "yaml") -> str:
+        if fmt == "json":
+            return json.dumps(self.to_dict(), indent=1) + "\n"
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
+
+
+def write_table(table: Table, path: str | Path) -> None:
+    fmt = "json" if str(path).endswith(".json") else "yaml"
+    atomic_write(path, table.dumps(fmt).encode())
+
+
+def read_table(path: str | Path) -> Table:
+    path = Path(path)
+    if not path.is_file():
+        raise QtoolError(f"table file '{path}' not found")
+    try:
+        data = yaml.safe_load(path.read_text())  # JSON is YAML too
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise QtoolError(f"table file '{path}' is not valid YAML/JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("qtool_table") != FORMAT_VERSION:
+        raise QtoolError(f"table file '{path}' is not a qtool calibration table "
+                         f"(missing key 'qtool_table: {FORMAT_VERSION}')")
+    try:
+        tensors = {str(name): TensorEntry(float(e["min"]), float(e["max"]), float(e["threshold"]),
+                                          str(e["method"]))
+                   for name, e in (data.get("tensors") or {}).items()}
+        return Table(str(data["model"]), str(data["model_sha256"]), str(data["method"]),
+                     int(data["samples"]), str(data["qtool_version"]), tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise QtoolError(f"table file '{path}': bad or missing key {e}") from None
