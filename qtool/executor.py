@@ -203,7 +203,27 @@ class IntegerExecutor:
         """Nodes that run in float: (op_type, name, why)."""
         return [(s.node.op_type, s.node.name, s.reason) for s in self.steps if s.kind == "float"]
 
-    def integer_keys(self) -> dict[str, tuple[str, QParams]]:
-        """Float tensor name -> (op_type producing it, its (S, Z)) for every integer tensor."""
-        return {s.key: (s.node.op_type if s.kind == "integer" else "QuantizeLinear", s.qparams)
-                for s in self.steps if s.kind in ("integer", "quantize")}
+    def integer_tensors(self) -> dict[str, "TensorInfo"]:
+        """Float tensor name -> how the executor holds it, for every integer tensor."""
+        users: dict[str, list[Step]] = {}
+        for step in self.steps:
+            for name in step.inputs:
+                users.setdefault(name, []).append(step)
+        info = {}
+        for step in self.steps:
+            if step.kind not in ("integer", "quantize"):
+                continue
+            readers = users.get(step.outputs[0], [])
+            clamped = bool(readers) and all(r.kind == "integer" and r.op.clamps_below_zero
+                                            for r in readers)
+            op_type = step.node.op_type if step.kind == "integer" else "QuantizeLinear"
+            info[step.key] = TensorInfo(op_type, step.qparams, clamped)
+        return info
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    op_type: str
+    qparams: QParams
+    # every reader clamps at zero (Relu), so the tensor was quantized with the clamped range
+    clamped: bool

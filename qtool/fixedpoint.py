@@ -8,9 +8,10 @@ Conventions (../shared/DESIGN.md, "Fixed-point requantization"):
 * 32-bit: ``scale = m * 2**e`` with ``m`` in [0.5, 1); ``multiplier = round(m * 2**31)`` lies in
   [2**30, 2**31) and ``rshift = 31 - e``. A multiplier that rounds to 2**31 is halved and the shift
   reduced by one. ``rshift`` is negative (a left shift) only for scales >= 2**31.
-* 8-bit (TPU-MLIR ``getRShiftAndMultiplierFromQScale``, max multiplier 127): the smallest ``rshift``
-  with ``scale * 2**(rshift + 1) >= 127``, ``multiplier = trunc(scale * 2**rshift)``. For scales
-  above 127 the shift goes negative instead of clamping the multiplier, so the value stays exact.
+* 8-bit (TPU-MLIR ``getRShiftAndMultiplierFromQScale``, max multiplier 127): the smallest
+  ``rshift >= 0`` with ``scale * 2**(rshift + 1) >= 127``, ``multiplier = trunc(scale * 2**rshift)``.
+  For scales of 128 and more, where TPU-MLIR clamps the multiplier to 127, the shift goes negative
+  (the largest ``multiplier <= 127`` times ``2**-rshift``) so the value is kept.
 * The shift rounds in one of ``ROUNDING_MODES``. Products are int64: an int32 accumulator times a
   multiplier below 2**31 stays below 2**62.
 """
@@ -62,12 +63,14 @@ def quantize_multiplier(scale: float, bits: int = 32) -> tuple[int, int]:
             e += 1
         return multiplier, 31 - e
     if bits == 8:
-        _, e = math.frexp(scale)
-        rshift = 6 - e  # first guess; the loops make it exact (ldexp is exact)
-        while math.ldexp(scale, rshift + 1) < 127:
-            rshift += 1
-        while math.ldexp(scale, rshift) >= 127:
-            rshift -= 1
+        if scale >= 128:  # TPU-MLIR clamps here; a left shift keeps the value instead
+            rshift = -1
+            while int(math.ldexp(scale, rshift)) > 127:
+                rshift -= 1
+        else:
+            rshift = 0
+            while math.ldexp(scale, rshift + 1) < 127:  # ldexp is exact
+                rshift += 1
         return int(math.ldexp(scale, rshift)), rshift
     raise ValueError(f"multiplier bits must be one of {MULTIPLIER_BITS}, got {bits}")
 

@@ -1,0 +1,247 @@
+"""The ``qtool`` command: parse, call one library function, print. Domain errors become one line on
+stderr and an exit code; data goes to stdout, progress and logs to stderr."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import typer
+
+from . import __version__
+from .errors import EXIT_VERIFY_FAILED, QtoolError
+from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
+
+EXIT_CODES = "Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option)."
+
+app = typer.Typer(
+    help=f"Calibrate, quantize and verify ONNX models with exact integer derivations.\n\n"
+         f"Pipeline: calibrate -> table -> quantize -> model.q.onnx -> exec / verify.\n\n{EXIT_CODES}",
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]}, rich_markup_mode=None,
+)
+
+
+def _fail(e: QtoolError) -> typer.Exit:
+    typer.echo(f"error: {e}", err=True)
+    return typer.Exit(e.exit_code)
+
+
+def _log(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+@app.command()
+def calibrate(
+    model: Path = typer.Argument(..., help="Float ONNX model."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, samples first."),
+    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml or .json)."),
+    method: str = typer.Option("minmax", help="Calibration method."),
+    num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
+    batch_size: int = typer.Option(32, help="Samples per onnxruntime run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Run the float model over DATA and write per-tensor ranges.
+
+    \b
+    Examples:
+      qtool calibrate model.onnx --data calib.npz -o table.yaml
+      qtool calibrate model.onnx --data calib.npz -o table.json --num-samples 100
+    """
+    from .calibrate import calibrate as run
+    from .table import write_table
+
+    try:
+        table = run(model, data, method, num_samples, batch_size, progress=not quiet)
+        write_table(table, output)
+    except QtoolError as e:
+        raise _fail(e)
+    if not quiet:
+        _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples -> {output}")
+
+
+@app.command()
+def quantize(
+    model: Path = typer.Argument(..., help="Float ONNX model (the one the table was made for)."),
+    table: Path = typer.Option(..., "--table", "-t", help="Calibration table from qtool calibrate."),
+    output: Path = typer.Option(..., "--output", "-o", help="Quantized QDQ ONNX model."),
+    per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
+    symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
+    activation_type: str = typer.Option("int8", help="int8 or uint8."),
+    multiplier_bits: int = typer.Option(32, help="Fixed-point multiplier width: 32 or 8."),
+    rounding: str = typer.Option(DEFAULT_ROUNDING, help="half_up, half_away_from_zero, half_to_even "
+                                                        "or toward_zero."),
+    keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+):
+    """Rewrite MODEL as QDQ ONNX using TABLE; integer parameters travel in the model.
+
+    \b
+    Examples:
+      qtool quantize model.onnx --table table.yaml -o model.q.onnx
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --symmetric --multiplier-bits 8
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm
+    """
+    from .fileio import atomic_write
+    from .quantize import QuantizeOptions, quantize as run
+    from .table import read_table
+
+    options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
+                              tuple(keep_float))
+    try:
+        qmodel, report = run(model, read_table(table), options, str(table))
+        atomic_write(output, qmodel.SerializeToString())
+    except QtoolError as e:
+        raise _fail(e)
+    for w in report.warnings:
+        _log(f"warning: {w}")
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=1))
+        return
+    ops = ", ".join(f"{t} {n}" for t, n in report.quantized.items())
+    typer.echo(f"integer: {sum(report.quantized.values())} ops ({ops})")
+    typer.echo(f"float:   {len(report.kept_float)} ops")
+    for op_type, name, why in report.kept_float:
+        typer.echo(f"  {op_type} '{name}': {why}")
+    if report.widened:
+        typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
+    typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
+               f"-> {output}")
+
+
+@app.command()
+def verify(
+    model: Path = typer.Argument(..., help="Float ONNX model."),
+    qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name."),
+    tolerance: str = typer.Option("0.99", help="COS or COS,SQNR: minimum output cosine and SQNR (dB)."),
+    labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
+                                                    "accuracy of both models."),
+    num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
+    batch_size: int = typer.Option(32, help="Samples per run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Compare the float model with the integer executor, output by output and tensor by tensor.
+
+    Exits 1 when an output misses the tolerance.
+
+    \b
+    Examples:
+      qtool verify model.onnx model.q.onnx --data heldout.npz
+      qtool verify model.onnx model.q.onnx --data heldout.npz --labels label --tolerance 0.999,30
+    """
+    from .verify import format_report, parse_tolerance, verify as run
+
+    try:
+        report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
+                     progress=not quiet)
+    except QtoolError as e:
+        raise _fail(e)
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else format_report(report))
+    if not report.passed:
+        raise typer.Exit(EXIT_VERIFY_FAILED)
+
+
+@app.command("exec")
+def exec_(
+    qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
+    inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name."),
+    output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
+):
+    """Run QMODEL on the integer-only executor and save its outputs.
+
+    \b
+    Examples:
+      qtool exec model.q.onnx --input x.npz -o y.npz
+    """
+    from .data import load_dataset
+    from .executor import IntegerExecutor
+    from .fileio import atomic_write
+    from .model import load_model
+
+    try:
+        model = load_model(qmodel)
+        executor = IntegerExecutor(model)
+        feeds = load_dataset(inputs, model).arrays
+        result = executor.run(feeds)
+        buffer = io.BytesIO()
+        np.savez(buffer, **result.outputs)
+        atomic_write(output, buffer.getvalue())
+    except QtoolError as e:
+        raise _fail(e)
+    if not quiet:
+        floats = executor.float_nodes()
+        _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")
+        for op_type, name, why in floats:
+            _log(f"  float: {op_type} '{name}': {why}")
+
+
+@app.command()
+def scale(
+    value: str = typer.Argument(..., help="A positive float scale, e.g. 0.1234."),
+    bits: int = typer.Option(32, help="Multiplier width: 32 or 8."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Show a float scale as a fixed-point multiplier and right shift: scale ~ M / 2^rshift.
+
+    \b
+    Examples:
+      qtool scale 0.1234              # multiplier 2119995857, rshift 34
+      qtool scale 0.1234 --bits 8     # multiplier 126, rshift 10
+      qtool scale 0.1234 --json
+    """
+    try:
+        s = float(value)
+    except ValueError:
+        raise _fail(QtoolError(f"scale must be a number, got '{value}'"))
+    try:
+        multiplier, rshift = quantize_multiplier(s, bits)
+    except ValueError as e:
+        raise _fail(QtoolError(str(e)))
+    approx = math.ldexp(multiplier, -rshift)
+    info = {"scale": s, "multiplier": multiplier, "rshift": rshift, "bits": bits,
+            "approx": approx, "relative_error": abs(approx - s) / s}
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    typer.echo(f"multiplier      {multiplier}\nrshift          {rshift}\nbits            {bits}\n"
+               f"approx          {approx!r}\nrelative_error  {info['relative_error']:.3g}")
+
+
+@app.command()
+def run(
+    job: Path = typer.Argument(..., help="YAML job file (see configs/demo.yaml)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stage logs."),
+):
+    """Run a YAML job: calibrate -> quantize -> verify, writing every artifact under output_dir.
+
+    Exits 1 when verification or the accuracy check fails.
+
+    \b
+    Examples:
+      qtool run configs/demo.yaml
+    """
+    from .job import run_job
+    from .verify import format_report
+
+    try:
+        result = run_job(job, progress=not quiet, log=(lambda m: None) if quiet else _log)
+    except QtoolError as e:
+        raise _fail(e)
+    typer.echo(format_report(result.verify))
+    for failure in result.failures[len(result.verify.failures):]:
+        typer.echo(f"FAIL: {failure}")
+    if result.failures:
+        raise typer.Exit(EXIT_VERIFY_FAILED)
+
+
+@app.command()
+def version():
+    """Print the qtool version."""
+    typer.echo(__version__)

@@ -1,0 +1,172 @@
+"""``qtool run JOB.yaml``: calibrate -> quantize -> verify from one YAML file.
+
+The file is validated whole before any work starts; errors name the YAML path and the allowed
+values. Paths in the file are relative to the file's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+import calibrators
+
+from .calibrate import calibrate
+from .errors import QtoolError
+from .fileio import atomic_write
+from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
+from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
+from .table import write_table
+from .verify import VerifyReport, parse_tolerance, verify
+
+_NUMBER = (int, float)
+SCHEMA = {
+    "model": (str, True),
+    "output_dir": (str, False),
+    "calibrate": ({
+        "data": (str, True),
+        "method": ("choice:calibrators", False),
+        "num_samples": (int, False),
+        "batch_size": (int, False),
+    }, True),
+    "quantize": ({
+        "per_channel": (bool, False),
+        "symmetric": (bool, False),
+        "activation_type": (("choice", ACTIVATION_TYPES), False),
+        "multiplier_bits": (("choice", MULTIPLIER_BITS), False),
+        "rounding": (("choice", ROUNDING_MODES), False),
+        "keep_float": (list, False),
+    }, False),
+    "verify": ({
+        "data": (str, False),
+        "labels": (str, False),
+        "tolerance": ((float, list), False),
+        "num_samples": (int, False),
+        "batch_size": (int, False),
+        "max_accuracy_drop": (float, False),
+    }, False),
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
+               list: "a list"}
+
+
+def _check(value, schema: dict, path: str) -> None:
+    if not isinstance(value, dict):
+        raise QtoolError(f"{path or 'job'}: expected a mapping, got {type(value).__name__}")
+    for key in value:
+        if key not in schema:
+            raise QtoolError(f"{path + '.' if path else ''}{key}: unknown key; "
+                             f"allowed keys: {', '.join(schema)}")
+    for key, (kind, required) in schema.items():
+        where = f"{path + '.' if path else ''}{key}"
+        if key not in value:
+            if required:
+                raise QtoolError(f"{where}: required key is missing")
+            continue
+        v = value[key]
+        if isinstance(kind, dict):
+            _check(v, kind, where)
+        elif kind == "choice:calibrators":
+            _choice(v, calibrators.names(), where)
+        elif isinstance(kind, tuple) and kind[0] == "choice":
+            _choice(v, kind[1], where)
+        else:
+            _type(v, kind, where)
+
+
+def _choice(v, allowed, where: str) -> None:
+    if v not in allowed or isinstance(v, bool):
+        raise QtoolError(f"{where}: unknown {v!r}; choose one of {', '.join(map(str, allowed))}")
+
+
+def _type(v, kind, where: str) -> None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(isinstance(v, _NUMBER) and not isinstance(v, bool) if k is float
+             else isinstance(v, k) and not (k is int and isinstance(v, bool)) for k in kinds)
+    if not ok:
+        expected = " or ".join(_TYPE_NAMES[k] for k in kinds)
+        raise QtoolError(f"{where}: expected {expected}, got {v!r}")
+
+
+def load_job(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise QtoolError(f"job file '{path}' not found")
+    try:
+        job = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise QtoolError(f"job file '{path}' is not valid YAML{where}: "
+                         f"{getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError:
+        raise QtoolError(f"job file '{path}' is not text") from None
+    try:
+        _check(job, SCHEMA, "")
+    except QtoolError as e:
+        raise QtoolError(f"job file '{path}': {e}") from None
+    return job
+
+
+@dataclass
+class JobResult:
+    table: Path
+    qmodel: Path
+    report_json: Path
+    verify: VerifyReport
+    quantize_report: object
+    seconds: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
+    path = Path(path)
+    job = load_job(path)
+    base = path.parent
+
+    def resolve(p: str) -> Path:
+        return Path(os.path.normpath(base / p))
+
+    model = resolve(job["model"])
+    out = resolve(job.get("output_dir", f"build/{model.stem}"))
+    cal, qz, ver = job["calibrate"], job.get("quantize", {}), job.get("verify", {})
+    table_path, qmodel_path = out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx"
+    report_path = out / f"{model.stem}.verify.json"
+    seconds = {}
+
+    t0 = time.perf_counter()
+    table = calibrate(model, resolve(cal["data"]), cal.get("method", "minmax"), cal.get("num_samples"),
+                      cal.get("batch_size", 32), progress)
+    write_table(table, table_path)
+    seconds["calibrate"] = time.perf_counter() - t0
+    log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {table_path} "
+        f"({seconds['calibrate']:.1f} s)")
+
+    t0 = time.perf_counter()
+    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
+    qmodel, qreport = quantize(model, table, options, str(table_path))
+    atomic_write(qmodel_path, qmodel.SerializeToString())
+    seconds["quantize"] = time.perf_counter() - t0
+    log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
+        f"-> {qmodel_path} ({seconds['quantize']:.1f} s)")
+
+    t0 = time.perf_counter()
+    report = verify(model, qmodel_path, resolve(ver.get("data", cal["data"])),
+                    parse_tolerance(ver.get("tolerance", 0.99)), ver.get("labels"),
+                    ver.get("num_samples"), ver.get("batch_size", 32), progress)
+    seconds["verify"] = time.perf_counter() - t0
+    failures = list(report.failures)
+    drop = ver.get("max_accuracy_drop")
+    if drop is not None and report.accuracy is not None:
+        lost = report.accuracy["float"] - report.accuracy["integer"]
+        if lost > drop:
+            failures.append(f"accuracy drop {lost:.2f} points > max_accuracy_drop {drop}")
+    summary = report.to_dict() | {"job_failures": failures, "seconds": seconds}
+    atomic_write(report_path, (json.dumps(summary, indent=1) + "\n").encode())
+    log(f"verify: {report.samples} samples -> {report_path} ({seconds['verify']:.1f} s)")
+    return JobResult(table_path, qmodel_path, report_path, report, qreport, seconds, failures)

@@ -1,0 +1,196 @@
+"""``qtool verify``: the float model (onnxruntime) against the integer executor, tensor by tensor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .calibrate import fixed_batch
+from .data import load_dataset
+from .errors import QtoolError
+from .executor import IntegerExecutor
+from .model import FloatRunner, load_model, prepare
+from .qparams import QParams, dequantize_array
+
+
+@dataclass
+class Comparison:
+    """Streaming cosine / SQNR / max-LSB between a float reference and the executor's values."""
+
+    name: str
+    op_type: str = ""
+    ran: str = "integer"  # integer, float (computed in float, then quantized) or input
+    qparams: QParams | None = None
+    clamped: bool = False  # compared after the Relu that reads it (its range is Relu's)
+    dot: float = 0.0
+    ref_sq: float = 0.0
+    got_sq: float = 0.0
+    err_sq: float = 0.0
+    max_lsb: float = 0.0
+
+    def update(self, ref: np.ndarray, got: np.ndarray) -> None:
+        if self.clamped:
+            ref, got = np.maximum(ref, 0), np.maximum(got, 0)
+        ref, got = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
+        diff = ref - got
+        self.dot += float(ref @ got)
+        self.ref_sq += float(ref @ ref)
+        self.got_sq += float(got @ got)
+        self.err_sq += float(diff @ diff)
+        if self.qparams is not None and diff.size:
+            self.max_lsb = max(self.max_lsb, float(np.abs(diff).max()) / float(self.qparams.scale))
+
+    @property
+    def cosine(self) -> float:
+        if self.ref_sq == 0 and self.got_sq == 0:
+            return 1.0
+        if self.ref_sq == 0 or self.got_sq == 0:
+            return 0.0
+        return self.dot / math.sqrt(self.ref_sq * self.got_sq)
+
+    @property
+    def sqnr(self) -> float:
+        if self.err_sq == 0:
+            return math.inf
+        if self.ref_sq == 0:
+            return -math.inf
+        return 10 * math.log10(self.ref_sq / self.err_sq)
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "cosine": round(self.cosine, 6), "sqnr_db": _finite(self.sqnr)}
+        if self.qparams is not None:
+            d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
+                     compared_after_relu=self.clamped)
+        return d
+
+
+@dataclass
+class VerifyReport:
+    samples: int
+    tolerance: tuple[float, float | None]
+    outputs: list[Comparison]
+    tensors: list[Comparison]
+    float_nodes: list[tuple[str, str, str]]
+    accuracy: dict | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def worst(self, n: int = 3) -> list[str]:
+        ranked = sorted(self.tensors, key=lambda c: c.sqnr)
+        return [c.name for c in ranked[:n] if c.ran != "input"]
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "samples": self.samples,
+                "tolerance": {"cosine": self.tolerance[0], "sqnr_db": self.tolerance[1]},
+                "outputs": [c.to_dict() for c in self.outputs],
+                "tensors": [c.to_dict() for c in self.tensors],
+                "worst": self.worst(),
+                "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
+                "accuracy": self.accuracy, "failures": self.failures}
+
+
+def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
+    """``"0.99"`` or ``"0.99,30"``: minimum output cosine, optional minimum output SQNR in dB."""
+    parts = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise QtoolError(f"tolerance must be COS or COS,SQNR (numbers), got '{text}'") from None
+    if not 1 <= len(values) <= 2 or not -1 <= values[0] <= 1:
+        raise QtoolError(f"tolerance must be COS or COS,SQNR with COS in [-1, 1], got '{text}'")
+    return values[0], (values[1] if len(values) == 2 else None)
+
+
+def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
+           tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
+           num_samples: int | None = None, batch_size: int = 32, progress: bool = True) -> VerifyReport:
+    model = prepare(load_model(float_path), f"model file '{float_path}'")
+    qmodel = load_model(qmodel_path)
+    executor = IntegerExecutor(qmodel)
+    data = load_dataset(data_path, model)
+    if labels is not None and labels not in data.extra:
+        raise QtoolError(f"data file '{data_path}' has no labels array '{labels}' "
+                         f"(arrays: {', '.join([*data.arrays, *data.extra])})")
+    known = {o for node in model.graph.node for o in node.output} | set(data.arrays)
+    outputs = [Comparison(name) for name in executor.output_names]
+    tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, data.arrays), t.qparams, t.clamped)
+               for name, t in executor.integer_tensors().items() if name in known]
+    runner = FloatRunner(model, [c.name for c in tensors])
+    total = len(data) if num_samples is None else min(num_samples, len(data))
+    batch_size = fixed_batch(model) or batch_size
+    correct_float = correct_int = 0
+    with tqdm(total=total, unit="sample", desc="verify", disable=not progress, leave=False) as bar:
+        start = 0
+        for feeds in data.batches(batch_size, total):
+            reference = runner.run(feeds)
+            result = executor.run(feeds, keep_integer=True)
+            for c in outputs:
+                if c.name not in reference:
+                    raise QtoolError(f"the float model has no output '{c.name}'")
+                c.update(reference[c.name], result.outputs[c.name])
+            for c in tensors:
+                c.update(reference[c.name], dequantize_array(result.integer[c.name], c.qparams))
+            n = len(next(iter(feeds.values())))
+            if labels is not None:
+                truth = data.extra[labels][start:start + n]
+                first = executor.output_names[0]
+                correct_float += int((reference[first].argmax(-1) == truth).sum())
+                correct_int += int((result.outputs[first].argmax(-1) == truth).sum())
+            start += n
+            bar.update(n)
+    report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes())
+    if labels is not None:
+        report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
+                           "integer": 100.0 * correct_int / total}
+    min_cos, min_sqnr = tolerance
+    for c in outputs:
+        if c.cosine < min_cos:
+            report.failures.append(f"output '{c.name}' cosine {c.cosine:.6f} < {min_cos}")
+        if min_sqnr is not None and c.sqnr < min_sqnr:
+            report.failures.append(f"output '{c.name}' SQNR {c.sqnr:.2f} dB < {min_sqnr} dB")
+    return report
+
+
+def _ran(name: str, op_type: str, inputs) -> str:
+    if name in inputs:
+        return "input"
+    return "float" if op_type == "QuantizeLinear" else "integer"
+
+
+def format_report(report: VerifyReport) -> str:
+    lines = [f"verify: {report.samples} samples, float model (onnxruntime) vs integer executor", "",
+             f"{'output':<32} {'cosine':>9} {'SQNR dB':>8}"]
+    for c in report.outputs:
+        lines.append(f"{c.name:<32} {c.cosine:>9.6f} {c.sqnr:>8.2f}")
+    worst = set(report.worst())
+    lines += ["", f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
+    for c in report.tensors:
+        mark = "  <- worst" if c.name in worst else ""
+        op = c.op_type + ("+Relu" if c.clamped else "")
+        lines.append(f"{c.name:<32} {op:<18} {c.ran:<8} {c.cosine:>9.6f} {c.sqnr:>8.2f} "
+                     f"{c.max_lsb:>8.2f}{mark}")
+    if any(c.clamped for c in report.tensors):
+        lines.append("(+Relu: quantized with the range of the Relu that reads it; compared after it)")
+    if report.float_nodes:
+        lines += ["", "ran in float:"]
+        lines += [f"  {t} '{n}': {r}" for t, n, r in report.float_nodes]
+    if report.accuracy:
+        a = report.accuracy
+        lines += ["", f"top-1 accuracy on '{a['labels']}': float {a['float']:.2f}%, "
+                      f"integer {a['integer']:.2f}% ({a['integer'] - a['float']:+.2f} points)"]
+    cos, sqnr = report.tolerance
+    rule = f"output cosine >= {cos}" + (f", SQNR >= {sqnr} dB" if sqnr is not None else "")
+    lines.append("")
+    lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))
+    return "\n".join(lines)
+
+
+def _finite(x: float):
+    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
