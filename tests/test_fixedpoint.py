@@ -1,0 +1,163 @@
+"""Fixed-point core: exact tables and properties against exact rational arithmetic."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.fixedpoint import (ROUNDING_MODES, quantize_multiplier, quantize_multipliers, requantize,
+                              rounding_rshift, saturate)
+
+# (scale, multiplier, rshift); each row checked by hand: multiplier / 2**rshift vs scale.
+TABLE_32 = [
+    (0.1234, 2119995857, 34),  # TPU-MLIR's worked example
+    (0.25, 1073741824, 32),  # = 2**30 / 2**32 exactly
+    (0.5, 1073741824, 31),
+    (1.0, 1073741824, 30),  # scale 1: M0 = 0.5, shift 30
+    (3.0, 1610612736, 29),  # scale >= 1: 0.75 * 2**31 >> 29
+    (0.99999999, 2147483627, 31),  # near 1 from below: 0.99999999 * 2**31 = 2147483626.52
+    (1 - 2**-40, 1073741824, 30),  # rounds to 2**31: halved, shift one less
+    (2.0**-40, 1073741824, 70),  # tiny
+    (1e-10, 1844674407, 64),  # tiny: 0.8589934592 * 2**31 = 1844674407.37, e = -33
+    (2.0**31, 1073741824, -1),  # >= 2**31: a left shift
+    (2.0**31 - 1, 2147483647, 0),
+]
+
+TABLE_8 = [
+    (0.1234, 126, 10),  # TPU-MLIR's worked example: 0.1234 * 2**10 = 126.36
+    (1.0, 64, 6),  # 2**7 >= 127 first at rshift 6
+    (0.5, 64, 7),
+    (63.4, 126, 1),  # 63.4 * 2 = 126.8 < 127, so rshift 1
+    (63.5, 63, 0),  # 63.5 * 2 = 127 >= 127
+    (100.0, 100, 0),
+    (127.0, 127, 0),
+    (127.5, 127, 0),  # trunc
+    (128.0, 64, -1),  # beyond TPU-MLIR's clamp: 64 << 1
+    (255.0, 127, -1),  # 127 << 1 = 254, the closest with M <= 127
+    (300.0, 75, -2),
+]
+
+
+@pytest.mark.parametrize("scale,multiplier,rshift", TABLE_32)
+def test_multiplier_32_table(scale, multiplier, rshift):
+    assert quantize_multiplier(scale, 32) == (multiplier, rshift)
+
+
+@pytest.mark.parametrize("scale,multiplier,rshift", TABLE_8)
+def test_multiplier_8_table(scale, multiplier, rshift):
+    assert quantize_multiplier(scale, 8) == (multiplier, rshift)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_multiplier_rejects_bad_scales(bad):
+    with pytest.raises(ValueError, match="finite and > 0"):
+        quantize_multiplier(bad)
+
+
+def test_multiplier_rejects_other_widths():
+    with pytest.raises(ValueError, match="one of"):
+        quantize_multiplier(0.5, 16)
+
+
+def test_per_channel_multipliers_match_scalar():
+    scales = np.array([0.1234, 1.0, 3.0, 2.0**-40])
+    r = quantize_multipliers(scales)
+    assert r.multiplier.tolist() == [2119995857, 1073741824, 1610612736, 1073741824]
+    assert r.rshift.tolist() == [34, 30, 29, 70]
+
+
+scales = st.floats(min_value=1e-30, max_value=2.0**31 - 1, allow_nan=False, allow_infinity=False)
+
+
+@given(scales)
+def test_multiplier_32_in_range_and_accurate(scale):
+    multiplier, rshift = quantize_multiplier(scale, 32)
+    assert 2**30 <= multiplier < 2**31
+    error = abs(Fraction(multiplier, 1) / Fraction(2) ** rshift - Fraction(scale)) / Fraction(scale)
+    assert error <= Fraction(1, 2**31)
+
+
+@given(st.floats(min_value=1e-12, max_value=127.0))
+def test_multiplier_8_matches_tpu_mlir_rule(scale):
+    multiplier, rshift = quantize_multiplier(scale, 8)
+    assert rshift >= 0
+    # smallest rshift with scale * 2**(rshift+1) >= 127, multiplier = trunc(scale * 2**rshift)
+    assert Fraction(scale) * 2 ** (rshift + 1) >= 127
+    assert rshift == 0 or Fraction(scale) * 2**rshift < 127
+    assert multiplier == math.floor(Fraction(scale) * 2**rshift)
+    assert multiplier <= 127
+
+
+def _exact(value: Fraction, mode: str) -> int:
+    """Rounding of an exact rational, written independently of the shift arithmetic."""
+    if mode == "half_up":
+        return math.floor(value + Fraction(1, 2))
+    if mode == "half_away_from_zero":
+        sign = 1 if value >= 0 else -1
+        return sign * math.floor(abs(value) + Fraction(1, 2))
+    if mode == "half_to_even":
+        return round(value)  # Fraction.__round__ rounds half to even
+    if mode == "toward_zero":
+        return math.trunc(value)
+    raise AssertionError(mode)
+
+
+int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+
+
+@settings(max_examples=400)
+@given(int32, st.integers(min_value=0, max_value=2**31 - 1), st.integers(min_value=0, max_value=80),
+       st.sampled_from(ROUNDING_MODES))
+def test_requantize_matches_exact_rational_rounding(acc, multiplier, rshift, mode):
+    got = requantize(np.array([acc], dtype=np.int32), multiplier, rshift, mode)[0]
+    assert got == _exact(Fraction(acc * multiplier, 2**rshift), mode)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(-(2**20), 2**20), min_size=1, max_size=8),
+       st.integers(min_value=1, max_value=40),
+       st.sampled_from(ROUNDING_MODES))
+def test_rounding_rshift_ties(values, rshift, mode):
+    # put values exactly on .5 boundaries, where the modes differ
+    ties = np.array([v * 2**rshift + 2 ** (rshift - 1) for v in values], dtype=np.int64)
+    got = rounding_rshift(ties, rshift, mode)
+    assert got.tolist() == [_exact(Fraction(int(t), 2**rshift), mode) for t in ties]
+
+
+def test_rounding_modes_on_halves():
+    x = np.array([-5, -3, -1, 1, 3, 5], dtype=np.int64)  # /2 -> -2.5 -1.5 -0.5 0.5 1.5 2.5
+    assert rounding_rshift(x, 1, "half_up").tolist() == [-2, -1, 0, 1, 2, 3]
+    assert rounding_rshift(x, 1, "half_away_from_zero").tolist() == [-3, -2, -1, 1, 2, 3]
+    assert rounding_rshift(x, 1, "half_to_even").tolist() == [-2, -2, 0, 0, 2, 2]
+    assert rounding_rshift(x, 1, "toward_zero").tolist() == [-2, -1, 0, 0, 1, 2]
+
+
+def test_negative_rshift_is_a_saturating_left_shift():
+    x = np.array([-3, 5, 2**61, -(2**61)], dtype=np.int64)
+    assert rounding_rshift(x, -3).tolist() == [-24, 40, 2**62, -(2**62)]
+
+
+def test_per_channel_shift_broadcasts():
+    acc = np.array([[100, 100], [-100, -100]], dtype=np.int32)
+    got = requantize(acc, np.array([1, 3]), np.array([1, 2]))
+    assert got.tolist() == [[50, 75], [-50, -75]]
+
+
+def test_requantize_refuses_accumulators_beyond_int32():
+    with pytest.raises(OverflowError):
+        requantize(np.array([2**31], dtype=np.int64), 2**30, 31)
+
+
+def test_requantize_rejects_float_input():
+    with pytest.raises(TypeError):
+        requantize(np.array([1.5]), 2**30, 31)
+
+
+def test_saturate_clamps_to_type():
+    x = np.array([-1000, -129, -128, 0, 127, 128, 1000], dtype=np.int64)
+    assert saturate(x, "int8").tolist() == [-128, -128, -128, 0, 127, 127, 127]
+    assert saturate(x, "uint8").tolist() == [0, 0, 0, 0, 127, 128, 255]
+    assert saturate(x, "int8").dtype == np.int8

@@ -1,0 +1,172 @@
+"""Integer kernels: golden vectors computed by hand, then derivations against hand-computed
+parameters."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from qtool.fixedpoint import Requant
+from qtool.ops import REGISTRY, NodeView, Operand, Rescale
+from qtool.ops.conv import ConvParams
+from qtool.ops.gemm import MatMulParams
+from qtool.ops.intmatmul import int_matmul, k_chunk
+from qtool.ops.pool import AvgPoolParams, MaxPoolParams, Window
+from qtool.qparams import QParams
+
+IDENTITY = Rescale(0, 0, None, "half_up", "int8")
+
+
+def i8(x):
+    return np.array(x, dtype=np.int8)
+
+
+def test_conv_pads_with_input_zero_point():
+    # 2x2 input, 3x3 ones kernel, pad 1: every window holds the 4 pixels and 5 pads.
+    # Z_x = 3, so real values are [0, 0, 0, 2]; pads must count as real 0 (i.e. q = 3).
+    weight = np.ones((1, 1, 3, 3), dtype=np.int8)
+    p = ConvParams(weight=weight, bias=np.array([0 - 3 * 9]), requant=Requant(np.array([2**30]), np.array([30])),
+                   zero_in=3, zero_out=0, pads=(1, 1, 1, 1), strides=(1, 1), dilations=(1, 1), group=1,
+                   rounding="half_up", dtype="int8")
+    x = i8([[[[3, 3], [3, 5]]]])
+    assert REGISTRY["Conv"].run(p, x).tolist() == [[[[2, 2], [2, 2]]]]
+
+
+def test_conv_bias_requantize_zero_point():
+    # sum q_x*q_w = 1*1 + 4*(-1) = -3; bias 10; * 0.5 -> 3.5 -> 4 (half up); + Z_y -2 -> 2
+    p = ConvParams(weight=i8([[[[1, 0], [0, -1]]]]), bias=np.array([10]),
+                   requant=Requant(np.array([2**30]), np.array([31])), zero_in=0, zero_out=-2,
+                   pads=(0, 0, 0, 0), strides=(1, 1), dilations=(1, 1), group=1, rounding="half_up",
+                   dtype="int8")
+    assert REGISTRY["Conv"].run(p, i8([[[[1, 2], [3, 4]]]])).tolist() == [[[[2]]]]
+
+
+def test_conv_groups_stride_and_saturation():
+    # depthwise (group 2), stride 2, 1x1 kernels: channel 0 * 2, channel 1 * -3, then clamp
+    p = ConvParams(weight=i8([[[[2]]], [[[-3]]]]), bias=np.array([0, 0]),
+                   requant=Requant(np.array([2**30, 2**30]), np.array([30, 30])), zero_in=0, zero_out=0,
+                   pads=(0, 0, 0, 0), strides=(2, 2), dilations=(1, 1), group=2, rounding="half_up",
+                   dtype="int8")
+    x = i8([[[[10, 1], [1, 1]], [[50, 1], [1, 1]]]])
+    assert REGISTRY["Conv"].run(p, x).tolist() == [[[[20]], [[-128]]]]
+
+
+def test_gemm_transposed_weight():
+    # x [1, 2] @ W^T with W = [[1, 1], [2, -1]] -> [3, 0]; + bias [1, 2] -> [4, 2]; * 0.5 -> [2, 1]
+    p = MatMulParams(weight=i8([[1, 1], [2, -1]]).T, bias=np.array([1, 2]),
+                     requant=Requant(np.array([2**30, 2**30]), np.array([31, 31])), zero_out=0,
+                     rounding="half_up", dtype="int8")
+    assert REGISTRY["Gemm"].run(p, i8([[1, 2]])).tolist() == [[2, 1]]
+
+
+def test_maxpool_pads_never_win():
+    p = MaxPoolParams(Window((2, 2), (0, 0, 1, 1), (1, 1), (1, 1)), -128, IDENTITY)
+    x = i8([[[[-5, 7], [3, -128]]]])
+    assert REGISTRY["MaxPool"].run(p, x).tolist() == [[[[7, 7], [3, -128]]]]
+
+
+def test_average_pool_subtracts_zero_point():
+    # window [1, 2, 3, 5] with Z_x = 1: sum(q - Z) = 7; 7 / 4 = 1.75 -> 2; + Z_y 1 -> 3
+    p = AvgPoolParams(Window((2, 2), (0, 0, 0, 0), (1, 1), (1, 1)), Requant(2**30, 32), 1, 1,
+                      "half_up", "int8")
+    assert REGISTRY["AveragePool"].run(p, i8([[[[1, 2], [3, 5]]]])).tolist() == [[[[3]]]]
+    assert REGISTRY["GlobalAveragePool"].run(p, i8([[[[1, 2], [3, 5]]]])).tolist() == [[[[3]]]]
+
+
+def test_relu_clamps_at_zero_point():
+    from qtool.ops.relu import ReluParams
+
+    assert REGISTRY["Relu"].run(ReluParams(-1, IDENTITY), i8([-3, -1, 0, 5])).tolist() == [-1, -1, 0, 5]
+
+
+def test_flatten_and_reshape_move_data_only():
+    from qtool.ops.shape import ShapeParams
+
+    x = np.arange(6, dtype=np.int8).reshape(2, 3, 1, 1)
+    assert REGISTRY["Flatten"].run(ShapeParams(IDENTITY, axis=1), x).shape == (2, 3)
+    y = REGISTRY["Reshape"].run(ShapeParams(IDENTITY), x, np.array([0, -1]))
+    assert y.shape == (2, 3) and y.dtype == np.int8 and y.ravel().tolist() == list(range(6))
+
+
+def test_kernels_refuse_float_data():
+    p = MaxPoolParams(Window((1, 1), (0, 0, 0, 0), (1, 1), (1, 1)), -128, IDENTITY)
+    with pytest.raises(TypeError, match="float"):
+        REGISTRY["MaxPool"].run(p, np.zeros((1, 1, 2, 2), dtype=np.float32))
+
+
+# -- derivations against hand-computed parameters ----------------------------------------------
+
+def _view(node, inputs, output, bits=32):
+    return NodeView(node, inputs, output, "half_up", bits)
+
+
+def test_conv_derivation_by_hand():
+    # S_x 0.5, Z_x 3; S_w 0.25; S_y 0.125 -> S_x*S_w/S_y = 1.0 -> (2**30, 30)
+    # bias 1.0 stored as round(1.0 / (0.5 * 0.25)) = 8; compensation -Z_x * sum(q_w) = -3 * 10
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[0, 0, 0, 0])
+    w = i8([[[[1, 2], [3, 4]]]])
+    view = _view(node, [Operand(QParams(0.5, 3)),
+                        Operand(QParams(np.array([0.25], np.float32), np.array([0]), "int8", 0), w),
+                        Operand(QParams(np.array([0.125], np.float32), np.array([0]), "int32", 0),
+                                np.array([8], np.int32))],
+                 QParams(0.125, -5))
+    p = REGISTRY["Conv"].derive(view)
+    assert p.requant.multiplier.tolist() == [2**30] and p.requant.rshift.tolist() == [30]
+    assert p.bias.tolist() == [8 - 30]
+    assert (p.zero_in, p.zero_out) == (3, -5)
+
+
+def test_add_derivation_and_run_by_hand():
+    # a: S 0.5, Z 2; b: S 0.25, Z 0; y: S 0.5, Z 1. Real a = [4, -11], b = [1, 1] -> y = [5, -10]
+    # -> q_y = [11, -19]. Ratios 1 and 0.5 share rshift 30: M_a = 2**30, M_b = 2**29.
+    node = helper.make_node("Add", ["a", "b"], ["y"])
+    p = REGISTRY["Add"].derive(_view(node, [Operand(QParams(0.5, 2)), Operand(QParams(0.25, 0))],
+                                     QParams(0.5, 1)))
+    assert (p.multiplier_a, p.multiplier_b, p.rshift) == (2**30, 2**29, 30)
+    assert REGISTRY["Add"].run(p, i8([10, -20]), i8([4, 4])).tolist() == [11, -19]
+
+
+def test_add_derivation_8_bit():
+    node = helper.make_node("Add", ["a", "b"], ["y"])
+    p = REGISTRY["Add"].derive(_view(node, [Operand(QParams(0.5, 0)), Operand(QParams(0.25, 0))],
+                                     QParams(0.5, 0), bits=8))
+    # larger ratio 1.0 -> (64, 6); the other 0.5 * 2**6 = 32
+    assert (p.multiplier_a, p.multiplier_b, p.rshift) == (64, 32, 6)
+
+
+def test_global_average_pool_derives_per_input_shape():
+    node = helper.make_node("GlobalAveragePool", ["x"], ["y"])
+    op = REGISTRY["GlobalAveragePool"]
+    setup = op.derive(_view(node, [Operand(QParams(0.5, 0))], QParams(0.5, 0)))
+    p = op.specialize(setup, [(1, 3, 2, 2)])  # k = 4 -> scale 1/4 -> (2**30, 32)
+    assert (int(p.requant.multiplier), int(p.requant.rshift)) == (2**30, 32)
+
+
+def test_relu_with_different_output_scale_requantizes():
+    node = helper.make_node("Relu", ["x"], ["y"])
+    op = REGISTRY["Relu"]
+    p = op.derive(_view(node, [Operand(QParams(0.5, 0))], QParams(1.0, 0)))
+    # values [-4, 3, 5] * 0.5 -> relu -> [0, 1.5, 2.5] -> / 1.0 -> [0, 2, 3] half up
+    assert op.run(p, i8([-4, 3, 5])).tolist() == [0, 2, 3]
+
+
+# -- exact integer matmul on a float BLAS ----------------------------------------------------------
+
+def test_int_matmul_splits_k_at_the_mantissa_bound():
+    # worst case: every product is 127 * -128 and K is large, so the sum of |products| passes a
+    # float32-sized mantissa limit and K must be split
+    k = 4096
+    a = np.full((2, k), 127, dtype=np.int8)
+    b = np.full((k, 3), -128, dtype=np.int8)
+    limit = 2**24
+    assert k_chunk(127, 128, limit) < k  # the split is really exercised
+    exact = sum(127 * -128 for _ in range(k))
+    assert int_matmul(a, b, mantissa_limit=limit).tolist() == [[exact] * 3] * 2
+
+
+def test_int_matmul_random_against_python_ints():
+    rng = np.random.default_rng(0)
+    a = rng.integers(-128, 128, size=(3, 700)).astype(np.int8)
+    b = rng.integers(-128, 128, size=(700, 4)).astype(np.int8)
+    expected = [[sum(int(a[i, k]) * int(b[k, j]) for k in range(700)) for j in range(4)] for i in range(3)]
+    assert int_matmul(a, b, mantissa_limit=2**20).tolist() == expected
+    assert int_matmul(a, b).tolist() == expected

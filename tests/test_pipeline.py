@@ -1,0 +1,146 @@
+"""The demo end to end through the library: calibrate -> quantize -> exec / verify."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.table import read_table, write_table
+from qtool.verify import verify
+
+
+def _weight_of(qmodel, node_name):
+    """(int8 weight, scale) feeding a node's input 1 through its DequantizeLinear."""
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    node = next(n for n in qmodel.graph.node if n.name == node_name)
+    dq = next(n for n in qmodel.graph.node if n.output[0] == node.input[1])
+    assert dq.op_type == "DequantizeLinear"
+    return inits[dq.input[0]], inits[dq.input[1]]
+
+
+def _accuracy(logits, labels):
+    return 100.0 * float(np.mean(logits.argmax(-1) == labels))
+
+
+@pytest.mark.parametrize("symmetric,bits", [(False, 32), (True, 32), (False, 8), (True, 8)])
+def test_demo_int8_accuracy_within_one_point(demo_model, demo_table, demo_heldout, symmetric, bits):
+    held = np.load(demo_heldout)
+    x, labels = held["input"], held["label"]
+    float_logits = ort.InferenceSession(str(demo_model)).run(None, {"input": x})[0]
+    qmodel, report = quantize(demo_model, demo_table, QuantizeOptions(symmetric=symmetric, multiplier_bits=bits))
+    assert report.kept_float == []
+    int_logits = IntegerExecutor(qmodel).run({"input": x}).outputs["logits"]
+    float_acc, int_acc = _accuracy(float_logits, labels), _accuracy(int_logits, labels)
+    assert float_acc >= 95.0
+    assert int_acc >= float_acc - 1.0
+
+
+def test_quantized_model_is_valid_onnx_that_onnxruntime_runs(demo_model, demo_table, demo_heldout):
+    qmodel, report = quantize(demo_model, demo_table)
+    onnx.checker.check_model(qmodel, full_check=True)
+    ops = {n.op_type for n in qmodel.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= ops
+    assert "BatchNormalization" not in ops  # folded by onnxruntime's basic optimizer
+    weight, scale = _weight_of(qmodel, "conv1")
+    assert weight.dtype == np.int8 and weight.shape == (16, 1, 3, 3)
+    assert scale.shape == (16,)  # per output channel
+    meta = {p.key: p.value for p in qmodel.metadata_props}
+    assert meta["qtool.rounding"] == "half_up" and meta["qtool.multiplier_bits"] == "32"
+    x = np.load(demo_heldout)["input"][:4]
+    y = ort.InferenceSession(qmodel.SerializeToString()).run(None, {"input": x})[0]
+    assert y.shape == (4, 10)
+    assert report.size_after < report.size_before
+
+
+def test_per_tensor_weights(demo_model, demo_table):
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(per_channel=False))
+    weight, scale = _weight_of(qmodel, "conv1")
+    assert scale.shape == () and np.abs(weight).max() == 127
+
+
+def test_table_and_model_are_deterministic(tmp_path, demo_model, demo_calib, demo_table):
+    write_table(demo_table, tmp_path / "a.yaml")
+    write_table(calibrate(demo_model, demo_calib, progress=False), tmp_path / "b.yaml")
+    assert (tmp_path / "a.yaml").read_bytes() == (tmp_path / "b.yaml").read_bytes()
+    first, _ = quantize(demo_model, read_table(tmp_path / "a.yaml"))
+    second, _ = quantize(demo_model, read_table(tmp_path / "b.yaml"))
+    assert first.SerializeToString() == second.SerializeToString()
+
+
+def test_table_round_trips_through_json(tmp_path, demo_table):
+    write_table(demo_table, tmp_path / "t.json")
+    assert read_table(tmp_path / "t.json") == demo_table
+
+
+def test_relu_shares_range_with_its_producer(demo_model, demo_table):
+    # backward propagation: conv1's output takes relu1's range, so asymmetric Z = -128 (real 0)
+    qmodel, _ = quantize(demo_model, demo_table)
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    assert inits["bn1_out_zero_point"] == inits["relu1_out_zero_point"] == -128
+    assert inits["bn1_out_scale"] == inits["relu1_out_scale"]
+    entry = demo_table.tensors["relu1_out"]
+    assert inits["relu1_out_scale"] == np.float32(entry.max / 255)
+
+
+def test_verify_on_demo(demo_model, demo_table, demo_heldout, tmp_path):
+    qmodel, _ = quantize(demo_model, demo_table)
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    report = verify(demo_model, tmp_path / "q.onnx", demo_heldout, labels="label", progress=False)
+    assert report.passed
+    assert report.outputs[0].name == "logits" and report.outputs[0].cosine > 0.999
+    # the input and the output of 12 integer ops; the 13th writes the graph output 'logits'
+    assert len(report.tensors) == 13
+    assert all(c.ran in ("integer", "input") for c in report.tensors)
+    assert report.accuracy["integer"] >= report.accuracy["float"] - 1.0
+    strict = verify(demo_model, tmp_path / "q.onnx", demo_heldout, tolerance=(1.0, 200.0), progress=False)
+    assert not strict.passed and "logits" in strict.failures[0]
+
+
+def test_unsupported_op_stays_float_and_is_reported(tmp_path):
+    # Conv -> Sigmoid -> Conv: Sigmoid has no integer kernel yet, so it is fenced by Q/DQ
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32),
+              rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1, 1, 1, 1]),
+         helper.make_node("Sigmoid", ["a"], ["s"], name="sig"),
+         helper.make_node("Conv", ["s", "w2"], ["y"], name="c2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 6, 6])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "m.onnx")
+    x = rng.normal(0, 1, (16, 3, 6, 6)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
+    qmodel, report = quantize(tmp_path / "m.onnx", table)
+    assert report.kept_float == [("Sigmoid", "sig", "no integer kernel for this op type")]
+    executor = IntegerExecutor(qmodel)
+    assert [(t, n) for t, n, _ in executor.float_nodes()] == [("Sigmoid", "sig")]
+    got = executor.run({"x": x}).outputs["y"]
+    want = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
+    cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos > 0.99
+
+
+def test_table_for_another_model_warns(demo_model, demo_table):
+    other = type(demo_table)(**{**demo_table.__dict__, "model_sha256": "0" * 64})
+    _, report = quantize(demo_model, other)
+    assert any("was made for model" in w for w in report.warnings)
+
+
+def test_executor_reports_accumulator_overflow(demo_model, demo_table, demo_heldout):
+    from qtool.errors import QtoolError
+
+    qmodel, _ = quantize(demo_model, demo_table)
+    executor = IntegerExecutor(qmodel)
+    step = next(s for s in executor.steps if s.node.name == "conv1")
+    # a bias at the edge of int32 makes the accumulator leave int32
+    step.params = type(step.params)(**{**step.params.__dict__,
+                                        "bias": np.full_like(step.params.bias, 2**31 - 1)})
+    with pytest.raises(QtoolError, match="overflow in Conv node 'conv1'"):
+        executor.run({"input": np.load(demo_heldout)["input"][:2]})
