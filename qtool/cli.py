@@ -15,6 +15,7 @@ import typer
 from . import __version__
 from .errors import EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
+from .report import float_node_lines
 
 EXIT_CODES = "Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option)."
 
@@ -105,8 +106,8 @@ def quantize(
     ops = ", ".join(f"{t} {n}" for t, n in report.quantized.items())
     typer.echo(f"integer: {sum(report.quantized.values())} ops ({ops})")
     typer.echo(f"float:   {len(report.kept_float)} ops")
-    for op_type, name, why in report.kept_float:
-        typer.echo(f"  {op_type} '{name}': {why}")
+    for line in float_node_lines(report.kept_float):
+        typer.echo(line)
     if report.widened:
         typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
@@ -178,8 +179,8 @@ def exec_(
     if not quiet:
         floats = executor.float_nodes()
         _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")
-        for op_type, name, why in floats:
-            _log(f"  float: {op_type} '{name}': {why}")
+        for line in float_node_lines(floats):
+            _log(line)
 
 
 @app.command()

@@ -15,6 +15,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .model import FloatRunner, load_model, prepare
 from .qparams import QParams, dequantize_array
+from .report import float_node_lines
 
 
 @dataclass
@@ -179,8 +180,8 @@ def format_report(report: VerifyReport) -> str:
     if any(c.clamped for c in report.tensors):
         lines.append("(+Relu: quantized with the range of the Relu that reads it; compared after it)")
     if report.float_nodes:
-        lines += ["", "ran in float:"]
-        lines += [f"  {t} '{n}': {r}" for t, n, r in report.float_nodes]
+        lines += ["", f"ran in float: {len(report.float_nodes)} nodes"]
+        lines += float_node_lines(report.float_nodes)
     if report.accuracy:
         a = report.accuracy
         lines += ["", f"top-1 accuracy on '{a['labels']}': float {a['float']:.2f}%, "

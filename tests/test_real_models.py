@@ -1,0 +1,72 @@
+"""A real model end to end: PP-OCR's mobile v2.0 text-direction classifier from the
+rapidocr-onnxruntime wheel (installed by `make test` without its dependencies; only the .onnx
+files are used). Dynamic input dims, opset 11 (upgraded to 13 for per-channel QDQ), BatchNorm,
+HardSwish/HardSigmoid, Softmax: the ops without integer kernels stay float and are reported.
+
+The images are synthetic text-like strokes, deterministic; rendered text lines come with the
+quality benchmark.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.quantize import quantize
+from qtool.verify import verify
+
+
+def _model(name: str) -> Path:
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    path = Path(spec.submodule_search_locations[0]) / "models" / name if spec else None
+    if path is None or not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("rapidocr-onnxruntime is not installed; `make test` installs it")
+        pytest.skip("rapidocr-onnxruntime is not installed")
+    return path
+
+
+def _strokes(n: int, seed: int) -> np.ndarray:
+    """Light 48x192 images with dark horizontal marks, like a line of text; PP-OCR's [-1, 1] range."""
+    rng = np.random.default_rng(seed)
+    x = np.full((n, 3, 48, 192), 0.9, np.float32)
+    for i in range(n):
+        for _ in range(rng.integers(8, 16)):
+            r, c = rng.integers(10, 38), rng.integers(0, 180)
+            x[i, :, r:r + rng.integers(2, 10), c:c + rng.integers(2, 12)] = rng.uniform(-1, 0.2)
+    return x
+
+
+def test_ppocr_cls_end_to_end(tmp_path):
+    model = _model("ch_ppocr_mobile_v2.0_cls_infer.onnx")
+    np.savez(tmp_path / "calib.npz", x=_strokes(16, 0))
+    np.savez(tmp_path / "eval.npz", x=_strokes(16, 1))
+    table = calibrate(model, tmp_path / "calib.npz", progress=False)
+    qmodel, report = quantize(model, table)
+    assert report.opset == 13 and "opset upgraded from 11 to 13" in report.warnings
+    assert report.quantized["Conv"] == 53  # every convolution runs integer
+    floats = {t for t, _, _ in report.kept_float}
+    assert floats <= {"Add", "Clip", "Mul", "Div", "HardSigmoid", "Softmax"}
+    onnx.checker.check_model(qmodel, full_check=True)
+    onnx.save(qmodel, tmp_path / "q.onnx")
+
+    # onnxruntime runs the QDQ model, dynamic width included
+    session = ort.InferenceSession(str(tmp_path / "q.onnx"))
+    wide = np.full((2, 3, 48, 320), 0.9, np.float32)
+    assert session.run(None, {"x": wide})[0].shape == (2, 2)
+
+    result = verify(model, tmp_path / "q.onnx", tmp_path / "eval.npz", tolerance=(0.97, None),
+                    progress=False)
+    assert result.passed, result.failures
+    assert {t for t, _, _ in result.float_nodes} <= floats
+    executor = IntegerExecutor(qmodel)
+    x = np.load(tmp_path / "eval.npz")["x"]
+    want = ort.InferenceSession(str(model)).run(None, {"x": x})[0]
+    got = executor.run({"x": x}).outputs[session.get_outputs()[0].name]
+    assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.9  # top-1 agreement
