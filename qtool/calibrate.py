@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-
-from tqdm import tqdm
 
 import calibrators
 
 from . import __version__
-from .data import load_dataset
+from .data import check_sampling, load_dataset
 from .errors import QtoolError
 from .model import FloatRunner, file_digest, float_tensors, graph_inputs, input_shape, load_model, prepare
+from .report import progress_bar
 from .table import Table, TensorEntry
 
 
@@ -28,10 +28,7 @@ def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minm
         calibrator_cls = calibrators.get(method)
     except KeyError as e:
         raise QtoolError(e.args[0]) from None
-    if batch_size < 1:
-        raise QtoolError(f"batch size must be >= 1, got {batch_size}")
-    if num_samples is not None and num_samples < 1:
-        raise QtoolError(f"number of samples must be >= 1, got {num_samples}")
+    check_sampling(num_samples, batch_size)
     model = prepare(load_model(model_path), f"model file '{model_path}'")
     data = load_dataset(data_path, model)
     batch_size = fixed_batch(model) or batch_size
@@ -39,7 +36,7 @@ def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minm
     runner = FloatRunner(model, names)
     stats = {name: calibrator_cls() for name in names}
     total = len(data) if num_samples is None else min(num_samples, len(data))
-    with tqdm(total=total, unit="sample", desc="calibrate", disable=not progress, leave=False) as bar:
+    with progress_bar(total, "calibrate", progress) as bar:
         for feeds in data.batches(batch_size, total):
             outputs = runner.run(feeds)
             for name in names:
@@ -48,6 +45,9 @@ def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minm
     tensors = {}
     for name in names:
         r = stats[name].result()
+        if not (math.isfinite(r.min) and math.isfinite(r.max)):
+            raise QtoolError(f"tensor '{name}' has NaN or Inf values on the calibration data "
+                             f"'{data_path}'")
         tensors[name] = TensorEntry(float(r.min), float(r.max), float(r.threshold), method)
     return Table(model=Path(model_path).name, model_sha256=file_digest(model_path), method=method,
                  samples=total, qtool_version=__version__, tensors=tensors)

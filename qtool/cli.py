@@ -15,6 +15,7 @@ import typer
 from . import __version__
 from .errors import EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
+from .fileio import atomic_write, check_writable
 from .report import float_node_lines
 
 EXIT_CODES = "Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option)."
@@ -57,6 +58,7 @@ def calibrate(
     from .table import write_table
 
     try:
+        check_writable(output)
         table = run(model, data, method, num_samples, batch_size, progress=not quiet)
         write_table(table, output)
     except QtoolError as e:
@@ -87,13 +89,13 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --symmetric --multiplier-bits 8
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm
     """
-    from .fileio import atomic_write
     from .quantize import QuantizeOptions, quantize as run
     from .table import read_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                               tuple(keep_float))
     try:
+        check_writable(output)
         qmodel, report = run(model, read_table(table), options, str(table))
         atomic_write(output, qmodel.SerializeToString())
     except QtoolError as e:
@@ -163,10 +165,10 @@ def exec_(
     """
     from .data import load_dataset
     from .executor import IntegerExecutor
-    from .fileio import atomic_write
     from .model import load_model
 
     try:
+        check_writable(output)
         model = load_model(qmodel)
         executor = IntegerExecutor(model)
         feeds = load_dataset(inputs, model).arrays
@@ -176,6 +178,8 @@ def exec_(
         atomic_write(output, buffer.getvalue())
     except QtoolError as e:
         raise _fail(e)
+    if not any(step.kind == "integer" for step in executor.steps):
+        _log(f"warning: no op of '{qmodel}' ran integer; is it a float model? (see qtool quantize)")
     if not quiet:
         floats = executor.float_nodes()
         _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")
@@ -183,7 +187,7 @@ def exec_(
             _log(line)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # so that "-1" is a value
 def scale(
     value: str = typer.Argument(..., help="A positive float scale, e.g. 0.1234."),
     bits: int = typer.Option(32, help="Multiplier width: 32 or 8."),

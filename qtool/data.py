@@ -45,11 +45,26 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         with loaded:
             return {key: loaded[key] for key in loaded.files}
     except ValueError as e:
-        if "pickle" in str(e).lower():
+        # numpy says "pickled data" for any file that is neither a zip nor .npy, so look: a pickle
+        # starts with its protocol opcode 0x80; object arrays inside an .npz say "Object arrays"
+        if str(e).startswith("Object arrays") or _starts_with(path, b"\x80"):
             raise QtoolError(f"data file '{path}' holds pickled objects; refusing to load it") from None
-        raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file ({e})") from None
+        raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file") from None
     except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file ({e})") from None
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(prefix)) == prefix
+
+
+def check_sampling(num_samples: int | None, batch_size: int) -> None:
+    """Reject counts that would compare nothing or loop forever, before any work starts."""
+    if batch_size < 1:
+        raise QtoolError(f"batch size must be >= 1, got {batch_size}")
+    if num_samples is not None and num_samples < 1:
+        raise QtoolError(f"number of samples must be >= 1, got {num_samples}")
 
 
 def load_dataset(path: str | Path, model: onnx.ModelProto) -> Dataset:

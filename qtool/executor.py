@@ -3,7 +3,7 @@
 Lowering (setup) finds each ``DequantizeLinear -> op -> QuantizeLinear`` group whose op has an
 integer kernel and derives its integer parameters; floats are used only there. At run time the
 group's kernel sees only integer arrays. Everything else runs as what it is: QuantizeLinear and
-DequantizeLinear at the float boundaries, and fenced float ops through ``onnx.reference``.
+DequantizeLinear at the float boundaries, and fenced float ops one node at a time in onnxruntime.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx.reference import ReferenceEvaluator
+import onnxruntime as ort
 
 from .errors import QtoolError
 from .fixedpoint import DEFAULT_ROUNDING
@@ -62,7 +62,7 @@ class IntegerExecutor:
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
         self.steps = self._prune(self._lower())
-        self._float_evaluators: dict[str, ReferenceEvaluator] = {}
+        self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
@@ -187,16 +187,29 @@ class IntegerExecutor:
         return self._run_float(step, values)
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
-        node = step.node
-        evaluator = self._float_evaluators.get(node.name)
-        if evaluator is None:
-            graph = onnx.helper.make_graph(
-                [node], "fenced", [onnx.ValueInfoProto(name=n) for n in node.input if n],
-                [onnx.ValueInfoProto(name=n) for n in node.output if n])
-            model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))
-            evaluator = self._float_evaluators[node.name] = ReferenceEvaluator(model)
-        feeds = dict(zip(step.inputs, values))
-        return evaluator.run(None, feeds)
+        """A fenced float op, run alone in onnxruntime (session built once per input types)."""
+        key = (step.node.name, tuple(v.dtype.str for v in values))
+        session = self._float_sessions.get(key)
+        if session is None:
+            session = self._float_sessions[key] = self._float_session(step.node, values)
+        return session.run(None, dict(zip(step.inputs, values)))
+
+    def _float_session(self, node: onnx.NodeProto, values: list[np.ndarray]) -> ort.InferenceSession:
+        inputs = [onnx.helper.make_tensor_value_info(
+            n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
+            for n, v in zip([n for n in node.input if n], values)]
+        outputs = [onnx.ValueInfoProto(name=n) for n in node.output if n]
+        graph = onnx.helper.make_graph([node], "fenced", inputs, outputs)
+        model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import),
+                                       ir_version=self.model.ir_version)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        try:
+            return ort.InferenceSession(model.SerializeToString(), options,
+                                        providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise QtoolError(f"cannot run float {node.op_type} node '{node.name}': "
+                             f"{str(e).splitlines()[0]}") from None
 
     # -- reporting ---------------------------------------------------------------------------------
     def float_nodes(self) -> list[tuple[str, str, str]]:

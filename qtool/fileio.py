@@ -9,6 +9,20 @@ from pathlib import Path
 from .errors import QtoolError
 
 
+def check_writable(path: str | Path) -> None:
+    """Fail early, before long work, when ``path`` could not be created."""
+    path = Path(path)
+    if path.is_dir():
+        raise QtoolError(f"cannot write '{path}': it is a directory")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise QtoolError(f"cannot write '{path}': '{folder}' is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise QtoolError(f"cannot write '{path}': '{folder}' is not writable")
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")

@@ -72,7 +72,7 @@ def quantize_multiplier(scale: float, bits: int = 32) -> tuple[int, int]:
             while math.ldexp(scale, rshift + 1) < 127:  # ldexp is exact
                 rshift += 1
         return int(math.ldexp(scale, rshift)), rshift
-    raise ValueError(f"multiplier bits must be one of {MULTIPLIER_BITS}, got {bits}")
+    raise ValueError(f"multiplier bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, got {bits}")
 
 
 def quantize_multipliers(scales, bits: int = 32) -> Requant:

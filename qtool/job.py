@@ -18,7 +18,8 @@ import calibrators
 
 from .calibrate import calibrate
 from .errors import QtoolError
-from .fileio import atomic_write
+from .data import read_npz
+from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
 from .table import write_table
@@ -31,8 +32,8 @@ SCHEMA = {
     "calibrate": ({
         "data": (str, True),
         "method": ("choice:calibrators", False),
-        "num_samples": (int, False),
-        "batch_size": (int, False),
+        "num_samples": ("posint", False),
+        "batch_size": ("posint", False),
     }, True),
     "quantize": ({
         "per_channel": (bool, False),
@@ -46,8 +47,8 @@ SCHEMA = {
         "data": (str, False),
         "labels": (str, False),
         "tolerance": ((float, list), False),
-        "num_samples": (int, False),
-        "batch_size": (int, False),
+        "num_samples": ("posint", False),
+        "batch_size": ("posint", False),
         "max_accuracy_drop": (float, False),
     }, False),
 }
@@ -75,6 +76,10 @@ def _check(value, schema: dict, path: str) -> None:
             _choice(v, calibrators.names(), where)
         elif isinstance(kind, tuple) and kind[0] == "choice":
             _choice(v, kind[1], where)
+        elif kind == "posint":
+            _type(v, int, where)
+            if v < 1:
+                raise QtoolError(f"{where}: must be >= 1, got {v}")
         else:
             _type(v, kind, where)
 
@@ -99,6 +104,8 @@ def load_job(path: str | Path) -> dict:
         raise QtoolError(f"job file '{path}' not found")
     try:
         job = yaml.safe_load(path.read_text())
+        if job is None:
+            raise QtoolError(f"job file '{path}' is empty; expected a mapping with model, calibrate, ...")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -124,49 +131,95 @@ class JobResult:
     failures: list[str] = field(default_factory=list)
 
 
-def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
+@dataclass(frozen=True)
+class JobPlan:
+    """A validated job: every path resolved, every setting parsed."""
+
+    model: Path
+    calibrate_data: Path
+    verify_data: Path
+    table: Path
+    qmodel: Path
+    report: Path
+    calibrate: dict
+    options: QuantizeOptions
+    tolerance: tuple[float, float | None]
+    verify: dict
+
+
+def plan_job(path: str | Path) -> JobPlan:
+    """Load and check a job whole, before any work: schema, files, labels, output folder."""
     path = Path(path)
     job = load_job(path)
-    base = path.parent
 
     def resolve(p: str) -> Path:
-        return Path(os.path.normpath(base / p))
+        return Path(os.path.normpath(path.parent / p))
 
+    def fail(key: str, message: str) -> QtoolError:
+        return QtoolError(f"job file '{path}': {key}: {message}")
+
+    cal, qz, ver = job["calibrate"], job.get("quantize", {}), job.get("verify", {})
     model = resolve(job["model"])
     out = resolve(job.get("output_dir", f"build/{model.stem}"))
-    cal, qz, ver = job["calibrate"], job.get("quantize", {}), job.get("verify", {})
-    table_path, qmodel_path = out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx"
-    report_path = out / f"{model.stem}.verify.json"
+    files = {"model": model, "calibrate.data": resolve(cal["data"]),
+             "verify.data": resolve(ver.get("data", cal["data"]))}
+    for key, file in files.items():
+        if not file.is_file():
+            raise fail(key, f"file '{file}' not found")
+    try:
+        tolerance = parse_tolerance(ver.get("tolerance", 0.99))
+    except QtoolError as e:
+        raise fail("verify.tolerance", str(e)) from None
+    if "labels" in ver:
+        arrays = read_npz(files["verify.data"])
+        if ver["labels"] not in arrays:
+            raise fail("verify.labels", f"no array '{ver['labels']}' in '{files['verify.data']}' "
+                                        f"(arrays: {', '.join(arrays)})")
+    if "max_accuracy_drop" in ver and "labels" not in ver:
+        raise fail("verify.max_accuracy_drop", "needs verify.labels")
+    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
+    plan = JobPlan(model, files["calibrate.data"], files["verify.data"],
+                   out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx",
+                   out / f"{model.stem}.verify.json", cal, options, tolerance, ver)
+    for target in (plan.table, plan.qmodel, plan.report):
+        try:
+            check_writable(target)
+        except QtoolError as e:
+            raise fail("output_dir", str(e)) from None
+    return plan
+
+
+def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
+    plan = plan_job(path)
+    cal, ver = plan.calibrate, plan.verify
     seconds = {}
 
     t0 = time.perf_counter()
-    table = calibrate(model, resolve(cal["data"]), cal.get("method", "minmax"), cal.get("num_samples"),
-                      cal.get("batch_size", 32), progress)
-    write_table(table, table_path)
+    table = calibrate(plan.model, plan.calibrate_data, cal.get("method", "minmax"),
+                      cal.get("num_samples"), cal.get("batch_size", 32), progress)
+    write_table(table, plan.table)
     seconds["calibrate"] = time.perf_counter() - t0
-    log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {table_path} "
+    log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "
         f"({seconds['calibrate']:.1f} s)")
 
     t0 = time.perf_counter()
-    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
-    qmodel, qreport = quantize(model, table, options, str(table_path))
-    atomic_write(qmodel_path, qmodel.SerializeToString())
+    qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
+    atomic_write(plan.qmodel, qmodel.SerializeToString())
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
-        f"-> {qmodel_path} ({seconds['quantize']:.1f} s)")
+        f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
 
     t0 = time.perf_counter()
-    report = verify(model, qmodel_path, resolve(ver.get("data", cal["data"])),
-                    parse_tolerance(ver.get("tolerance", 0.99)), ver.get("labels"),
+    report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
                     ver.get("num_samples"), ver.get("batch_size", 32), progress)
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
     drop = ver.get("max_accuracy_drop")
-    if drop is not None and report.accuracy is not None:
+    if drop is not None:
         lost = report.accuracy["float"] - report.accuracy["integer"]
         if lost > drop:
             failures.append(f"accuracy drop {lost:.2f} points > max_accuracy_drop {drop}")
     summary = report.to_dict() | {"job_failures": failures, "seconds": seconds}
-    atomic_write(report_path, (json.dumps(summary, indent=1) + "\n").encode())
-    log(f"verify: {report.samples} samples -> {report_path} ({seconds['verify']:.1f} s)")
-    return JobResult(table_path, qmodel_path, report_path, report, qreport, seconds, failures)
+    atomic_write(plan.report, (json.dumps(summary, indent=1) + "\n").encode())
+    log(f"verify: {report.samples} samples -> {plan.report} ({seconds['verify']:.1f} s)")
+    return JobResult(plan.table, plan.qmodel, plan.report, report, qreport, seconds, failures)

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from tqdm import tqdm
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A samples/s bar on stderr; also off when stderr is not a terminal (logs stay clean)."""
+    return tqdm(total=total, unit="sample", desc=desc, disable=None if enabled else True, leave=False)
+
 
 def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", shown: int = 3) -> list[str]:
     """Float nodes grouped by (op_type, reason): one line per group with a count and a few names."""

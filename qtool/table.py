@@ -6,6 +6,7 @@ The writer is deterministic (graph order, fixed float repr) so two runs give ide
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,11 +62,31 @@ def read_table(path: str | Path) -> Table:
     if not isinstance(data, dict) or data.get("qtool_table") != FORMAT_VERSION:
         raise QtoolError(f"table file '{path}' is not a qtool calibration table "
                          f"(missing key 'qtool_table: {FORMAT_VERSION}')")
+    entries = data.get("tensors") or {}
+    if not isinstance(entries, dict):
+        raise QtoolError(f"table file '{path}': 'tensors' must be a mapping of tensor name to entry")
+    tensors = {str(name): _entry(path, str(name), e) for name, e in entries.items()}
+    header = {}
+    for key, kind in (("model", str), ("model_sha256", str), ("method", str), ("samples", int),
+                      ("qtool_version", str)):
+        if key not in data:
+            raise QtoolError(f"table file '{path}': missing header key '{key}'")
+        try:
+            header[key] = kind(data[key])
+        except (TypeError, ValueError):
+            raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
+    return Table(**header, tensors=tensors)
+
+
+def _entry(path: Path, name: str, e) -> TensorEntry:
     try:
-        tensors = {str(name): TensorEntry(float(e["min"]), float(e["max"]), float(e["threshold"]),
-                                          str(e["method"]))
-                   for name, e in (data.get("tensors") or {}).items()}
-        return Table(str(data["model"]), str(data["model_sha256"]), str(data["method"]),
-                     int(data["samples"]), str(data["qtool_version"]), tensors)
-    except (KeyError, TypeError, ValueError) as e:
-        raise QtoolError(f"table file '{path}': bad or missing key {e}") from None
+        entry = TensorEntry(float(e["min"]), float(e["max"]), float(e["threshold"]), str(e["method"]))
+    except (KeyError, TypeError, ValueError):
+        raise QtoolError(f"table file '{path}': tensor '{name}' needs numbers min, max, threshold "
+                         f"and a method") from None
+    if not all(math.isfinite(v) for v in (entry.min, entry.max, entry.threshold)):
+        raise QtoolError(f"table file '{path}': tensor '{name}' has a non-finite range")
+    if entry.min > entry.max or entry.threshold < 0:
+        raise QtoolError(f"table file '{path}': tensor '{name}' has an invalid range "
+                         f"(min {entry.min}, max {entry.max}, threshold {entry.threshold})")
+    return entry

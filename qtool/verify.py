@@ -7,15 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from .calibrate import fixed_batch
-from .data import load_dataset
+from .data import check_sampling, load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
 from .model import FloatRunner, load_model, prepare
 from .qparams import QParams, dequantize_array
-from .report import float_node_lines
+from .report import float_node_lines, progress_bar
 
 
 @dataclass
@@ -112,6 +110,7 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
            num_samples: int | None = None, batch_size: int = 32, progress: bool = True) -> VerifyReport:
+    check_sampling(num_samples, batch_size)
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel)
@@ -127,7 +126,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     total = len(data) if num_samples is None else min(num_samples, len(data))
     batch_size = fixed_batch(model) or batch_size
     correct_float = correct_int = 0
-    with tqdm(total=total, unit="sample", desc="verify", disable=not progress, leave=False) as bar:
+    with progress_bar(total, "verify", progress) as bar:
         start = 0
         for feeds in data.batches(batch_size, total):
             reference = runner.run(feeds)

@@ -144,3 +144,12 @@ def test_executor_reports_accumulator_overflow(demo_model, demo_table, demo_held
                                         "bias": np.full_like(step.params.bias, 2**31 - 1)})
     with pytest.raises(QtoolError, match="overflow in Conv node 'conv1'"):
         executor.run({"input": np.load(demo_heldout)["input"][:2]})
+
+
+def test_float_model_against_itself_is_exact(demo_model, demo_heldout):
+    # the executor runs every node of an unquantized model in float (onnxruntime, one node at a
+    # time, BatchNormalization included): it must reproduce the whole-model run
+    report = verify(demo_model, demo_model, demo_heldout, num_samples=64, progress=False)
+    assert report.tensors == []  # nothing is integer
+    assert len(report.float_nodes) == 17  # the unprepared graph: BatchNormalization not folded
+    assert report.outputs[0].cosine > 0.999999

@@ -1,0 +1,716 @@
+"""The ``qtool`` command line, driven through typer's CliRunner.
+
+Contract under test (qtool/cli.py, qtool/errors.py):
+
+* a user error exits 2 and prints exactly one line, ``error: ...``, on stderr, naming the offending
+  file / key / tensor / input; no traceback, nothing on stdout, no output file left behind;
+* a verification failure exits 1;
+* data goes to stdout, logs and progress to stderr.
+
+This typer (0.29) ships its own CliRunner that always captures stdout and stderr separately:
+``result.stdout`` and ``result.stderr`` are the two streams, ``result.output`` is both interleaved.
+The runner swallows uncaught exceptions (exit code 1, no traceback printed), so "no traceback" is
+checked on ``result.exception`` as well as on the text.
+
+Expected numbers are literals or computed here from the input files with numpy / onnxruntime, never
+by qtool itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qtool.cli import app
+
+runner = CliRunner()
+
+COMMANDS = ["calibrate", "quantize", "verify", "exec", "scale", "run", "version"]
+HELDOUT_SAMPLES = 540  # images in qtool/demo/digits_heldout.npz
+NUM_CLASSES = 10
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+def invoke(*args):
+    """Run ``qtool ARGS`` in-process; Path arguments are passed as strings."""
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_no_crash(result) -> None:
+    """No uncaught exception (the runner would hide its traceback) and none printed either."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"uncaught {result.exception!r}\n{result.output}")
+    assert "Traceback" not in result.output
+
+
+def assert_user_error(result, *fragments: str) -> str:
+    """Exit 2, exactly one ``error: `` line on stderr containing every fragment, empty stdout."""
+    assert_no_crash(result)
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr.endswith("\n"), f"stderr is not one line: {result.stderr!r}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    return line
+
+
+def snapshot(folder: Path) -> list[Path]:
+    """Every file and folder under ``folder``, hidden ones (e.g. temporary files) included."""
+    return sorted(p.relative_to(folder) for p in folder.rglob("*"))
+
+
+def write_npz(path: Path, **arrays) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def images(n: int = 10, width: int = 8) -> np.ndarray:
+    """Inputs shaped like the demo model's ([N,1,8,8] float32), values in [0, 1)."""
+    return np.random.default_rng(0).random((n, 1, 8, width), dtype=np.float32)
+
+
+def top1_line(stdout: str) -> re.Match:
+    match = re.search(r"^top-1 accuracy on 'label': float (\d+\.\d\d)%, integer (\d+\.\d\d)%",
+                      stdout, re.MULTILINE)
+    assert match, stdout
+    return match
+
+
+# -- shared artifacts: one calibration table and one quantized model, made through the CLI -----------
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, demo_model, demo_calib):
+    folder = tmp_path_factory.mktemp("pipeline")
+    table, qmodel = folder / "table.yaml", folder / "model.q.onnx"
+    result = invoke("calibrate", demo_model, "--data", demo_calib, "-o", table, "--quiet")
+    assert result.exit_code == 0, result.output
+    result = invoke("quantize", demo_model, "--table", table, "-o", qmodel)
+    assert result.exit_code == 0, result.output
+    return {"table": table, "qmodel": qmodel}
+
+
+@pytest.fixture(scope="module")
+def float_accuracy(demo_model, demo_heldout) -> float:
+    """Top-1 accuracy (%) of the float model on the held-out set, with onnxruntime directly."""
+    data = np.load(demo_heldout)
+    session = ort.InferenceSession(str(demo_model), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"input": data["input"]})[0]
+    return 100.0 * float(np.mean(logits.argmax(-1) == data["label"]))
+
+
+# -- version and help --------------------------------------------------------------------------------
+
+def test_version_prints_package_version():
+    result = invoke("version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == dist_version("qtool")
+
+
+def test_top_level_help_documents_exit_codes():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    assert "0 ok" in text
+    assert "1 verification failed" in text
+    assert "2 user error" in text
+    for command in COMMANDS:
+        assert command in text
+
+
+def test_no_arguments_shows_help():
+    result = invoke()
+    assert_no_crash(result)
+    assert "Usage:" in result.output
+    assert "calibrate" in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command):
+    result = invoke(command, "--help")
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert "Usage:" in result.stdout
+    if command != "version":
+        assert "Examples" in result.stdout
+
+
+# -- scale -------------------------------------------------------------------------------------------
+
+def test_scale_32_bit():
+    result = invoke("scale", "0.1234")
+    assert result.exit_code == 0
+    assert re.search(r"^multiplier\s+2119995857$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^rshift\s+34$", result.stdout, re.MULTILINE), result.stdout
+    assert abs(2119995857 / 2**34 - 0.1234) < 1e-9  # the literals themselves are right
+
+
+def test_scale_8_bit():
+    result = invoke("scale", "0.1234", "--bits", "8")
+    assert result.exit_code == 0
+    assert re.search(r"^multiplier\s+126$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^rshift\s+10$", result.stdout, re.MULTILINE), result.stdout
+
+
+@pytest.mark.parametrize("bits, multiplier, rshift", [(32, 2119995857, 34), (8, 126, 10)])
+def test_scale_json(bits, multiplier, rshift):
+    result = invoke("scale", "0.1234", "--bits", bits, "--json")
+    assert result.exit_code == 0
+    assert len(result.stdout.strip().splitlines()) == 1
+    info = json.loads(result.stdout)
+    assert isinstance(info, dict)
+    assert {"multiplier", "rshift", "bits"} <= set(info)
+    assert (info["multiplier"], info["rshift"], info["bits"]) == (multiplier, rshift, bits)
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("0", "> 0"),
+    ("nan", "nan"),
+    ("inf", "inf"),
+    ("abc", "'abc'"),
+], ids=["zero", "nan", "inf", "not-a-number"])
+def test_scale_rejects_bad_value(value, fragment):
+    line = assert_user_error(invoke("scale", value), "scale")
+    assert fragment in line
+
+
+@pytest.mark.parametrize("value", ["-1", "-0.5"])
+def test_scale_rejects_negative_value_after_double_dash(value):
+    line = assert_user_error(invoke("scale", "--", value), "scale", "> 0")
+    assert f"got {float(value)!r}" in line
+
+
+def test_scale_rejects_negative_value():
+    assert_user_error(invoke("scale", "-1"), "scale")
+
+
+def test_scale_rejects_unsupported_bits():
+    assert_user_error(invoke("scale", "0.1234", "--bits", "16"), "16", "32", "8")
+
+
+# -- calibrate ---------------------------------------------------------------------------------------
+
+def calibrate_error(tmp_path: Path, model, data, *extra, expect=()) -> str:
+    """Run calibrate into tmp_path; it must fail as a user error and leave no file behind."""
+    before = snapshot(tmp_path)
+    result = invoke("calibrate", model, "--data", data, "-o", tmp_path / "table.yaml", *extra)
+    line = assert_user_error(result, *expect)
+    assert snapshot(tmp_path) == before
+    return line
+
+
+def test_calibrate_missing_model(tmp_path, demo_calib):
+    model = tmp_path / "nosuch.onnx"
+    calibrate_error(tmp_path, model, demo_calib, expect=[f"model file '{model}'", "not found"])
+
+
+def test_calibrate_model_is_not_onnx(tmp_path, demo_calib):
+    model = tmp_path / "garbage.onnx"
+    model.write_bytes(bytes(range(256)) * 4)
+    calibrate_error(tmp_path, model, demo_calib,
+                    expect=[f"model file '{model}'", "not a valid ONNX model"])
+
+
+def test_calibrate_model_is_truncated(tmp_path, demo_model, demo_calib):
+    whole = demo_model.read_bytes()
+    model = tmp_path / "truncated.onnx"
+    model.write_bytes(whole[:len(whole) // 2])
+    calibrate_error(tmp_path, model, demo_calib,
+                    expect=[f"model file '{model}'", "not a valid ONNX model"])
+
+
+def test_calibrate_missing_data(tmp_path, demo_model):
+    data = tmp_path / "nosuch.npz"
+    calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'", "not found"])
+
+
+def garbage_npz(tmp_path: Path) -> Path:
+    data = tmp_path / "garbage.npz"
+    data.write_bytes(b"this is not a numpy file\n" * 8)
+    assert not zipfile.is_zipfile(data)
+    return data
+
+
+def test_calibrate_data_is_not_npz(tmp_path, demo_model):
+    data = garbage_npz(tmp_path)
+    calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'"])
+
+
+def test_calibrate_data_is_not_npz_message(tmp_path, demo_model):
+    data = garbage_npz(tmp_path)
+    line = calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'"])
+    assert "not a valid .npz" in line
+    assert "pickle" not in line
+
+
+def test_calibrate_data_is_a_pickle_file(tmp_path, demo_model):
+    import pickle
+
+    data = tmp_path / "data.npz"
+    data.write_bytes(pickle.dumps({"input": [1, 2, 3]}))
+    calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'", "pickled objects"])
+
+
+def test_calibrate_data_holds_pickled_objects(tmp_path, demo_model):
+    objects = np.empty(3, dtype=object)
+    objects[:] = [1, "a", None]
+    data = write_npz(tmp_path / "pickled.npz", input=objects)
+    assert zipfile.is_zipfile(data)  # a real npz ...
+    with np.load(data, allow_pickle=True) as loaded:  # ... whose array really is an object array
+        assert loaded["input"].dtype == object
+    calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'", "pickled"])
+
+
+def test_calibrate_data_has_wrong_shape(tmp_path, demo_model):
+    data = write_npz(tmp_path / "shape.npz", x=images(width=9))
+    calibrate_error(tmp_path, demo_model, data,
+                    expect=[f"data file '{data}'", "'input'", "[10, 1, 8, 9]", "[N,1,8,8]"])
+
+
+def test_calibrate_data_has_no_array_for_input(tmp_path, demo_model):
+    data = write_npz(tmp_path / "two.npz", a=images(), b=np.arange(10))
+    calibrate_error(tmp_path, demo_model, data,
+                    expect=[f"data file '{data}'", "model input 'input'", "a, b"])
+
+
+def test_calibrate_data_has_nan(tmp_path, demo_model):
+    x = images()
+    x[3, 0, 2, 2] = np.nan
+    data = write_npz(tmp_path / "nan.npz", input=x)
+    calibrate_error(tmp_path, demo_model, data,
+                    expect=[f"data file '{data}'", "'input'", "NaN", "sample 3"])
+
+
+def test_calibrate_data_is_empty(tmp_path, demo_model):
+    data = write_npz(tmp_path / "empty.npz", input=np.zeros((0, 1, 8, 8), np.float32))
+    calibrate_error(tmp_path, demo_model, data, expect=[f"data file '{data}'", "'input'", "empty"])
+
+
+def test_calibrate_unknown_method(tmp_path, demo_model, demo_calib):
+    calibrate_error(tmp_path, demo_model, demo_calib, "--method", "kll",
+                    expect=["calibration method 'kll'", "minmax"])
+
+
+@pytest.mark.parametrize("option", ["--num-samples", "--batch-size"])
+def test_calibrate_rejects_zero_counts(tmp_path, demo_model, demo_calib, option):
+    calibrate_error(tmp_path, demo_model, demo_calib, option, "0", expect=[">= 1", "got 0"])
+
+
+def test_calibrate_unwritable_output(tmp_path, demo_model, demo_calib):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file where a folder is needed\n")
+    output = blocker / "table.yaml"
+    before = snapshot(tmp_path)
+    # --quiet: the write comes after the run, and without it the (cleared) progress bar precedes the
+    # error line on a non-terminal stderr
+    result = invoke("calibrate", demo_model, "--data", demo_calib, "-o", output, "--quiet")
+    assert_user_error(result, f"cannot write '{output}'")
+    assert snapshot(tmp_path) == before
+    assert blocker.read_text() == "a regular file where a folder is needed\n"
+
+
+def test_calibrate_writes_table(tmp_path, demo_model, demo_calib):
+    output = tmp_path / "table.yaml"
+    result = invoke("calibrate", demo_model, "--data", demo_calib, "-o", output)
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert result.stdout == ""  # logs and progress go to stderr
+    assert str(output) in result.stderr
+
+    table = yaml.safe_load(output.read_text())
+    x = np.load(demo_calib)["input"]
+    assert table["qtool_table"] == 1
+    assert table["model"] == demo_model.name
+    assert table["model_sha256"] == hashlib.sha256(demo_model.read_bytes()).hexdigest()
+    assert table["method"] == "minmax"
+    assert table["samples"] == len(x)
+    assert {"input", "bn1_out", "logits"} <= set(table["tensors"])
+    assert table["tensors"]["input"]["min"] == float(x.min())
+    assert table["tensors"]["input"]["max"] == float(x.max())
+    assert [p.name for p in tmp_path.iterdir()] == ["table.yaml"]  # no temporary file left
+
+
+def test_calibrate_is_deterministic(tmp_path, demo_model, demo_calib):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for output in (first, second):
+        assert invoke("calibrate", demo_model, "-d", demo_calib, "-o", output, "-q").exit_code == 0
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_calibrate_json_table_feeds_quantize(tmp_path, demo_model, demo_calib):
+    table = tmp_path / "table.json"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "-o", table, "-q").exit_code == 0
+    assert json.loads(table.read_text())["qtool_table"] == 1
+    result = invoke("quantize", demo_model, "-t", table, "-o", tmp_path / "q.onnx")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "q.onnx").is_file()
+
+
+# -- quantize ----------------------------------------------------------------------------------------
+
+def quantize_error(tmp_path: Path, model, table, *extra, expect=()) -> str:
+    before = snapshot(tmp_path)
+    result = invoke("quantize", model, "--table", table, "-o", tmp_path / "q.onnx", *extra)
+    line = assert_user_error(result, *expect)
+    assert snapshot(tmp_path) == before
+    return line
+
+
+def test_quantize_writes_model(tmp_path, demo_model, pipeline):
+    output = tmp_path / "q.onnx"
+    result = invoke("quantize", demo_model, "--table", pipeline["table"], "-o", output)
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert result.stderr == ""  # no warning: the table was made for this very model
+    assert re.search(r"^integer: \d+ ops", result.stdout, re.MULTILINE), result.stdout
+    model = onnx.load(str(output))
+    onnx.checker.check_model(model)
+    ops = {node.op_type for node in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert "BatchNormalization" not in ops  # folded into the convolutions
+
+
+def test_quantize_json_report(tmp_path, demo_model, pipeline):
+    result = invoke("quantize", demo_model, "-t", pipeline["table"], "-o", tmp_path / "q.onnx", "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["quantized"]["Conv"] == 4  # conv1, block_conv1, block_conv2, conv2
+    assert report["kept_float"] == []
+
+
+def test_quantize_warns_when_table_is_for_another_model(tmp_path, demo_model, pipeline):
+    model = onnx.load(str(demo_model))
+    model.doc_string = "edited, so the sha256 differs from the one in the table"
+    other = tmp_path / "other.onnx"
+    onnx.save(model, str(other))
+    result = invoke("quantize", other, "-t", pipeline["table"], "-o", tmp_path / "q.onnx")
+    assert result.exit_code == 0
+    assert result.stderr.startswith("warning: ")
+    assert f"made for model '{demo_model.name}'" in result.stderr
+    assert "'other.onnx'" in result.stderr
+
+
+def test_quantize_missing_model(tmp_path, pipeline):
+    model = tmp_path / "nosuch.onnx"
+    quantize_error(tmp_path, model, pipeline["table"], expect=[f"model file '{model}'", "not found"])
+
+
+def test_quantize_missing_table(tmp_path, demo_model):
+    table = tmp_path / "nosuch.yaml"
+    quantize_error(tmp_path, demo_model, table, expect=[f"table file '{table}'", "not found"])
+
+
+def test_quantize_table_is_not_a_qtool_table(tmp_path, demo_model):
+    table = tmp_path / "other.yaml"
+    table.write_text("a: 1\n")
+    quantize_error(tmp_path, demo_model, table,
+                   expect=[f"table file '{table}'", "not a qtool calibration table", "qtool_table"])
+
+
+def test_quantize_table_is_not_yaml(tmp_path, demo_model):
+    table = tmp_path / "broken.yaml"
+    table.write_text("a: [\n")
+    quantize_error(tmp_path, demo_model, table, expect=[f"table file '{table}'", "not valid YAML"])
+
+
+def test_quantize_table_entry_is_malformed(tmp_path, demo_model, pipeline):
+    data = yaml.safe_load(pipeline["table"].read_text())
+    del data["model"]
+    table = tmp_path / "nomodel.yaml"
+    table.write_text(yaml.safe_dump(data, sort_keys=False))
+    quantize_error(tmp_path, demo_model, table, expect=[f"table file '{table}'", "'model'"])
+
+
+def test_quantize_table_misses_a_tensor(tmp_path, demo_model, pipeline):
+    data = yaml.safe_load(pipeline["table"].read_text())
+    del data["tensors"]["bn1_out"]
+    table = tmp_path / "partial.yaml"
+    table.write_text(yaml.safe_dump(data, sort_keys=False))
+    quantize_error(tmp_path, demo_model, table,
+                   expect=["tensor 'bn1_out'", "not in the calibration table", str(table)])
+
+
+@pytest.mark.parametrize("entry, expect", [
+    ({"min": 5.0, "max": 1.0, "threshold": 5.0, "method": "minmax"}, ["invalid range", "min 5.0, max 1.0"]),
+    ({"min": float("nan"), "max": 1.0, "threshold": 1.0, "method": "minmax"}, ["non-finite range"]),
+    ({"min": "abc", "max": 1.0, "threshold": 1.0, "method": "minmax"}, ["needs numbers"]),
+    (5, ["needs numbers"]),
+])
+def test_quantize_table_with_bad_entry(tmp_path, demo_model, pipeline, entry, expect):
+    data = yaml.safe_load(pipeline["table"].read_text())
+    data["tensors"]["input"] = entry
+    table = tmp_path / "bad.yaml"
+    table.write_text(yaml.safe_dump(data, sort_keys=False))
+    quantize_error(tmp_path, demo_model, table, expect=[f"table file '{table}'", "tensor 'input'", *expect])
+
+
+@pytest.mark.parametrize("option, value, expect", [
+    ("--rounding", "up", ["rounding mode 'up'", "half_up", "half_to_even", "toward_zero"]),
+    ("--multiplier-bits", "16", ["multiplier bits", "32, 8", "got 16"]),
+    ("--activation-type", "int4", ["activation type 'int4'", "int8, uint8"]),
+], ids=["rounding", "multiplier-bits", "activation-type"])
+def test_quantize_rejects_bad_option(tmp_path, demo_model, pipeline, option, value, expect):
+    quantize_error(tmp_path, demo_model, pipeline["table"], option, value, expect=expect)
+
+
+# -- exec --------------------------------------------------------------------------------------------
+
+def test_exec_writes_logits(tmp_path, pipeline, demo_heldout):
+    output = tmp_path / "y.npz"
+    result = invoke("exec", pipeline["qmodel"], "--input", demo_heldout, "-o", output)
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert result.stdout == ""
+    assert "0 in float" in result.stderr  # the whole demo model runs on integer kernels
+    with np.load(output) as y:
+        assert list(y.files) == ["logits"]
+        logits = y["logits"]
+    assert logits.shape == (HELDOUT_SAMPLES, NUM_CLASSES)
+    labels = np.load(demo_heldout)["label"]
+    assert np.mean(logits.argmax(-1) == labels) > 0.95  # a working digits classifier
+
+
+def test_exec_warns_on_a_float_model(tmp_path, demo_model, demo_heldout):
+    result = invoke("exec", demo_model, "--input", demo_heldout, "-o", tmp_path / "y.npz", "--quiet")
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert result.stderr.startswith(f"warning: no op of '{demo_model}' ran integer")
+
+
+def test_exec_missing_model(tmp_path, demo_heldout):
+    model = tmp_path / "nosuch.onnx"
+    before = snapshot(tmp_path)
+    result = invoke("exec", model, "--input", demo_heldout, "-o", tmp_path / "y.npz")
+    assert_user_error(result, f"model file '{model}'", "not found")
+    assert snapshot(tmp_path) == before
+
+
+def test_exec_input_has_wrong_shape(tmp_path, pipeline):
+    data = write_npz(tmp_path / "shape.npz", input=images(width=9))
+    before = snapshot(tmp_path)
+    result = invoke("exec", pipeline["qmodel"], "--input", data, "-o", tmp_path / "y.npz")
+    assert_user_error(result, f"data file '{data}'", "'input'", "[10, 1, 8, 9]")
+    assert snapshot(tmp_path) == before
+
+
+def test_exec_unwritable_output(tmp_path, pipeline, demo_heldout):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    output = blocker / "y.npz"
+    before = snapshot(tmp_path)
+    result = invoke("exec", pipeline["qmodel"], "--input", demo_heldout, "-o", output)
+    assert_user_error(result, f"cannot write '{output}'")
+    assert snapshot(tmp_path) == before
+
+
+# -- verify ------------------------------------------------------------------------------------------
+
+def test_verify_passes(demo_model, pipeline, demo_heldout):
+    result = invoke("verify", demo_model, pipeline["qmodel"], "--data", demo_heldout)
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS"), result.stdout
+    assert f"verify: {HELDOUT_SAMPLES} samples" in result.stdout
+
+
+def test_verify_fails_a_strict_tolerance(demo_model, pipeline, demo_heldout):
+    result = invoke("verify", demo_model, pipeline["qmodel"], "--data", demo_heldout,
+                    "--tolerance", "1.0,200", "--num-samples", "64", "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 1
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL"), result.stdout
+    assert "SQNR" in last and "< 200.0 dB" in last
+    assert "PASS" not in result.stdout
+
+
+def test_verify_reports_top1_accuracy(demo_model, pipeline, demo_heldout, float_accuracy):
+    result = invoke("verify", demo_model, pipeline["qmodel"], "--data", demo_heldout,
+                    "--labels", "label", "-q")
+    assert result.exit_code == 0, result.output
+    match = top1_line(result.stdout)
+    assert match.group(1) == f"{float_accuracy:.2f}"  # onnxruntime on the float model, computed here
+    assert float(match.group(2)) > 95.0
+
+
+def test_verify_json(demo_model, pipeline, demo_heldout):
+    result = invoke("verify", demo_model, pipeline["qmodel"], "--data", demo_heldout,
+                    "--num-samples", "64", "--json", "-q")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["passed"] is True
+    assert report["samples"] == 64
+    assert [o["name"] for o in report["outputs"]] == ["logits"]
+
+
+def verify_error(tmp_path: Path, float_model, qmodel, data, *extra, expect=()) -> str:
+    before = snapshot(tmp_path)
+    line = assert_user_error(invoke("verify", float_model, qmodel, "--data", data, *extra), *expect)
+    assert snapshot(tmp_path) == before
+    return line
+
+
+def test_verify_unknown_labels(tmp_path, demo_model, pipeline, demo_heldout):
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], demo_heldout, "--labels", "nosuch",
+                 expect=["labels array 'nosuch'", str(demo_heldout), "input, label"])
+
+
+@pytest.mark.parametrize("tolerance", ["abc", "2", "0.9,30,1"])
+def test_verify_bad_tolerance(tmp_path, demo_model, pipeline, demo_heldout, tolerance):
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], demo_heldout, "--tolerance", tolerance,
+                 expect=["tolerance", f"'{tolerance}'"])
+
+
+def test_verify_missing_qmodel(tmp_path, demo_model, demo_heldout):
+    qmodel = tmp_path / "nosuch.q.onnx"
+    verify_error(tmp_path, demo_model, qmodel, demo_heldout,
+                 expect=[f"model file '{qmodel}'", "not found"])
+
+
+def test_verify_data_has_nan(tmp_path, demo_model, pipeline):
+    x = images()
+    x[5, 0, 0, 0] = np.inf
+    data = write_npz(tmp_path / "nan.npz", input=x)
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], data,
+                 expect=[f"data file '{data}'", "NaN or Inf", "sample 5"])
+
+
+def test_verify_rejects_zero_batch_size(tmp_path, demo_model, pipeline, demo_heldout):
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], demo_heldout, "--batch-size", "0",
+                 expect=["batch size"])
+
+
+def test_verify_rejects_zero_samples(tmp_path, demo_model, pipeline, demo_heldout):
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], demo_heldout, "--num-samples", "0",
+                 expect=["number of samples"])
+
+
+# -- run (YAML job) ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def job(tmp_path, demo_model, demo_calib):
+    """A minimal valid job (absolute paths, output_dir in tmp_path) to edit per test."""
+    return {"model": str(demo_model), "output_dir": str(tmp_path / "out"),
+            "calibrate": {"data": str(demo_calib)}}
+
+
+def write_job(tmp_path: Path, content) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+def run_error(tmp_path: Path, content, *extra, expect=()) -> str:
+    """Run a job that must fail as a user error and create nothing (no output_dir either)."""
+    path = write_job(tmp_path, content)
+    before = snapshot(tmp_path)
+    line = assert_user_error(invoke("run", path, *extra), f"job file '{path}'", *expect)
+    assert snapshot(tmp_path) == before
+    return line
+
+
+def test_run_passes(tmp_path, job, demo_heldout):
+    job["verify"] = {"data": str(demo_heldout), "labels": "label", "tolerance": 0.99,
+                     "max_accuracy_drop": 1.0}
+    path = write_job(tmp_path, job)
+    result = invoke("run", path)
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS"), result.stdout
+    top1_line(result.stdout)
+
+    out = tmp_path / "out"
+    table, qmodel, report = (out / "digits_cnn.table.yaml", out / "digits_cnn.q.onnx",
+                             out / "digits_cnn.verify.json")
+    assert sorted(p.name for p in out.iterdir()) == sorted([table.name, qmodel.name, report.name])
+    assert yaml.safe_load(table.read_text())["qtool_table"] == 1
+    onnx.checker.check_model(onnx.load(str(qmodel)))
+    summary = json.loads(report.read_text())
+    assert summary["passed"] is True
+    assert summary["job_failures"] == []
+    assert summary["samples"] == HELDOUT_SAMPLES
+    for artifact in (table, qmodel, report):  # stage logs on stderr name every artifact
+        assert str(artifact) in result.stderr
+
+
+def test_run_accuracy_drop_fails(tmp_path, job, demo_heldout):
+    job["verify"] = {"data": str(demo_heldout), "labels": "label", "num_samples": 128,
+                     "max_accuracy_drop": -100.0}  # impossible: integer must beat float by 100 points
+    result = invoke("run", write_job(tmp_path, job), "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 1
+    assert "FAIL: accuracy drop" in result.stdout
+
+
+def test_run_missing_job_file(tmp_path):
+    path = tmp_path / "nosuch.yaml"
+    assert_user_error(invoke("run", path), f"job file '{path}'", "not found")
+    assert snapshot(tmp_path) == []
+
+
+def test_run_malformed_yaml(tmp_path):
+    run_error(tmp_path, "model: [unclosed\ncalibrate: {data: x.npz}\n", expect=["not valid YAML", "line"])
+
+
+def test_run_empty_job_file(tmp_path):
+    run_error(tmp_path, "", expect=["expected a mapping"])
+
+
+def test_run_missing_required_key(tmp_path, job):
+    del job["calibrate"]
+    run_error(tmp_path, job, expect=["calibrate: required key is missing"])
+
+
+def test_run_unknown_nested_key(tmp_path, job):
+    job["calibrate"]["methd"] = "minmax"
+    run_error(tmp_path, job, expect=["calibrate.methd", "unknown key", "method"])
+
+
+def test_run_unknown_top_level_key(tmp_path, job):
+    job["modle"] = job.pop("model")
+    run_error(tmp_path, job, expect=["modle", "unknown key", "model"])
+
+
+def test_run_wrong_type(tmp_path, job):
+    job["calibrate"]["batch_size"] = "big"
+    run_error(tmp_path, job, expect=["calibrate.batch_size", "expected an integer", "'big'"])
+
+
+def test_run_unknown_method(tmp_path, job):
+    job["calibrate"]["method"] = "kll"
+    run_error(tmp_path, job, expect=["calibrate.method", "'kll'", "choose one of", "minmax"])
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    ("rounding", "up", "half_up"),
+    ("activation_type", "int4", "int8, uint8"),
+    ("multiplier_bits", 16, "32, 8"),
+], ids=["rounding", "activation_type", "multiplier_bits"])
+def test_run_unknown_quantize_choice(tmp_path, job, key, value, choices):
+    job["quantize"] = {key: value}
+    run_error(tmp_path, job, expect=[f"quantize.{key}", repr(value), choices])
+
+
+def test_run_unknown_labels_leaves_nothing(tmp_path, job):
+    job["verify"] = {"labels": "nosuch"}
+    run_error(tmp_path, job, "--quiet", expect=["verify.labels", "'nosuch'"])
+
+
+def test_run_rejects_zero_verify_batch_size(tmp_path, job):
+    job["verify"] = {"batch_size": 0}
+    run_error(tmp_path, job, "--quiet", expect=["verify.batch_size"])
