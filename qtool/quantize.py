@@ -124,7 +124,8 @@ class _Rewriter:
         self.taken |= {i.name for i in self.graph.input}
         self.nodes: list[onnx.NodeProto] = []
         self.new_inits: list[onnx.TensorProto] = []
-        self.weight_cache: dict[tuple, str] = {}
+        self.weight_cache: dict[tuple, str] = {}  # (weight, axis) -> DequantizeLinear output
+        self.weight_qparams: dict[tuple, QParams] = {}
 
     def run(self) -> onnx.ModelProto:
         integer = self._choose_nodes()
@@ -296,10 +297,16 @@ class _Rewriter:
         return dq_out
 
     def _weight_qparams(self, name: str, axis: int | None) -> QParams:
+        """Symmetric int8 scales of a weight, computed once per (weight, axis): its bias needs them
+        again."""
         w = self.inits[name]
-        if self.opt.per_channel and axis is not None and w.ndim > 1:
-            return per_channel_symmetric(w, axis)
-        return symmetric(float(np.abs(w).max(initial=0.0)), "int8")
+        key = (name, axis if self.opt.per_channel and w.ndim > 1 else None)
+        if key not in self.weight_qparams:
+            if key[1] is not None:
+                self.weight_qparams[key] = per_channel_symmetric(w, axis)
+            else:
+                self.weight_qparams[key] = symmetric(float(np.abs(w).max(initial=0.0)), "int8")
+        return self.weight_qparams[key]
 
     def _weight(self, name: str, spec: Weight) -> str:
         key = (name, spec.axis if self.opt.per_channel else None)
