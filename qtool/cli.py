@@ -81,7 +81,10 @@ def quantize(
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
-    """Rewrite MODEL as QDQ ONNX using TABLE; integer parameters travel in the model.
+    """Rewrite MODEL as QDQ ONNX using TABLE, ready for onnxruntime and qtool exec.
+
+    The model carries int8 weights, int32 biases, scales and zero points, and the rounding mode
+    and multiplier width in its metadata: all the integer executor derives its parameters from.
 
     \b
     Examples:
