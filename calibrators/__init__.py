@@ -2,7 +2,9 @@
 
 A calibrator keeps streaming state for one tensor: ``update(batch)`` folds in a batch,
 ``merge(other)`` folds in another calibrator's state (a shard of the same dataset), and
-``result()`` gives the range and threshold as a ``Range``. Third parties add methods through the
+``result()`` gives the range and threshold as a ``Range``. ``state()`` returns that state as a
+dict of numpy arrays and ``load_state(state)`` restores it (``--stats-out`` and ``qtool merge``).
+Constructor keyword arguments are the method's parameters (``--param NAME=VALUE``). Third parties add methods through the
 entry-point group ``qtool.calibrators``, whose objects are calibrator classes with a ``name``.
 """
 
@@ -46,4 +48,4 @@ def get(name: str) -> type:
     return REGISTRY[name]
 
 
-from . import minmax  # noqa: E402,F401  (registration)
+from . import aciq_gauss, aciq_laplace, kl, minmax, mse, percentile  # noqa: E402,F401  (registration)

@@ -1,4 +1,8 @@
-"""Min/max: the running extremes, or their moving average over batches (TensorRT/ORT style)."""
+"""Min/max: the running extremes, or with ``moving_average=c`` an exponential moving average over
+batches (``m <- m + c * (batch_m - m)``, as TensorFlow's and onnxruntime's calibrators offer).
+
+Merging takes the extremes of both shards, which equals a single pass exactly for plain min/max;
+a moving average depends on batch order and merges only approximately."""
 
 from __future__ import annotations
 
@@ -31,6 +35,13 @@ class MinMax:
     def merge(self, other: "MinMax") -> None:
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
         self.count += other.count
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"scalars": np.array([self.min, self.max]), "integers": np.array([self.count])}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        self.min, self.max = (float(v) for v in state["scalars"])
+        self.count = int(state["integers"][0])
 
     def result(self) -> Range:
         return Range(self.min, self.max, max(abs(self.min), abs(self.max)))

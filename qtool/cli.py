@@ -37,34 +37,111 @@ def _log(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def _preprocess(resize, mean, std, scale, channels, layout, input_name):
+    """Image preprocessing from command-line flags (used only when DATA is a folder of images)."""
+    from .data import Preprocess
+
+    def floats(text, what):
+        try:
+            return tuple(float(v) for v in text.split(","))
+        except ValueError:
+            raise QtoolError(f"--{what} takes comma-separated numbers, got '{text}'") from None
+
+    size = None
+    if resize:
+        try:
+            height, width = (int(v) for v in resize.lower().split("x"))
+            size = (height, width)
+        except ValueError:
+            raise QtoolError(f"--resize takes HEIGHTxWIDTH, e.g. 48x320, got '{resize}'") from None
+    return Preprocess(size, floats(mean, "mean"), floats(std, "std"), scale, channels, layout,
+                      input_name)
+
+
 @app.command()
 def calibrate(
     model: Path = typer.Argument(..., help="Float ONNX model."),
-    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, samples first."),
-    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml or .json)."),
-    method: str = typer.Option("minmax", help="Calibration method."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name (samples "
+                                                        "first), or a folder of .npy/.npz or images."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml or "
+                                                                       ".json)."),
+    method: str = typer.Option("minmax", help="minmax, kl, percentile, mse, aciq_gauss, "
+                                              "aciq_laplace, or a plugin's."),
+    param: List[str] = typer.Option([], help="Method parameter NAME=VALUE (repeatable), e.g. "
+                                             "percentile=99.9, variant=tpu_mlir."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
     batch_size: int = typer.Option(32, help="Samples per onnxruntime run."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    stats_out: Optional[Path] = typer.Option(None, help="Also save the raw statistics (.npz) for "
+                                                        "qtool merge."),
+    resize: Optional[str] = typer.Option(None, help="Images: HEIGHTxWIDTH (default: the model's)."),
+    mean: str = typer.Option("0", help="Images: per-channel mean after scaling, e.g. 0.5,0.5,0.5."),
+    std: str = typer.Option("1", help="Images: per-channel std, e.g. 0.5,0.5,0.5."),
+    scale: float = typer.Option(1 / 255, help="Images: pixel multiplier before mean/std."),
+    channels: str = typer.Option("rgb", help="Images: rgb, bgr or gray."),
+    layout: str = typer.Option("nchw", help="Images: nchw or nhwc."),
+    input_name: Optional[str] = typer.Option(None, "--input", help="Images: the model input they "
+                                                                   "feed."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or log."),
 ):
-    """Run the float model over DATA and write per-tensor ranges.
+    """Run the float model over DATA and write per-tensor ranges and thresholds.
 
     \b
     Examples:
       qtool calibrate model.onnx --data calib.npz -o table.yaml
-      qtool calibrate model.onnx --data calib.npz -o table.json --num-samples 100
+      qtool calibrate model.onnx --data calib.npz -o table.yaml --method kl
+      qtool calibrate model.onnx --data calib.npz -o t.yaml --method percentile --param percentile=99.9
+      qtool calibrate model.onnx --data images/ -o t.yaml --resize 224x224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225
+      qtool calibrate model.onnx --data shard1.npz --stats-out part1.npz   # then: qtool merge part*.npz -o t.yaml
     """
-    from .calibrate import calibrate as run
+    from .calibrate import collect, parse_params
+    from .table import write_table
+
+    try:
+        if output is None and stats_out is None:
+            raise QtoolError("give -o TABLE, --stats-out STATS, or both")
+        for target in (output, stats_out):
+            if target is not None:
+                check_writable(target)
+        pre = _preprocess(resize, mean, std, scale, channels, layout, input_name)
+        stats = collect(model, data, method, parse_params(param), num_samples, batch_size,
+                        progress=not quiet, preprocess=pre, log=None if quiet else _log)
+        table = stats.table()
+        if stats_out is not None:
+            stats.save(stats_out)
+        if output is not None:
+            write_table(table, output)
+    except QtoolError as e:
+        raise _fail(e)
+    if not quiet:
+        written = " and ".join(str(p) for p in (output, stats_out) if p is not None)
+        _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples ({method}) -> {written}")
+
+
+@app.command()
+def merge(
+    stats: List[Path] = typer.Argument(..., help="Statistics files from calibrate --stats-out."),
+    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml or .json)."),
+):
+    """Merge statistics of disjoint shards into one table, as if calibrated in a single pass.
+
+    Min/max merge exactly; histogram methods merge their histograms exactly (power-of-two ranges).
+
+    \b
+    Examples:
+      qtool calibrate model.onnx -d shard1.npz --method kl --stats-out part1.npz
+      qtool calibrate model.onnx -d shard2.npz --method kl --stats-out part2.npz
+      qtool merge part1.npz part2.npz -o table.yaml
+    """
+    from .calibrate import merge as run
     from .table import write_table
 
     try:
         check_writable(output)
-        table = run(model, data, method, num_samples, batch_size, progress=not quiet)
+        table = run(stats)
         write_table(table, output)
     except QtoolError as e:
         raise _fail(e)
-    if not quiet:
-        _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples -> {output}")
+    _log(f"merged {len(stats)} files: {len(table.tensors)} tensors on {table.samples} samples -> {output}")
 
 
 @app.command()
@@ -174,8 +251,8 @@ def exec_(
         check_writable(output)
         model = load_model(qmodel)
         executor = IntegerExecutor(model)
-        feeds = load_dataset(inputs, model).arrays
-        result = executor.run(feeds)
+        data = load_dataset(inputs, model)
+        result = executor.run(data.batch(0, len(data)))
         buffer = io.BytesIO()
         np.savez(buffer, **result.outputs)
         atomic_write(output, buffer.getvalue())

@@ -18,9 +18,10 @@ import calibrators
 
 from .calibrate import calibrate
 from .errors import QtoolError
-from .data import read_npz
+from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
+from .calibrate import make_calibrator
 from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
 from .table import write_table
 from .verify import VerifyReport, parse_tolerance, verify
@@ -32,8 +33,18 @@ SCHEMA = {
     "calibrate": ({
         "data": (str, True),
         "method": ("choice:calibrators", False),
+        "params": (dict, False),
         "num_samples": ("posint", False),
         "batch_size": ("posint", False),
+        "preprocess": ({
+            "resize": (list, False),
+            "mean": (list, False),
+            "std": (list, False),
+            "scale": (float, False),
+            "channels": (("choice", CHANNEL_ORDERS), False),
+            "layout": (("choice", LAYOUTS), False),
+            "input": (str, False),
+        }, False),
     }, True),
     "quantize": ({
         "per_channel": (bool, False),
@@ -53,7 +64,7 @@ SCHEMA = {
     }, False),
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
-               list: "a list"}
+               list: "a list", dict: "a mapping"}
 
 
 def _check(value, schema: dict, path: str) -> None:
@@ -142,6 +153,7 @@ class JobPlan:
     qmodel: Path
     report: Path
     calibrate: dict
+    preprocess: Preprocess | None
     options: QuantizeOptions
     tolerance: tuple[float, float | None]
     verify: dict
@@ -177,10 +189,31 @@ def plan_job(path: str | Path) -> JobPlan:
                                         f"(arrays: {', '.join(arrays)})")
     if "max_accuracy_drop" in ver and "labels" not in ver:
         raise fail("verify.max_accuracy_drop", "needs verify.labels")
+    try:
+        make_calibrator(cal.get("method", "minmax"), cal.get("params"))
+    except QtoolError as e:
+        raise fail("calibrate.params", str(e)) from None
+    preprocess = None
+    if "preprocess" in cal:
+        pre = dict(cal["preprocess"])
+        if "resize" in pre:
+            if len(pre["resize"]) != 2 or not all(isinstance(v, int) and v > 0 for v in pre["resize"]):
+                raise fail("calibrate.preprocess.resize", f"expected [height, width], got {pre['resize']}")
+            pre["resize"] = tuple(pre["resize"])
+        for key in ("mean", "std"):
+            if key in pre:
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pre[key]):
+                    raise fail(f"calibrate.preprocess.{key}", f"expected numbers, got {pre[key]}")
+                pre[key] = tuple(float(v) for v in pre[key])
+        preprocess = Preprocess(**pre)
+        try:
+            preprocess.check()
+        except QtoolError as e:
+            raise fail("calibrate.preprocess", str(e)) from None
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
     plan = JobPlan(model, files["calibrate.data"], files["verify.data"],
                    out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx",
-                   out / f"{model.stem}.verify.json", cal, options, tolerance, ver)
+                   out / f"{model.stem}.verify.json", cal, preprocess, options, tolerance, ver)
     for target in (plan.table, plan.qmodel, plan.report):
         try:
             check_writable(target)
@@ -196,7 +229,8 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
 
     t0 = time.perf_counter()
     table = calibrate(plan.model, plan.calibrate_data, cal.get("method", "minmax"),
-                      cal.get("num_samples"), cal.get("batch_size", 32), progress)
+                      cal.get("num_samples"), cal.get("batch_size", 32), progress,
+                      cal.get("params"), plan.preprocess)
     write_table(table, plan.table)
     seconds["calibrate"] = time.perf_counter() - t0
     log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "
@@ -211,7 +245,7 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
 
     t0 = time.perf_counter()
     report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
-                    ver.get("num_samples"), ver.get("batch_size", 32), progress)
+                    ver.get("num_samples"), ver.get("batch_size", 32), progress, plan.preprocess)
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
     drop = ver.get("max_accuracy_drop")

@@ -34,6 +34,8 @@ class Table:
     samples: int
     qtool_version: str
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    params: dict = field(default_factory=dict)  # the method's parameters
+    input_shapes: dict = field(default_factory=dict)  # input name -> ["N", dims...] seen in the data
 
     def to_dict(self) -> dict:
         header = {k: v for k, v in asdict(self).items() if k != "tensors"}
@@ -75,7 +77,8 @@ def read_table(path: str | Path) -> Table:
             header[key] = kind(data[key])
         except (TypeError, ValueError):
             raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
-    return Table(**header, tensors=tensors)
+    extra = {key: data[key] for key in ("params", "input_shapes") if isinstance(data.get(key), dict)}
+    return Table(**header, tensors=tensors, **extra)
 
 
 def _entry(path: Path, name: str, e) -> TensorEntry:

@@ -11,7 +11,7 @@ from .calibrate import fixed_batch
 from .data import check_sampling, load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
-from .model import FloatRunner, load_model, prepare
+from .model import FloatRunner, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
 
@@ -109,18 +109,20 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
-           num_samples: int | None = None, batch_size: int = 32, progress: bool = True) -> VerifyReport:
+           num_samples: int | None = None, batch_size: int = 32, progress: bool = True,
+           preprocess=None) -> VerifyReport:
     check_sampling(num_samples, batch_size)
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel)
-    data = load_dataset(data_path, model)
+    data = load_dataset(data_path, model, preprocess)
+    input_names = {vi.name for vi in graph_inputs(model)}
     if labels is not None and labels not in data.extra:
         raise QtoolError(f"data file '{data_path}' has no labels array '{labels}' "
-                         f"(arrays: {', '.join([*data.arrays, *data.extra])})")
-    known = {o for node in model.graph.node for o in node.output} | set(data.arrays)
+                         f"(arrays: {', '.join(data.keys) or 'none'})")
+    known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
-    tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, data.arrays), t.qparams, t.clamped)
+    tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
     runner = FloatRunner(model, [c.name for c in tensors])
     total = len(data) if num_samples is None else min(num_samples, len(data))

@@ -1,0 +1,23 @@
+"""ACIQ with a Gaussian fit: clip at ``mu +- alpha * sigma`` (alpha ~ 3.92 for 8 bits).
+
+``mu`` and ``sigma`` come from the exact running sum and sum of squares, so shards merge exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import register
+from ._aciq import ACIQCalibrator
+
+
+@register
+class ACIQGauss(ACIQCalibrator):
+    name = "aciq_gauss"
+    distribution = "gauss"
+
+    def spread(self) -> float:
+        h = self.hist
+        if not h.n:
+            return 0.0
+        return math.sqrt(max(h.total_sq / h.n - self.mean() ** 2, 0.0))

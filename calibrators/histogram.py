@@ -1,0 +1,167 @@
+"""The streaming histogram behind the kl, percentile, mse and aciq calibrators.
+
+Signed counts over ``[-R, R)`` in ``2 * bins`` bins, with ``R`` always a power of two: when a batch
+exceeds ``R``, the range doubles as often as needed and each new bin is the exact sum of
+``2**k`` old bins, so a histogram that grows mid-stream holds the same counts as one built in a
+single pass, and two shards merge by adding counts after growing to the larger range. The price is
+resolution: the data's ``max|x|`` occupies between half and all of the bins.
+
+Alongside: min, max, the element count, sum and sum of squares (for ACIQ's Gaussian fit), and the
+number of exact zeros (TPU-MLIR's KLD leaves them out).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+DEFAULT_BINS = 2048
+
+
+class Histogram:
+    def __init__(self, bins: int = DEFAULT_BINS):
+        self.bins = bins
+        self.range = 0.0  # R: bins cover [-R, R); 0 while every value seen is 0
+        self.counts = np.zeros(2 * bins, dtype=np.int64)  # [-R, 0) then [0, R)
+        self.min, self.max = math.inf, -math.inf
+        self.n = 0
+        self.total = 0.0
+        self.total_sq = 0.0
+        self.zeros = 0
+
+    # -- streaming -----------------------------------------------------------------------------
+    def update(self, x: np.ndarray) -> None:
+        if x.size == 0:
+            return
+        x = np.asarray(x, dtype=np.float32).ravel()
+        lo, hi = float(x.min()), float(x.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            self.min, self.max = math.nan, math.nan  # reported by the caller, never binned
+            return
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        self._grow(max(-lo, hi))
+        x64 = x.astype(np.float64)
+        self.n += x.size
+        self.total += float(x64.sum())
+        self.total_sq += float(x64 @ x64)
+        self.zeros += int(x.size - np.count_nonzero(x))
+        if self.range == 0.0:
+            self.counts[self.bins] += x.size
+            return
+        index = np.floor(x64 * (self.bins / self.range)).astype(np.int64)
+        index += self.bins
+        np.clip(index, 0, 2 * self.bins - 1, out=index)
+        self.counts += np.bincount(index, minlength=2 * self.bins)
+
+    def _grow(self, peak: float) -> None:
+        if peak <= self.range or peak == 0.0:
+            return
+        new_range = math.ldexp(1.0, math.ceil(math.log2(peak)))
+        if self.range == 0.0:
+            self.range = new_range
+            return
+        factor = int(round(new_range / self.range))
+        self.counts = _rebin(self.counts, self.bins, factor)
+        self.range = new_range
+
+    def merge(self, other: "Histogram") -> None:
+        if other.bins != self.bins:
+            raise ValueError(f"cannot merge histograms of {self.bins} and {other.bins} bins")
+        other_counts = other.counts
+        if other.range > self.range:
+            self._grow(other.range)
+        elif other.range < self.range and other.range > 0:
+            other_counts = _rebin(other.counts, self.bins, int(round(self.range / other.range)))
+        self.counts = self.counts + other_counts
+        self.min, self.max = min(self.min, other.min), max(self.max, other.max)
+        self.n += other.n
+        self.total += other.total
+        self.total_sq += other.total_sq
+        self.zeros += other.zeros
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def width(self) -> float:
+        return self.range / self.bins
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.min) and math.isfinite(self.max)
+
+    def abs_counts(self) -> np.ndarray:
+        """Counts of |x| over [0, R) in ``bins`` bins."""
+        return self.counts[self.bins:] + self.counts[:self.bins][::-1]
+
+    def used_bins(self, counts: np.ndarray) -> int:
+        nonzero = np.flatnonzero(counts)
+        return int(nonzero[-1]) + 1 if nonzero.size else 0
+
+    def peak(self) -> float:
+        return max(abs(self.min), abs(self.max)) if self.finite else math.nan
+
+    # -- state for sharding ----------------------------------------------------------------------
+    def state(self) -> dict[str, np.ndarray]:
+        return {"counts": self.counts,
+                "scalars": np.array([self.range, self.min, self.max, self.total, self.total_sq]),
+                "integers": np.array([self.bins, self.n, self.zeros], dtype=np.int64)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, np.ndarray]) -> "Histogram":
+        bins, n, zeros = (int(v) for v in state["integers"])
+        h = cls(bins)
+        h.counts = state["counts"].astype(np.int64)
+        h.range, h.min, h.max, h.total, h.total_sq = (float(v) for v in state["scalars"])
+        h.n, h.zeros = n, zeros
+        return h
+
+
+def _rebin(counts: np.ndarray, bins: int, factor: int) -> np.ndarray:
+    """Counts over a range ``factor`` (a power of two) times wider: new bins sum old ones."""
+    if factor == 1:
+        return counts
+    negative, positive = counts[:bins][::-1], counts[bins:]  # both ordered by |x|
+
+    def shrink(side):
+        out = np.zeros(bins, dtype=np.int64)
+        if factor >= bins:
+            out[0] = side.sum()
+        else:
+            merged = side.reshape(bins // factor, factor).sum(axis=1)
+            out[:merged.size] = merged
+        return out
+
+    return np.concatenate([shrink(negative)[::-1], shrink(positive)])
+
+
+class HistogramCalibrator:
+    """Base for calibrators that keep a ``Histogram``; subclasses define ``threshold()``."""
+
+    name = ""
+
+    def __init__(self, bins: int = DEFAULT_BINS):
+        self.hist = Histogram(bins)
+
+    def update(self, x: np.ndarray) -> None:
+        self.hist.update(x)
+
+    def merge(self, other: "HistogramCalibrator") -> None:
+        self.hist.merge(other.hist)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.hist.state()
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        self.hist = Histogram.from_state(state)
+
+    def threshold(self) -> float:
+        raise NotImplementedError
+
+    def result(self):
+        from . import Range
+
+        h = self.hist
+        if not h.finite:
+            return Range(math.nan, math.nan, math.nan)
+        threshold = min(self.threshold(), h.peak())
+        return Range(max(h.min, -threshold), min(h.max, threshold), threshold)
