@@ -1,0 +1,174 @@
+"""calibrate as a whole: methods and parameters, shards and merge, data folders and images."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qtool.calibrate import calibrate, collect, merge
+from qtool.cli import app
+from qtool.errors import QtoolError
+from qtool.model import FloatRunner, load_model, prepare
+
+runner = CliRunner()
+METHODS = ["minmax", "kl", "percentile", "mse", "aciq_gauss", "aciq_laplace"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_calibrates_the_demo(demo_model, demo_calib, method):
+    table = calibrate(demo_model, demo_calib, method, progress=False)
+    assert table.method == method and len(table.tensors) == 14
+    for name, e in table.tensors.items():
+        assert e.method == method and e.min <= 0 <= e.max and e.threshold > 0, name
+
+
+def test_minmax_table_matches_a_direct_run(demo_model, demo_calib):
+    table = calibrate(demo_model, demo_calib, progress=False)
+    model = prepare(load_model(demo_model))
+    x = np.load(demo_calib)["input"]
+    outputs = FloatRunner(model, list(table.tensors)).run({"input": x})
+    for name, e in table.tensors.items():
+        assert (e.min, e.max) == (float(outputs[name].min()), float(outputs[name].max())), name
+
+
+@pytest.mark.parametrize("method", ["minmax", "kl", "percentile"])
+def test_shards_merge_to_the_single_pass(tmp_path, demo_model, demo_calib, method):
+    x = np.load(demo_calib)["input"]
+    np.savez(tmp_path / "a.npz", input=x[:100])
+    np.savez(tmp_path / "b.npz", input=x[100:])
+    for shard in ("a", "b"):
+        collect(demo_model, tmp_path / f"{shard}.npz", method, progress=False).save(tmp_path / f"{shard}.stats.npz")
+    merged = merge([tmp_path / "a.stats.npz", tmp_path / "b.stats.npz"])
+    single = calibrate(demo_model, demo_calib, method, progress=False, batch_size=100)
+    assert merged.samples == single.samples == 256
+    assert merged.tensors == single.tensors  # exact: min/max and power-of-two histograms
+
+
+def test_merge_refuses_other_methods(tmp_path, demo_model, demo_calib):
+    collect(demo_model, demo_calib, "kl", progress=False).save(tmp_path / "kl.npz")
+    collect(demo_model, demo_calib, "minmax", progress=False).save(tmp_path / "mm.npz")
+    with pytest.raises(QtoolError, match="method 'minmax' differs from 'kl'"):
+        merge([tmp_path / "kl.npz", tmp_path / "mm.npz"])
+
+
+def test_cli_stats_out_and_merge(tmp_path, demo_model, demo_calib):
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", tmp_path / "s.npz",
+                    "--method", "percentile", "--param", "percentile=99.9", "-q")
+    assert result.exit_code == 0, result.output
+    result = invoke("merge", tmp_path / "s.npz", "-o", tmp_path / "t.yaml")
+    assert result.exit_code == 0, result.output
+    table = yaml.safe_load((tmp_path / "t.yaml").read_text())
+    assert table["method"] == "percentile" and table["params"] == {"percentile": "99.9"}
+    assert table["input_shapes"] == {"input": ["N", 1, 8, 8]}
+
+
+def test_params_reach_the_calibrator(demo_model, demo_calib):
+    loose = calibrate(demo_model, demo_calib, "percentile", params={"percentile": "90"}, progress=False)
+    tight = calibrate(demo_model, demo_calib, "percentile", params={"percentile": 99.999}, progress=False)
+    assert loose.tensors["logits"].threshold < tight.tensors["logits"].threshold
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--method", "kl", "--param", "nosuch=1"], ["unknown parameter 'nosuch'", "bins, levels, variant"]),
+    (["--method", "kl", "--param", "variant=other"], ["unknown kl variant 'other'", "tensorrt"]),
+    (["--method", "percentile", "--param", "percentile=abc"], ["must be float", "'abc'"]),
+    (["--method", "percentile", "--param", "percentile=150"], ["percentile must be in (0, 100]"]),
+    (["--param", "novalue"], ["NAME=VALUE", "'novalue'"]),
+])
+def test_bad_params_are_user_errors(tmp_path, demo_model, demo_calib, args, fragments):
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "t.yaml", *args, "-q")
+    one_line_error(result, *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_needs_an_output(demo_model, demo_calib):
+    one_line_error(invoke("calibrate", demo_model, "-d", demo_calib), "-o TABLE", "--stats-out")
+
+
+def test_merge_errors(tmp_path, demo_calib):
+    one_line_error(invoke("merge", demo_calib, "-o", tmp_path / "t.yaml"), "not a qtool statistics file")
+    one_line_error(invoke("merge", tmp_path / "none.npz", "-o", tmp_path / "t.yaml"), "not found")
+
+
+def test_folder_of_npy_files_equals_the_npz(tmp_path, demo_model, demo_calib):
+    x = np.load(demo_calib)["input"][:20]
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    for i, sample in enumerate(x):
+        np.save(folder / f"{i:03d}.npy", sample)
+    np.savez(tmp_path / "x.npz", input=x)
+    from_folder = calibrate(demo_model, folder, progress=False, batch_size=8)
+    from_npz = calibrate(demo_model, tmp_path / "x.npz", progress=False, batch_size=8)
+    assert from_folder.tensors == from_npz.tensors and from_folder.samples == 20
+
+
+def test_folder_of_images_with_preprocessing(tmp_path, demo_model):
+    from PIL import Image
+
+    from qtool.data import Preprocess, load_dataset
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(3, 16, 16), dtype=np.uint8)
+    for i, p in enumerate(pixels):
+        Image.fromarray(p).save(folder / f"img{i}.png")
+    pre = Preprocess(resize=(8, 8), mean=(0.5,), std=(0.25,), channels="gray")
+    data = load_dataset(folder, prepare(load_model(demo_model)), pre)
+    batch = data.batch(0, 3)["input"]
+    assert batch.shape == (3, 1, 8, 8) and batch.dtype == np.float32
+    expected = (np.asarray(Image.fromarray(pixels[0]).resize((8, 8), Image.BILINEAR), np.float32) / 255 - 0.5) / 0.25
+    assert np.allclose(batch[0, 0], expected)
+    table = calibrate(demo_model, folder, progress=False, preprocess=pre)
+    assert table.samples == 3
+
+
+def test_cli_image_folder_errors(tmp_path, demo_model):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(folder / "a.png")
+    (folder / "b.png").write_bytes(b"not a png")
+    out = tmp_path / "t.yaml"
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--channels", "gray", "-q"),
+                   "image", "b.png", "cannot be read")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--channels", "cmyk", "-q"),
+                   "unknown channel order 'cmyk'")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--resize", "8by8", "-q"),
+                   "--resize takes HEIGHTxWIDTH")
+    assert not out.exists()
+
+
+def test_dynamic_dims_are_reported(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+    import onnx
+
+    w = np.ones((2, 3, 1, 1), np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="c")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, "h", "w"])],
+        [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((4, 3, 5, 7), np.float32))
+    result = invoke("calibrate", tmp_path / "m.onnx", "-d", tmp_path / "d.npz", "-o", tmp_path / "t.json")
+    assert result.exit_code == 0, result.output
+    assert "input 'x': dims ['N', 3, 'h', 'w'] fixed to ['N', 3, 5, 7] from the data" in result.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["input_shapes"] == {"x": ["N", 3, 5, 7]}
