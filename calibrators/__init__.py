@@ -4,7 +4,12 @@ A calibrator keeps streaming state for one tensor: ``update(batch)`` folds in a 
 ``merge(other)`` folds in another calibrator's state (a shard of the same dataset), and
 ``result()`` gives the range and threshold as a ``Range``. ``state()`` returns that state as a
 dict of numpy arrays and ``load_state(state)`` restores it (``--stats-out`` and ``qtool merge``).
-Constructor keyword arguments are the method's parameters (``--param NAME=VALUE``). Third parties add methods through the
+Constructor keyword arguments are the method's parameters (``--param NAME=VALUE``).
+
+A calibrator may also declare ``reductions`` (a subset of ``qtool.stats_graph.REDUCTIONS``) and
+``update_reduced(batch_stats)``: the engine then computes those statistics inside onnxruntime and
+never copies the tensor out, which is what keeps calibration near inference speed. Calibrators
+without them receive each batch's full tensors through ``update``. Third parties add methods through the
 entry-point group ``qtool.calibrators``, whose objects are calibrator classes with a ``name``.
 """
 

@@ -35,21 +35,33 @@ class Histogram:
         if x.size == 0:
             return
         x = np.asarray(x, dtype=np.float32).ravel()
-        lo, hi = float(x.min()), float(x.max())
+        x64 = x.astype(np.float64)
+        self._fold(float(x.min()), float(x.max()), x.size, float(x64.sum()), float(x64 @ x64),
+                   int(x.size - np.count_nonzero(x)), x)
+
+    def add_batch(self, stats) -> None:
+        """Fold in a batch reduced inside onnxruntime (``qtool.stats_graph.BatchStats``): exact
+        min, max and moments of the whole tensor, and a sample of it to bin."""
+        self._fold(stats.min, stats.max, stats.count, stats.total, stats.total_sq, stats.zeros,
+                   stats.sample)
+
+    def _fold(self, lo, hi, count, total, total_sq, zeros, values) -> None:
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.min, self.max = math.nan, math.nan  # reported by the caller, never binned
             return
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self._grow(max(-lo, hi))
-        x64 = x.astype(np.float64)
-        self.n += x.size
-        self.total += float(x64.sum())
-        self.total_sq += float(x64 @ x64)
-        self.zeros += int(x.size - np.count_nonzero(x))
-        if self.range == 0.0:
-            self.counts[self.bins] += x.size
+        self.n += count
+        self.total += total
+        self.total_sq += total_sq
+        self.zeros += zeros
+        if values is None or values.size == 0:
             return
-        index = np.floor(x64 * (self.bins / self.range)).astype(np.int64)
+        values = np.asarray(values).ravel()
+        if self.range == 0.0:
+            self.counts[self.bins] += values.size
+            return
+        index = np.floor(values * np.float32(self.bins / self.range)).astype(np.int64)
         index += self.bins
         np.clip(index, 0, 2 * self.bins - 1, out=index)
         self.counts += np.bincount(index, minlength=2 * self.bins)
@@ -142,8 +154,14 @@ class HistogramCalibrator:
     def __init__(self, bins: int = DEFAULT_BINS):
         self.hist = Histogram(bins)
 
+    # what the engine reduces inside onnxruntime for this calibrator (qtool.stats_graph)
+    reductions = ("minmax", "sample")
+
     def update(self, x: np.ndarray) -> None:
         self.hist.update(x)
+
+    def update_reduced(self, stats) -> None:
+        self.hist.add_batch(stats)
 
     def merge(self, other: "HistogramCalibrator") -> None:
         self.hist.merge(other.hist)

@@ -76,6 +76,8 @@ class KL(HistogramCalibrator):
             raise ValueError(f"unknown kl variant '{variant}'; choose one of {', '.join(VARIANTS)}")
         super().__init__(bins)
         self.levels, self.variant = levels, variant
+        if variant == "tpu_mlir":
+            self.reductions = ("minmax", "sample", "zeros")
 
     def threshold(self) -> float:
         h = self.hist

@@ -19,7 +19,7 @@ import onnx
 
 import calibrators
 
-from . import __version__
+from . import __version__, stats_graph
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
@@ -167,7 +167,8 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset) -> tuple[onnx.ModelProto, d
 
 def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax",
             params: dict | None = None, num_samples: int | None = None, batch_size: int = 32,
-            progress: bool = True, preprocess=None, log=None) -> Statistics:
+            progress: bool = True, preprocess=None, log=None,
+            histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR) -> Statistics:
     make_calibrator(method, params)  # validate before any work
     check_sampling(num_samples, batch_size)
     model = prepare(load_model(model_path), f"model file '{model_path}'")
@@ -180,19 +181,46 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     batch_size = fixed_batch(model) or batch_size
     names = float_tensors(typed)
-    runner = FloatRunner(model, names)
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
                        0, shapes, {name: make_calibrator(method, params) for name in names})
+    update = _updater(model, typed, names, stats.calibrators, histogram_samples)
     total = len(data) if num_samples is None else min(num_samples, len(data))
     with progress_bar(total, "calibrate", progress) as bar:
         for feeds in data.batches(batch_size, total):
-            outputs = runner.run(feeds)
-            for name, calibrator in stats.calibrators.items():
-                calibrator.update(outputs[name])
+            update(feeds)
             n = len(next(iter(feeds.values())))
             stats.samples += n
             bar.update(n)
     return stats
+
+
+def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int):
+    """A function feeding one batch to every calibrator: through statistics reduced inside
+    onnxruntime when the method declares them, else through the full tensors."""
+    prototype = next(iter(calibrators_by_name.values()), None)
+    reductions = getattr(prototype, "reductions", None)
+    if not reductions or not hasattr(prototype, "update_reduced"):
+        runner = FloatRunner(model, names)
+
+        def update_full(feeds):
+            outputs = runner.run(feeds)
+            for name, calibrator in calibrators_by_name.items():
+                calibrator.update(outputs[name])
+
+        return update_full
+    infos = [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in infos}
+    shapes = {vi.name: input_shape(vi) for vi in infos}
+    cap = histogram_samples if histogram_samples > 0 else np.iinfo(np.int64).max
+    stats_model, layout = stats_graph.build(model, names, types, shapes, set(reductions), cap)
+    runner = FloatRunner(stats_model)
+
+    def update_reduced(feeds):
+        batch = stats_graph.unpack(runner.run(feeds), layout)
+        for name, calibrator in calibrators_by_name.items():
+            calibrator.update_reduced(batch[name])
+
+    return update_reduced
 
 
 def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minmax",

@@ -105,6 +105,8 @@ class FloatRunner:
     """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
 
     def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0):
+        """A session on ``model`` (prepared already, so onnxruntime's default optimizations apply
+        on top) returning its outputs plus ``extra_outputs``."""
         model = onnx.ModelProto.FromString(model.SerializeToString())
         known = {o.name for o in model.graph.output}
         value_info = {vi.name: vi for vi in model.graph.value_info}
@@ -112,8 +114,10 @@ class FloatRunner:
             if name not in known:
                 model.graph.output.append(value_info.get(name) or onnx.ValueInfoProto(name=name))
         options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 3
+        # run each node's consumers soon after it, so tensors are freed early: with every tensor
+        # an output (or reduced), the default order keeps a whole batch's activations alive
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(model.SerializeToString(), options,
