@@ -229,7 +229,11 @@ class _Rewriter:
         for node in self.graph.node:
             op = integer.get(node.name)
             if op is not None and op.shares_qparams:
-                parent[find(node.output[0])] = find(node.input[0])
+                consts = op.constants(node)
+                members = [n for i, n in enumerate(node.input) if n and i not in consts]
+                members += [n for n in node.output if n in parent]
+                for other in members[1:]:
+                    parent[find(other)] = find(members[0])
         groups = defaultdict(list)
         for n in activations:
             groups[find(n)].append(n)

@@ -153,3 +153,17 @@ def test_float_model_against_itself_is_exact(demo_model, demo_heldout):
     assert report.tensors == []  # nothing is integer
     assert len(report.float_nodes) == 17  # the unprepared graph: BatchNormalization not folded
     assert report.outputs[0].cosine > 0.999999
+
+
+def test_data_movement_ops_share_their_input_range(demo_model, demo_table):
+    # forward propagation: MaxPool and Flatten outputs take their inputs' (S, Z), so their
+    # kernels need no requantization; the group's range covers every member
+    qmodel, _ = quantize(demo_model, demo_table)
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    for a, b in [("block_relu2_out", "pool_out"), ("gap_out", "flatten_out")]:
+        assert inits[f"{a}_scale"] == inits[f"{b}_scale"] and inits[f"{a}_zero_point"] == inits[f"{b}_zero_point"]
+    widest = max(demo_table.tensors[n].max for n in ("block_add_out", "block_relu2_out", "pool_out"))
+    assert inits["pool_out_scale"] == np.float32(widest / 255)
+    executor = IntegerExecutor(qmodel)
+    pool = next(s for s in executor.steps if s.node.op_type == "MaxPool")
+    assert pool.params.rescale.requant is None  # identity: no arithmetic at all
