@@ -195,9 +195,9 @@ class IntegerExecutor:
         return session.run(None, dict(zip(step.inputs, values)))
 
     def _float_session(self, node: onnx.NodeProto, values: list[np.ndarray]) -> ort.InferenceSession:
-        inputs = [onnx.helper.make_tensor_value_info(
-            n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
-            for n, v in zip([n for n in node.input if n], values)]
+        typed = dict(zip([n for n in node.input if n], values))  # a node may read a tensor twice
+        inputs = [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
+                  for n, v in typed.items()]
         outputs = [onnx.ValueInfoProto(name=n) for n in node.output if n]
         graph = onnx.helper.make_graph([node], "fenced", inputs, outputs)
         model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import),

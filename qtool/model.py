@@ -43,11 +43,28 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     return model
 
 
-def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
-    """Fold constants and BatchNorm with onnxruntime's basic graph optimizer, then infer shapes.
+MIN_OPSET = 13  # DequantizeLinear's axis (per-channel weights) needs opset 13
 
-    Calibrate, quantize and verify all call this, so they see the same tensor names.
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
+    """Upgrade to opset 13 when older, fold constants and BatchNorm with onnxruntime's basic graph
+    optimizer, then infer shapes.
+
+    Calibrate, quantize and verify all call this, so they see the same graph and tensor names.
+    The upgrade comes first because onnx's version converter rewrites some ops (Softmax gains a
+    Flatten and a Reshape going to opset 13).
     """
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as e:
+            raise QtoolError(f"cannot upgrade {source} from opset {opset} to {MIN_OPSET} "
+                             f"(needed for per-channel QDQ): {_first_line(e)}") from None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
@@ -58,9 +75,29 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
         except Exception as e:
             raise QtoolError(f"onnxruntime cannot load {source}: {_first_line(e)}") from None
         prepared = onnx.load(options.optimized_model_filepath)
-    _drop_unused_initializers(prepared)
-    _name_nodes(prepared)
+    normalize(prepared)
     return onnx.shape_inference.infer_shapes(prepared)
+
+
+def normalize(model: onnx.ModelProto) -> None:
+    """In place: Constant nodes become initializers, unused initializers go, every node gets a
+    unique name. Run after anything that rewrites the graph (the optimizer, an opset upgrade)."""
+    graph = model.graph
+    keep = []
+    for node in graph.node:
+        value = next((a for a in node.attribute if a.name == "value"), None)
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and value is not None:
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(value.t)
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+        else:
+            keep.append(node)
+    if len(keep) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(keep)
+    _drop_unused_initializers(model)
+    _name_nodes(model)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 from . import __version__
 from .errors import QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
-from .model import file_digest, graph_inputs, initializers, load_model, prepare
+from .model import default_opset, file_digest, graph_inputs, initializers, load_model, prepare
 from .ops import REGISTRY, Bias, Unsupported, Weight, node_attrs
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
@@ -27,7 +27,6 @@ from .table import Table
 ACTIVATION_TYPES = ("int8", "uint8")
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int32": onnx.TensorProto.INT32}
-PER_CHANNEL_OPSET = 13  # DequantizeLinear's axis attribute
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")
     model = prepare(source, f"model file '{model_path}'")
-    model = _upgrade_opset(model, report)
+    report.opset = default_opset(model)
+    if default_opset(source) < report.opset:
+        report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}")
     rewritten = _Rewriter(model, table, options, report, table_name).run()
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest}
@@ -91,21 +92,6 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
         raise RuntimeError(f"quantized model fails the ONNX checker: {e}") from e
     report.size_after = rewritten.ByteSize()
     return rewritten, report
-
-
-def _upgrade_opset(model: onnx.ModelProto, report: QuantizeReport) -> onnx.ModelProto:
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < PER_CHANNEL_OPSET:
-        try:
-            model = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
-        except Exception as e:
-            raise QtoolError(f"cannot upgrade the model from opset {opset} to {PER_CHANNEL_OPSET} "
-                             f"for per-channel QDQ: {str(e).splitlines()[0]}") from None
-        report.warnings.append(f"opset upgraded from {opset} to {PER_CHANNEL_OPSET}")
-        opset = PER_CHANNEL_OPSET
-        model = onnx.shape_inference.infer_shapes(model)
-    report.opset = opset
-    return model
 
 
 class _Rewriter:
