@@ -8,7 +8,9 @@ runs ``qtool.calibrate.collect`` and reports the seconds it took (model preparat
 creation and the pass over the data included) and its peak RSS. The ratio divides those seconds by
 plain onnxruntime float inference over the same samples and batch size (default optimizations,
 best of 3 after a warm-up), measured in this same run. onnxruntime's own ``quantize_static``
-(MinMax and Entropy) runs beside, also in a child process, for its wall time and peak RSS.
+(MinMax and Entropy) runs beside, also in a child process, for its wall time and peak RSS, with
+the settings it needs to write a valid model here: the model upgraded to opset 13 and passed
+through ``quant_pre_process`` (see bench/ort_baseline.py).
 
 Needs: pip install -e '.[bench]' (Pillow, scikit-image) and rapidocr-onnxruntime --no-deps.
 """
@@ -97,8 +99,11 @@ def main(argv=None) -> None:
                                  r["peak_rss_mb"], f"{r['tensors']} tensors"))
             if not args.no_ort_quantize:
                 for method in args.ort_methods.split(","):
+                    # opset 13 and quant_pre_process: without them quantize_static writes an
+                    # invalid (opset 12) or silently poor (weights as Constant nodes) model
                     r = ort_baseline.run_quantize_static(model, data, method,
-                                                         os.path.join(tmp, f"{key}.{method}.onnx"), batch)
+                                                         os.path.join(tmp, f"{key}.{method}.onnx"), batch,
+                                                         opset=13, prep="ort")
                     seconds = r.get("quantize_seconds") or r.get("wall_seconds")
                     note = (r.get("error") or "").strip().splitlines()[-1][:70] if r.get("error") else ""
                     rows.append((key, f"ORT quantize_static {method}", seconds,
