@@ -46,25 +46,41 @@ class Histogram:
                    stats.sample)
 
     def _fold(self, lo, hi, count, total, total_sq, zeros, values) -> None:
+        if self._fold_scalars(lo, hi, count, total, total_sq, zeros) and values is not None:
+            self.counts += _bin_many([np.asarray(values).ravel()], [self._scale()], self.bins)[0]
+
+    def _fold_scalars(self, lo, hi, count, total, total_sq, zeros) -> bool:
+        """Everything but the binning; False when the batch is not finite (nothing to bin)."""
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.min, self.max = math.nan, math.nan  # reported by the caller, never binned
-            return
+            return False
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self._grow(max(-lo, hi))
         self.n += count
         self.total += total
         self.total_sq += total_sq
         self.zeros += zeros
-        if values is None or values.size == 0:
+        return True
+
+    def _scale(self) -> np.float32:
+        """Bins per unit; 0 while the range is 0 (every value lands in the zero bin)."""
+        return np.float32(self.bins / self.range) if self.range else np.float32(0.0)
+
+    @staticmethod
+    def add_batches(histograms: list["Histogram"], stats: list) -> None:
+        """``add_batch`` for many histograms at once: one vectorised binning for the batch."""
+        values, scales, targets = [], [], []
+        for h, s in zip(histograms, stats):
+            if h._fold_scalars(s.min, s.max, s.count, s.total, s.total_sq, s.zeros) \
+                    and s.sample is not None and s.sample.size:
+                values.append(np.asarray(s.sample).ravel())
+                scales.append(h._scale())
+                targets.append(h)
+        if not targets:
             return
-        values = np.asarray(values).ravel()
-        if self.range == 0.0:
-            self.counts[self.bins] += values.size
-            return
-        index = np.floor(values * np.float32(self.bins / self.range)).astype(np.int64)
-        index += self.bins
-        np.clip(index, 0, 2 * self.bins - 1, out=index)
-        self.counts += np.bincount(index, minlength=2 * self.bins)
+        bins = targets[0].bins
+        for h, counts in zip(targets, _bin_many(values, scales, bins)):
+            h.counts += counts
 
     def _grow(self, peak: float) -> None:
         if peak <= self.range or peak == 0.0:
@@ -128,6 +144,19 @@ class Histogram:
         return h
 
 
+def _bin_many(values: list[np.ndarray], scales: list, bins: int) -> np.ndarray:
+    """Signed-bin counts [len(values), 2 * bins] of several arrays, each with its own scale
+    (bins per unit), in one bincount."""
+    sizes = np.array([v.size for v in values])
+    flat = np.concatenate(values).astype(np.float32, copy=False)
+    scaled = flat * np.repeat(np.asarray(scales, dtype=np.float32), sizes)
+    index = np.floor(scaled).astype(np.int64)
+    index += bins
+    np.clip(index, 0, 2 * bins - 1, out=index)
+    index += np.repeat(np.arange(len(values), dtype=np.int64) * (2 * bins), sizes)
+    return np.bincount(index, minlength=len(values) * 2 * bins).reshape(len(values), 2 * bins)
+
+
 def _rebin(counts: np.ndarray, bins: int, factor: int) -> np.ndarray:
     """Counts over a range ``factor`` (a power of two) times wider: new bins sum old ones."""
     if factor == 1:
@@ -162,6 +191,10 @@ class HistogramCalibrator:
 
     def update_reduced(self, stats) -> None:
         self.hist.add_batch(stats)
+
+    @classmethod
+    def update_reduced_many(cls, calibrators: list, stats: list) -> None:
+        Histogram.add_batches([c.hist for c in calibrators], stats)
 
     def merge(self, other: "HistogramCalibrator") -> None:
         self.hist.merge(other.hist)

@@ -215,8 +215,14 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     stats_model, layout = stats_graph.build(model, names, types, shapes, set(reductions), cap)
     runner = FloatRunner(stats_model)
 
+    names_in_order = list(calibrators_by_name)
+    many = getattr(type(prototype), "update_reduced_many", None)
+
     def update_reduced(feeds):
         batch = stats_graph.unpack(runner.run(feeds), layout)
+        if many is not None:  # one vectorised update for every tensor (histogram binning)
+            many([calibrators_by_name[n] for n in names_in_order], [batch[n] for n in names_in_order])
+            return
         for name, calibrator in calibrators_by_name.items():
             calibrator.update_reduced(batch[name])
 

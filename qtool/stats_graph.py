@@ -4,13 +4,14 @@ Copying every activation out of onnxruntime costs more than the inference itself
 makes about 200 MB of activations per 48x320 line). So the float graph gets, right after each
 calibrated tensor's producer, a few nodes whose small outputs are all that leaves the session:
 
-* ``minmax``: ReduceMin and ReduceMax over the whole tensor;
+* ``minmax``: ReduceMin and ReduceMax over every axis but the channel, finished in numpy;
 * ``moments``: the element count, the sum and the sum of squares;
 * ``zeros``: the number of exact zeros;
 * ``sample``: for histograms, every ``k``-th element of each sample, where
   ``k = max(1, n // samples_per_tensor)`` comes from the tensor's static per-sample size ``n``.
-  The subsample depends only on each sample, so batch sizes and shards do not change it; tensors
-  of at most ``samples_per_tensor`` elements per sample (or of unknown size) are taken whole.
+  (computed in the graph from the sample's size when shape inference could not tell it). The
+  subsample depends only on each sample, so batch sizes and shards do not change it; tensors of
+  fewer than ``2 * samples_per_tensor`` elements per sample are taken whole.
 
 Min, max and moments always cover every element; the histogram is binned in numpy from the
 sample, with the range taken from the exact min and max.
@@ -83,11 +84,23 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             consts[key] = b.const(value, dtype)
         return consts[key]
 
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+
+    def reduce(op_type: str, x: str, shape) -> str:
+        """Min or max keeping the channel axis (rank >= 3): onnxruntime spreads such a reduction
+        over its threads better than one over every axis; numpy finishes it over C values."""
+        if not shape or len(shape) < 3:
+            return b.op(op_type, [x], keepdims=0)
+        axes = [a for a in range(len(shape)) if a != 1]
+        if opset >= 18:  # axes became an input
+            return b.op(op_type, [x, const(f"axes{len(shape)}", axes, np.int64)], keepdims=0)
+        return b.op(op_type, [x], keepdims=0, axes=axes)
+
     def add_stats(t: str) -> None:
         x = t
         if types.get(t, TensorProto.FLOAT) != TensorProto.FLOAT:
             x = b.op("Cast", [t], to=TensorProto.FLOAT)
-        out = {"min": b.op("ReduceMin", [x], keepdims=0), "max": b.op("ReduceMax", [x], keepdims=0)}
+        out = {"min": reduce("ReduceMin", x, shapes.get(t)), "max": reduce("ReduceMax", x, shapes.get(t))}
         if "moments" in reductions:  # float32 sums: ACIQ needs mean and spread, not ulps
             out["count"] = b.op("Size", [x])
             out["total"] = b.op("ReduceSum", [x], keepdims=0)
@@ -100,11 +113,21 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             if step == 1:
                 out["sample"] = x
             else:
+                if step is None:  # size unknown until run time: k from the sample's own size
+                    n = b.op("Gather", [b.op("Shape", [b.op("Flatten", [x], axis=1)]),
+                                        const("one_index", 1, np.int64)], axis=0)
+                    # max(1, n // cap) in float: integer Max needs opset 12
+                    ratio = b.op("Floor", [b.op("Div", [b.op("Cast", [n], to=TensorProto.FLOAT),
+                                                          const("cap", float(samples_per_tensor), np.float32)])])
+                    k = b.op("Max", [ratio, const("one", 1.0, np.float32)])
+                    step_input = b.op("Reshape", [b.op("Cast", [k], to=TensorProto.INT64),
+                                                  const("shape1", [1], np.int64)])
+                else:
+                    step_input = const(f"step{step}", [step], np.int64)
                 flat = b.op("Flatten", [x], axis=1)
                 out["sample"] = b.op("Slice", [flat, const("start", [0], np.int64),
                                                const("end", [np.iinfo(np.int64).max], np.int64),
-                                               const("axis1", [1], np.int64),
-                                               const(f"step{step}", [step], np.int64)])
+                                               const("axis1", [1], np.int64), step_input])
         layout[t] = out
         b.outputs.extend(o for o in out.values() if o not in b.outputs)
 
@@ -130,10 +153,10 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
     return out_model, layout
 
 
-def _step(shape, samples_per_tensor: int) -> int:
-    """Subsampling stride from the static per-sample size; 1 (take all) when unknown."""
+def _step(shape, samples_per_tensor: int) -> int | None:
+    """Subsampling stride from the static per-sample size; None when only run time knows it."""
     if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
-        return 1
+        return None
     per_sample = int(np.prod(shape[1:], dtype=np.int64))
     return max(1, per_sample // samples_per_tensor)
 
@@ -143,6 +166,6 @@ def unpack(values: dict[str, np.ndarray], layout: dict[str, dict[str, str]]) -> 
     for tensor, names in layout.items():
         v = {k: values[n] for k, n in names.items()}
         stats[tensor] = BatchStats(
-            float(v["min"]), float(v["max"]), int(v.get("count", 0)), float(v.get("total", 0.0)),
+            float(v["min"].min()), float(v["max"].max()), int(v.get("count", 0)), float(v.get("total", 0.0)),
             float(v.get("total_sq", 0.0)), int(v.get("zeros", 0)), v.get("sample"))
     return stats
