@@ -146,14 +146,17 @@ class Histogram:
 
 def _bin_many(values: list[np.ndarray], scales: list, bins: int) -> np.ndarray:
     """Signed-bin counts [len(values), 2 * bins] of several arrays, each with its own scale
-    (bins per unit), in one bincount."""
-    sizes = np.array([v.size for v in values])
-    flat = np.concatenate(values).astype(np.float32, copy=False)
-    scaled = flat * np.repeat(np.asarray(scales, dtype=np.float32), sizes)
-    index = np.floor(scaled).astype(np.int64)
-    index += bins
-    np.clip(index, 0, 2 * bins - 1, out=index)
-    index += np.repeat(np.arange(len(values), dtype=np.int64) * (2 * bins), sizes)
+    (bins per unit), in one bincount over shared buffers."""
+    total = sum(v.size for v in values)
+    scaled = np.empty(total, dtype=np.float32)
+    bounds = np.cumsum([0] + [v.size for v in values])
+    for v, scale, start, stop in zip(values, scales, bounds[:-1], bounds[1:]):
+        np.multiply(v, scale, out=scaled[start:stop], casting="unsafe")
+    np.floor(scaled, out=scaled)
+    np.clip(scaled, -bins, bins - 1, out=scaled)
+    index = scaled.astype(np.int64)
+    for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        index[start:stop] += bins + i * 2 * bins  # each array gets its own block of bins
     return np.bincount(index, minlength=len(values) * 2 * bins).reshape(len(values), 2 * bins)
 
 

@@ -8,10 +8,10 @@ calibrated tensor's producer, a few nodes whose small outputs are all that leave
 * ``moments``: the element count, the sum and the sum of squares;
 * ``zeros``: the number of exact zeros;
 * ``sample``: for histograms, every ``k``-th element of each sample, where
-  ``k = max(1, n // samples_per_tensor)`` comes from the tensor's static per-sample size ``n``.
+  ``k = ceil(n / samples_per_tensor)`` comes from the tensor's static per-sample size ``n``.
   (computed in the graph from the sample's size when shape inference could not tell it). The
   subsample depends only on each sample, so batch sizes and shards do not change it; tensors of
-  fewer than ``2 * samples_per_tensor`` elements per sample are taken whole.
+  at most ``samples_per_tensor`` elements per sample are taken whole.
 
 Min, max and moments always cover every element; the histogram is binned in numpy from the
 sample, with the range taken from the exact min and max.
@@ -116,9 +116,9 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
                 if step is None:  # size unknown until run time: k from the sample's own size
                     n = b.op("Gather", [b.op("Shape", [b.op("Flatten", [x], axis=1)]),
                                         const("one_index", 1, np.int64)], axis=0)
-                    # max(1, n // cap) in float: integer Max needs opset 12
-                    ratio = b.op("Floor", [b.op("Div", [b.op("Cast", [n], to=TensorProto.FLOAT),
-                                                          const("cap", float(samples_per_tensor), np.float32)])])
+                    # max(1, ceil(n / cap)) in float: integer Max needs opset 12
+                    ratio = b.op("Ceil", [b.op("Div", [b.op("Cast", [n], to=TensorProto.FLOAT),
+                                                         const("cap", float(samples_per_tensor), np.float32)])])
                     k = b.op("Max", [ratio, const("one", 1.0, np.float32)])
                     step_input = b.op("Reshape", [b.op("Cast", [k], to=TensorProto.INT64),
                                                   const("shape1", [1], np.int64)])
@@ -158,7 +158,7 @@ def _step(shape, samples_per_tensor: int) -> int | None:
     if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
         return None
     per_sample = int(np.prod(shape[1:], dtype=np.int64))
-    return max(1, per_sample // samples_per_tensor)
+    return max(1, -(-per_sample // samples_per_tensor))  # ceil: at most samples_per_tensor kept
 
 
 def unpack(values: dict[str, np.ndarray], layout: dict[str, dict[str, str]]) -> dict[str, BatchStats]:

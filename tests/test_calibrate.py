@@ -172,3 +172,70 @@ def test_dynamic_dims_are_reported(tmp_path):
     assert result.exit_code == 0, result.output
     assert "input 'x': dims ['N', 3, 'h', 'w'] fixed to ['N', 3, 5, 7] from the data" in result.stderr
     assert json.loads((tmp_path / "t.json").read_text())["input_shapes"] == {"x": ["N", 3, 5, 7]}
+
+
+def test_third_party_calibrator_through_entry_points(monkeypatch, demo_model, demo_calib):
+    import calibrators
+    from calibrators import Range
+
+    class Half:
+        """A plugin: the range of min/max halved."""
+
+        name = "half"
+
+        def __init__(self):
+            self.lo, self.hi = np.inf, -np.inf
+
+        def update(self, x):
+            self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+
+        def merge(self, other):
+            self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+
+        def result(self):
+            return Range(self.lo / 2, self.hi / 2, max(-self.lo, self.hi) / 2)
+
+    class EntryPoint:
+        name = "half"
+
+        def load(self):
+            return Half
+
+    monkeypatch.setattr(calibrators, "entry_points", lambda group: [EntryPoint()] if group == "qtool.calibrators" else [])
+    monkeypatch.setattr(calibrators, "REGISTRY", dict(calibrators.REGISTRY))  # undone after the test
+    assert "half" in calibrators.names()
+    half = calibrate(demo_model, demo_calib, "half", progress=False)  # full tensors: no reductions
+    full = calibrate(demo_model, demo_calib, "minmax", progress=False)
+    assert half.tensors["logits"].max == full.tensors["logits"].max / 2
+
+
+def _job(tmp_path, demo_model, demo_calib, demo_heldout, calibrate_section):
+    job = {"model": str(demo_model), "output_dir": str(tmp_path / "out"),
+           "calibrate": {"data": str(demo_calib), **calibrate_section},
+           "verify": {"data": str(demo_heldout)}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_job_with_method_params(tmp_path, demo_model, demo_calib, demo_heldout):
+    path = _job(tmp_path, demo_model, demo_calib, demo_heldout,
+                {"method": "percentile", "params": {"percentile": 99.9}})
+    result = invoke("run", path, "-q")
+    assert result.exit_code == 0, result.output
+    table = yaml.safe_load((tmp_path / "out" / "digits_cnn.table.yaml").read_text())
+    assert table["method"] == "percentile" and table["params"] == {"percentile": 99.9}
+
+
+@pytest.mark.parametrize("section, fragments", [
+    ({"method": "kl", "params": {"nosuch": 1}}, ["calibrate.params", "unknown parameter 'nosuch'"]),
+    ({"params": [1]}, ["calibrate.params", "expected a mapping"]),
+    ({"preprocess": {"channels": "cmyk"}}, ["calibrate.preprocess.channels", "unknown 'cmyk'"]),
+    ({"preprocess": {"resize": [48]}}, ["calibrate.preprocess.resize", "[height, width]"]),
+    ({"preprocess": {"mean": ["a"]}}, ["calibrate.preprocess.mean", "expected numbers"]),
+    ({"preprocess": {"gamma": 2}}, ["calibrate.preprocess.gamma", "unknown key"]),
+])
+def test_job_rejects_bad_calibrate_settings(tmp_path, demo_model, demo_calib, demo_heldout, section, fragments):
+    path = _job(tmp_path, demo_model, demo_calib, demo_heldout, section)
+    one_line_error(invoke("run", path, "-q"), f"job file '{path}'", *fragments)
+    assert not (tmp_path / "out").exists()

@@ -67,6 +67,7 @@ def large_model(tmp_path_factory):
 
 def test_subsample_stride_comes_from_the_static_shape():
     assert _step(["N", 8, 64, 64], 4096) == 8
+    assert _step(["N", 8, 64, 65], 4096) == 9  # rounded up: never more than 4096 per sample
     assert _step(["N", 8, 8], 4096) == 1
     assert _step(["N", "h", 64], 4096) is None  # known only at run time: computed in the graph
 
