@@ -5,10 +5,11 @@
 
 For each PP-OCR model (from the rapidocr-onnxruntime wheel) and each qtool method, a child process
 runs ``qtool.calibrate.collect`` and reports the seconds it took (model preparation, session
-creation and the pass over the data included) and its peak RSS; the best of ``--repeats`` runs is
-kept, as for onnxruntime, because timings on a shared 2-core machine vary by up to 2x. The ratio divides those seconds by
-plain onnxruntime float inference over the same samples and batch size (default optimizations,
-best of 3 after a warm-up), measured in this same run. onnxruntime's own ``quantize_static``
+creation and the pass over the data included) and its peak RSS. The same child first times plain
+onnxruntime float inference over the same samples and batch size (default optimizations, best of
+2 after a warm-up), so each ratio compares runs made under the same load: on a shared 2-core
+machine absolute timings drift by up to 2x within minutes. The median ratio of ``--repeats`` runs
+is printed. onnxruntime's own ``quantize_static``
 (MinMax and Entropy) runs beside, also in a child process, for its wall time and peak RSS, with
 the settings it needs to write a valid model here: the model upgraded to opset 13 and passed
 through ``quant_pre_process`` (see bench/ort_baseline.py).
@@ -40,13 +41,25 @@ WORKLOADS = {  # model, samples, batch size
 }
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
+import numpy as np
+import onnxruntime as ort
 from qtool.calibrate import collect
+model, data, method, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+x = np.load(data)["x"]
+session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+session.run(None, {"x": x[:batch]})
+inference = []
+for _ in range(2):
+    t = time.perf_counter()
+    for i in range(0, len(x), batch):
+        session.run(None, {"x": x[i:i + batch]})
+    inference.append(time.perf_counter() - t)
+del session
 t = time.perf_counter()
-stats = collect(sys.argv[1], sys.argv[2], sys.argv[3], batch_size=int(sys.argv[4]), progress=False)
-table = stats.table()
+table = collect(model, data, method, batch_size=batch, progress=False).table()
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "tensors": len(table.tensors)}))
+print(json.dumps({"seconds": seconds, "inference": min(inference), "tensors": len(table.tensors)}))
 """
 
 
@@ -90,18 +103,22 @@ def main(argv=None) -> None:
             kind, n, batch = WORKLOADS[key]
             model = datasets.model_path(kind)
             data, x = make_data(kind, n, tmp)
-            base = ort_baseline.time_ort_inference(model, x, batch)
-            rows.append((key, "onnxruntime inference", base, 1.0, None, ""))
+            inference_times = [ort_baseline.time_ort_inference(model, x, batch)]
+            rows.append((key, "onnxruntime inference", inference_times[0], 1.0, None, "at the start"))
             for method in args.methods.split(","):
                 runs = [run_qtool(model, data, method, batch) for _ in range(args.repeats)]
-                r = next((x for x in runs if "error" in x), None) or min(runs, key=lambda x: x["seconds"])
-                if "error" not in r:
-                    r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
-                if "error" in r:
-                    rows.append((key, f"qtool {method}", None, None, None, r["error"]))
-                else:
-                    rows.append((key, f"qtool {method}", r["seconds"], r["seconds"] / base,
-                                 r["peak_rss_mb"], f"{r['tensors']} tensors"))
+                failed = next((x for x in runs if "error" in x), None)
+                if failed:
+                    rows.append((key, f"qtool {method}", None, None, None, failed["error"]))
+                    continue
+                # each run's ratio is against inference timed in the same child just before it
+                inference_times += [x["inference"] for x in runs]
+                runs.sort(key=lambda x: x["seconds"] / x["inference"])
+                r = runs[len(runs) // 2]
+                rows.append((key, f"qtool {method}", r["seconds"], r["seconds"] / r["inference"],
+                             max(x["peak_rss_mb"] for x in runs),
+                             f"{r['tensors']} tensors; inference {r['inference']:.2f} s in that run"))
+            base = float(np.median(inference_times))  # every inference timing of this model
             if not args.no_ort_quantize:
                 for method in args.ort_methods.split(","):
                     # opset 13 and quant_pre_process: without them quantize_static writes an
@@ -112,7 +129,8 @@ def main(argv=None) -> None:
                     seconds = r.get("quantize_seconds") or r.get("wall_seconds")
                     note = (r.get("error") or "").strip().splitlines()[-1][:70] if r.get("error") else ""
                     rows.append((key, f"ORT quantize_static {method}", seconds,
-                                 seconds / base if seconds else None, r.get("peak_rss_mb"), note))
+                                 seconds / base if seconds else None, r.get("peak_rss_mb"),
+                                 note or f"ratio to the median inference, {base:.2f} s"))
     print(f"{'model':<5} {'what':<34} {'seconds':>8} {'x ORT inf.':>10} {'peak RSS MB':>12}  note")
     for key, what, seconds, ratio, rss, note in rows:
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731

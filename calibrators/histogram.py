@@ -102,6 +102,8 @@ class Histogram:
         elif other.range < self.range and other.range > 0:
             other_counts = _rebin(other.counts, self.bins, int(round(self.range / other.range)))
         self.counts = self.counts + other_counts
+        if math.isnan(other.min) or math.isnan(other.max):  # min() drops a NaN given second
+            self.min, self.max = math.nan, math.nan
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
         self.n += other.n
         self.total += other.total
@@ -120,10 +122,6 @@ class Histogram:
     def abs_counts(self) -> np.ndarray:
         """Counts of |x| over [0, R) in ``bins`` bins."""
         return self.counts[self.bins:] + self.counts[:self.bins][::-1]
-
-    def used_bins(self, counts: np.ndarray) -> int:
-        nonzero = np.flatnonzero(counts)
-        return int(nonzero[-1]) + 1 if nonzero.size else 0
 
     def peak(self) -> float:
         return max(abs(self.min), abs(self.max)) if self.finite else math.nan

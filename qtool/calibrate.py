@@ -105,6 +105,9 @@ class Statistics:
                 "tensors": list(self.calibrators)}
 
     def save(self, path: str | Path) -> None:
+        if any(not hasattr(c, "state") for c in self.calibrators.values()):
+            raise QtoolError(f"method '{self.method}' cannot save its statistics (its calibrator "
+                             "has no state()); calibrate without --stats-out")
         arrays = {"header": np.array(json.dumps(self.header()))}
         for i, calibrator in enumerate(self.calibrators.values()):
             for key, value in calibrator.state().items():
@@ -120,9 +123,11 @@ class Statistics:
         arrays = read_npz(path)
         try:
             header = json.loads(str(arrays["header"]))
-            assert header["qtool_stats"] == STATS_VERSION
-        except (KeyError, ValueError, AssertionError, TypeError):
-            raise QtoolError(f"'{path}' is not a qtool statistics file (from calibrate --stats-out)") from None
+            version = header["qtool_stats"]
+        except (KeyError, ValueError, TypeError):
+            version = None
+        if version != STATS_VERSION:
+            raise QtoolError(f"'{path}' is not a qtool statistics file (from calibrate --stats-out)")
         stats = cls(header["model"], header["model_sha256"], header["method"], header["params"],
                     header["samples"], header["input_shapes"])
         for i, name in enumerate(header["tensors"]):

@@ -73,6 +73,8 @@ def calibrate(
     batch_size: int = typer.Option(32, help="Samples per onnxruntime run."),
     stats_out: Optional[Path] = typer.Option(None, help="Also save the raw statistics (.npz) for "
                                                         "qtool merge."),
+    histogram_samples: int = typer.Option(4096, help="Histogram methods: values binned per sample "
+                                                     "and tensor (every k-th); 0 bins them all."),
     resize: Optional[str] = typer.Option(None, help="Images: HEIGHTxWIDTH (default: the model's)."),
     mean: str = typer.Option("0", help="Images: per-channel mean after scaling, e.g. 0.5,0.5,0.5."),
     std: str = typer.Option("1", help="Images: per-channel std, e.g. 0.5,0.5,0.5."),
@@ -103,8 +105,11 @@ def calibrate(
             if target is not None:
                 check_writable(target)
         pre = _preprocess(resize, mean, std, scale, channels, layout, input_name)
+        if histogram_samples < 0:
+            raise QtoolError(f"--histogram-samples must be >= 0, got {histogram_samples}")
         stats = collect(model, data, method, parse_params(param), num_samples, batch_size,
-                        progress=not quiet, preprocess=pre, log=None if quiet else _log)
+                        progress=not quiet, preprocess=pre, log=None if quiet else _log,
+                        histogram_samples=histogram_samples)
         table = stats.table()
         if stats_out is not None:
             stats.save(stats_out)

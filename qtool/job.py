@@ -16,13 +16,13 @@ import yaml
 
 import calibrators
 
-from .calibrate import calibrate
-from .errors import QtoolError
+from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
+from .errors import QtoolError
 from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
-from .calibrate import make_calibrator
 from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
+from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
 from .verify import VerifyReport, parse_tolerance, verify
 
@@ -34,6 +34,7 @@ SCHEMA = {
         "data": (str, True),
         "method": ("choice:calibrators", False),
         "params": (dict, False),
+        "histogram_samples": (int, False),
         "num_samples": ("posint", False),
         "batch_size": ("posint", False),
         "preprocess": ({
@@ -189,6 +190,8 @@ def plan_job(path: str | Path) -> JobPlan:
                                         f"(arrays: {', '.join(arrays)})")
     if "max_accuracy_drop" in ver and "labels" not in ver:
         raise fail("verify.max_accuracy_drop", "needs verify.labels")
+    if cal.get("histogram_samples", 0) < 0:
+        raise fail("calibrate.histogram_samples", f"must be >= 0, got {cal['histogram_samples']}")
     try:
         make_calibrator(cal.get("method", "minmax"), cal.get("params"))
     except QtoolError as e:
@@ -228,9 +231,9 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
     seconds = {}
 
     t0 = time.perf_counter()
-    table = calibrate(plan.model, plan.calibrate_data, cal.get("method", "minmax"),
-                      cal.get("num_samples"), cal.get("batch_size", 32), progress,
-                      cal.get("params"), plan.preprocess)
+    table = collect(plan.model, plan.calibrate_data, cal.get("method", "minmax"), cal.get("params"),
+                    cal.get("num_samples"), cal.get("batch_size", 32), progress, plan.preprocess,
+                    histogram_samples=cal.get("histogram_samples", DEFAULT_SAMPLES_PER_TENSOR)).table()
     write_table(table, plan.table)
     seconds["calibrate"] = time.perf_counter() - t0
     log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "

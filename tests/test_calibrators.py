@@ -177,3 +177,10 @@ def test_ranges_stay_inside_the_data_and_contain_the_bulk(method):
 def test_non_finite_values_are_reported_not_binned():
     r = fed("kl", np.array([1.0, np.inf], np.float32)).result()
     assert math.isnan(r.threshold)
+
+
+@pytest.mark.parametrize("method", ["minmax", "kl"])
+def test_a_shard_with_nan_spoils_the_merge(method):
+    good, bad = fed(method, NORMAL), fed(method, np.array([1.0, np.nan], np.float32))
+    good.merge(bad)
+    assert math.isnan(good.result().threshold)
