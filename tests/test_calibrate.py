@@ -239,3 +239,36 @@ def test_job_rejects_bad_calibrate_settings(tmp_path, demo_model, demo_calib, de
     path = _job(tmp_path, demo_model, demo_calib, demo_heldout, section)
     one_line_error(invoke("run", path, "-q"), f"job file '{path}'", *fragments)
     assert not (tmp_path / "out").exists()
+
+
+def test_histogram_samples_flag(tmp_path, demo_model, demo_calib):
+    one_line_error(invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "t.yaml",
+                          "--histogram-samples", "-1", "-q"), "--histogram-samples must be >= 0")
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "t.yaml",
+                    "--method", "kl", "--histogram-samples", "0", "-q")
+    assert result.exit_code == 0, result.output
+
+
+def test_stats_out_needs_calibrator_state(tmp_path, monkeypatch, demo_model, demo_calib):
+    import calibrators
+
+    class Stateless:
+        name = "stateless"
+
+        def __init__(self):
+            self.peak = 0.0
+
+        def update(self, x):
+            self.peak = max(self.peak, float(np.abs(x).max()))
+
+        def merge(self, other):
+            self.peak = max(self.peak, other.peak)
+
+        def result(self):
+            return calibrators.Range(-self.peak, self.peak, self.peak)
+
+    monkeypatch.setattr(calibrators, "REGISTRY", {**calibrators.REGISTRY, "stateless": Stateless})
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", tmp_path / "s.npz",
+                    "--method", "stateless", "-q")
+    one_line_error(result, "method 'stateless' cannot save its statistics")
+    assert not (tmp_path / "s.npz").exists()
