@@ -63,6 +63,10 @@ class FileDataset(Dataset):
         self.path, self.files, self.read, self.extra = path, files, read, {}
         self.inputs = {vi.name: vi for vi in graph_inputs(model)}
         self._first = self.read(files[0])
+        missing = [name for name in self.inputs if name not in self._first]
+        if missing:
+            raise QtoolError(f"data folder '{path}' gives no data for model input '{missing[0]}' "
+                             f"(model inputs: {', '.join(self.inputs)}); images feed one input")
 
     def __len__(self) -> int:
         return len(self.files)

@@ -272,3 +272,22 @@ def test_stats_out_needs_calibrator_state(tmp_path, monkeypatch, demo_model, dem
                     "--method", "stateless", "-q")
     one_line_error(result, "method 'stateless' cannot save its statistics")
     assert not (tmp_path / "s.npz").exists()
+
+
+def test_images_cannot_feed_a_two_input_model(tmp_path):
+    from onnx import TensorProto, helper
+    import onnx
+    from PIL import Image
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["y"], name="add")], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 3, 4, 4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4, 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "m.onnx")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(folder / "a.png")
+    result = invoke("calibrate", tmp_path / "m.onnx", "-d", folder, "-o", tmp_path / "t.yaml",
+                    "--input", "a", "-q")
+    one_line_error(result, f"data folder '{folder}'", "no data for model input 'b'")
