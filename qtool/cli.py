@@ -210,7 +210,8 @@ def verify(
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
-    batch_size: int = typer.Option(32, help="Samples per run."),
+    batch_size: int = typer.Option(8, help="Samples per run (every compared tensor of a batch is "
+                                           "held in memory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):

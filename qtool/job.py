@@ -24,6 +24,7 @@ from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
+from .verify import DEFAULT_BATCH as VERIFY_BATCH
 from .verify import VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)
@@ -248,7 +249,7 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
 
     t0 = time.perf_counter()
     report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
-                    ver.get("num_samples"), ver.get("batch_size", 32), progress, plan.preprocess)
+                    ver.get("num_samples"), ver.get("batch_size", VERIFY_BATCH), progress, plan.preprocess)
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
     drop = ver.get("max_accuracy_drop")

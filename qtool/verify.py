@@ -95,6 +95,10 @@ class VerifyReport:
                 "accuracy": self.accuracy, "failures": self.failures}
 
 
+# verify copies every compared tensor out of onnxruntime (PP-OCRv4 rec: about 200 MB a sample)
+DEFAULT_BATCH = 8
+
+
 def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
     """``"0.99"`` or ``"0.99,30"``: minimum output cosine, optional minimum output SQNR in dB."""
     parts = text if isinstance(text, (list, tuple)) else str(text).split(",")
@@ -109,7 +113,7 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
-           num_samples: int | None = None, batch_size: int = 32, progress: bool = True,
+           num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
            preprocess=None) -> VerifyReport:
     check_sampling(num_samples, batch_size)
     model = prepare(load_model(float_path), f"model file '{float_path}'")
