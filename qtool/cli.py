@@ -336,3 +336,27 @@ def run(
 def version():
     """Print the qtool version."""
     typer.echo(__version__)
+
+
+def main() -> None:
+    """The console script: like ``app()``, but click's own usage errors (an unknown option, a
+    value of the wrong type) are one ``error:`` line too, with exit code 2."""
+    import sys
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=sys.argv[1:], prog_name="qtool", standalone_mode=False)
+    except Exception as e:  # click's exception classes are private to typer: match by behaviour
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `qtool CMD`: show that command's help
+            e.show()
+            raise SystemExit(e.exit_code) from None
+        message = " ".join(e.format_message().split())
+        typer.echo(f"error: {message} (see qtool --help)", err=True)
+        raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
+

@@ -714,3 +714,40 @@ def test_run_unknown_labels_leaves_nothing(tmp_path, job):
 def test_run_rejects_zero_verify_batch_size(tmp_path, job):
     job["verify"] = {"batch_size": 0}
     run_error(tmp_path, job, "--quiet", expect=["verify.batch_size"])
+
+
+# -- the installed console script ---------------------------------------------------------------
+
+def _console(*args):
+    import shutil
+    import subprocess
+
+    qtool = shutil.which("qtool") or str(Path(__import__("sys").executable).parent / "qtool")
+    return subprocess.run([qtool, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["calibrate", "m.onnx", "--batch-size", "abc"], "Invalid value for '--batch-size'"),
+    (["calibrate"], "Missing argument 'model'"),
+    (["nosuch"], "No such command 'nosuch'"),
+    (["calibrate", "m.onnx", "-d", "x.npz", "--no-such-flag"], "No such option: --no-such-flag"),
+])
+def test_console_script_usage_errors_are_one_line(args, fragment):
+    result = _console(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_console_script_keeps_exit_codes(tmp_path, demo_model, pipeline, demo_heldout):
+    ok = _console("verify", demo_model, pipeline["qmodel"], "-d", demo_heldout, "-q")
+    assert ok.returncode == 0 and "PASS" in ok.stdout
+    failed = _console("verify", demo_model, pipeline["qmodel"], "-d", demo_heldout, "-q",
+                      "--tolerance", "1.0,200")
+    assert failed.returncode == 1 and "FAIL" in failed.stdout
+    missing = _console("calibrate", tmp_path / "none.onnx", "-d", demo_heldout, "-o", tmp_path / "t.yaml")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: model file")
+    help_text = _console("--help")
+    assert help_text.returncode == 0 and "Exit codes" in help_text.stdout
