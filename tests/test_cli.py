@@ -204,13 +204,17 @@ def test_scale_rejects_unsupported_bits():
 
 # -- calibrate ---------------------------------------------------------------------------------------
 
-def calibrate_error(tmp_path: Path, model, data, *extra, expect=()) -> str:
-    """Run calibrate into tmp_path; it must fail as a user error and leave no file behind."""
+def user_error_leaves_nothing(tmp_path: Path, *args, expect=()) -> str:
+    """Run ``qtool ARGS``: it must fail as a user error and leave no file behind in tmp_path."""
     before = snapshot(tmp_path)
-    result = invoke("calibrate", model, "--data", data, "-o", tmp_path / "table.yaml", *extra)
-    line = assert_user_error(result, *expect)
+    line = assert_user_error(invoke(*args), *expect)
     assert snapshot(tmp_path) == before
     return line
+
+
+def calibrate_error(tmp_path: Path, model, data, *extra, expect=()) -> str:
+    return user_error_leaves_nothing(tmp_path, "calibrate", model, "--data", data,
+                                     "-o", tmp_path / "table.yaml", *extra, expect=expect)
 
 
 def test_calibrate_missing_model(tmp_path, demo_calib):
@@ -363,11 +367,8 @@ def test_calibrate_json_table_feeds_quantize(tmp_path, demo_model, demo_calib):
 # -- quantize ----------------------------------------------------------------------------------------
 
 def quantize_error(tmp_path: Path, model, table, *extra, expect=()) -> str:
-    before = snapshot(tmp_path)
-    result = invoke("quantize", model, "--table", table, "-o", tmp_path / "q.onnx", *extra)
-    line = assert_user_error(result, *expect)
-    assert snapshot(tmp_path) == before
-    return line
+    return user_error_leaves_nothing(tmp_path, "quantize", model, "--table", table,
+                                     "-o", tmp_path / "q.onnx", *extra, expect=expect)
 
 
 def test_quantize_writes_model(tmp_path, demo_model, pipeline):
@@ -559,10 +560,8 @@ def test_verify_json(demo_model, pipeline, demo_heldout):
 
 
 def verify_error(tmp_path: Path, float_model, qmodel, data, *extra, expect=()) -> str:
-    before = snapshot(tmp_path)
-    line = assert_user_error(invoke("verify", float_model, qmodel, "--data", data, *extra), *expect)
-    assert snapshot(tmp_path) == before
-    return line
+    return user_error_leaves_nothing(tmp_path, "verify", float_model, qmodel, "--data", data,
+                                     *extra, expect=expect)
 
 
 def test_verify_unknown_labels(tmp_path, demo_model, pipeline, demo_heldout):
