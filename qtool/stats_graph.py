@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .model import default_opset
+
 REDUCTIONS = ("minmax", "moments", "zeros", "sample")
 DEFAULT_SAMPLES_PER_TENSOR = 4096
 
@@ -43,8 +45,7 @@ class BatchStats:
 
 
 class _Builder:
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
+    def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.outputs: list[str] = []
@@ -75,7 +76,7 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
     unknown = set(reductions) - set(REDUCTIONS)
     if unknown:
         raise ValueError(f"unknown reductions {sorted(unknown)}; choose from {', '.join(REDUCTIONS)}")
-    b = _Builder(model)
+    b = _Builder()
     layout: dict[str, dict[str, str]] = {}
     consts: dict[str, str] = {}
 
@@ -84,7 +85,7 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             consts[key] = b.const(value, dtype)
         return consts[key]
 
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    opset = default_opset(model)
 
     def reduce(op_type: str, x: str, shape) -> str:
         """Min or max keeping the channel axis (rank >= 3): onnxruntime spreads such a reduction
@@ -113,9 +114,9 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             if step == 1:
                 out["sample"] = x
             else:
+                flat = b.op("Flatten", [x], axis=1)  # [samples, n]
                 if step is None:  # size unknown until run time: k from the sample's own size
-                    n = b.op("Gather", [b.op("Shape", [b.op("Flatten", [x], axis=1)]),
-                                        const("one_index", 1, np.int64)], axis=0)
+                    n = b.op("Gather", [b.op("Shape", [flat]), const("one_index", 1, np.int64)], axis=0)
                     # max(1, ceil(n / cap)) in float: integer Max needs opset 12
                     ratio = b.op("Ceil", [b.op("Div", [b.op("Cast", [n], to=TensorProto.FLOAT),
                                                          const("cap", float(samples_per_tensor), np.float32)])])
@@ -124,12 +125,11 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
                                                   const("shape1", [1], np.int64)])
                 else:
                     step_input = const(f"step{step}", [step], np.int64)
-                flat = b.op("Flatten", [x], axis=1)
                 out["sample"] = b.op("Slice", [flat, const("start", [0], np.int64),
                                                const("end", [np.iinfo(np.int64).max], np.int64),
                                                const("axis1", [1], np.int64), step_input])
         layout[t] = out
-        b.outputs.extend(o for o in out.values() if o not in b.outputs)
+        b.outputs.extend(out.values())
 
     inputs = {vi.name for vi in model.graph.input}
     wanted = set(tensors)
@@ -149,7 +149,8 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
     out_model.graph.node.extend(graph_nodes)
     out_model.graph.initializer.extend(b.inits)
     del out_model.graph.output[:]
-    out_model.graph.output.extend(onnx.ValueInfoProto(name=o) for o in b.outputs)
+    # a whole-tensor sample is the tensor itself, which may also be listed for another reason
+    out_model.graph.output.extend(onnx.ValueInfoProto(name=o) for o in dict.fromkeys(b.outputs))
     return out_model, layout
 
 
