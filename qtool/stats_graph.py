@@ -110,16 +110,19 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             is_zero = b.op("Equal", [x, const("zero", 0.0, np.float32)])
             out["zeros"] = b.op("ReduceSum", [b.op("Cast", [is_zero], to=TensorProto.INT64)], keepdims=0)
         if "sample" in reductions:
-            step = _step(shapes.get(t), samples_per_tensor)
+            step = _step(shapes.get(t), samples_per_tensor, batch_dim)
             if step == 1:
                 out["sample"] = x
             else:
                 flat = b.op("Flatten", [x], axis=1)  # [samples, n]
-                if step is None:  # size unknown until run time: k from the sample's own size
-                    n = b.op("Gather", [b.op("Shape", [flat]), const("one_index", 1, np.int64)], axis=0)
-                    # max(1, ceil(n / cap)) in float: integer Max needs opset 12
-                    ratio = b.op("Ceil", [b.op("Div", [b.op("Cast", [n], to=TensorProto.FLOAT),
-                                                         const("cap", float(samples_per_tensor), np.float32)])])
+                if step is None:
+                    # k = ceil(elements per sample / cap) with elements per sample = size / batch,
+                    # known at run time: dim 0 may be the batch times something ([N*T, C])
+                    per_sample = b.op("Div", [b.op("Cast", [b.op("Size", [x])], to=TensorProto.FLOAT),
+                                              batch_size()])
+                    # max(1, ...) in float: integer Max needs opset 12
+                    ratio = b.op("Ceil", [b.op("Div", [per_sample,
+                                                       const("cap", float(samples_per_tensor), np.float32)])])
                     k = b.op("Max", [ratio, const("one", 1.0, np.float32)])
                     step_input = b.op("Reshape", [b.op("Cast", [k], to=TensorProto.INT64),
                                                   const("shape1", [1], np.int64)])
@@ -132,6 +135,18 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
         b.outputs.extend(out.values())
 
     inputs = {vi.name for vi in model.graph.input}
+    first_input = next((vi for vi in model.graph.input if vi.name in shapes), None)
+    batch_dim = (shapes.get(first_input.name) or [None])[0] if first_input is not None else None
+    batch_node: list[str] = []
+
+    def batch_size() -> str:
+        """The run's batch size as float, from the first graph input (built once, at first use)."""
+        if not batch_node:
+            dims = b.op("Shape", [first_input.name])
+            first = b.op("Gather", [dims, const("zero_index", 0, np.int64)], axis=0)
+            batch_node.append(b.op("Cast", [first], to=TensorProto.FLOAT))
+        return batch_node[0]
+
     wanted = set(tensors)
     for name in tensors:
         if name in inputs:
@@ -154,9 +169,12 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
     return out_model, layout
 
 
-def _step(shape, samples_per_tensor: int) -> int | None:
-    """Subsampling stride from the static per-sample size; None when only run time knows it."""
+def _step(shape, samples_per_tensor: int, batch_dim=None) -> int | None:
+    """Subsampling stride from the static per-sample size; None when only run time knows it:
+    a dim is unknown, or dim 0 is not the model input's batch dim (so rows are not samples)."""
     if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+        return None
+    if batch_dim is not None and shape[0] != batch_dim:
         return None
     per_sample = int(np.prod(shape[1:], dtype=np.int64))
     return max(1, -(-per_sample // samples_per_tensor))  # ceil: at most samples_per_tensor kept

@@ -97,3 +97,22 @@ def test_min_and_max_cover_every_element_even_when_subsampled(large_model):
     assert e.threshold <= max(-y.min(), y.max())
     minmax = calibrate(large_model / "m.onnx", large_model / "all.npz", "minmax", progress=False)
     assert (minmax.tensors["y"].min, minmax.tensors["y"].max) == (float(y.min()), float(y.max()))
+
+
+def test_rows_that_are_not_samples_still_respect_the_cap(tmp_path):
+    # Reshape to [N*256, 64]: dim 0 is not the batch, so the stride comes from size / batch
+    rng = np.random.default_rng(5)
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["input", "shape"], ["rows"], name="r"),
+         helper.make_node("Relu", ["rows"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 64])],
+        [numpy_helper.from_array(np.array([-1, 64], np.int64), "shape")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", input=rng.normal(0, 1, (6, 4, 64, 64)).astype(np.float32))
+    one = collect(tmp_path / "m.onnx", tmp_path / "d.npz", "kl", batch_size=1, progress=False)
+    three = collect(tmp_path / "m.onnx", tmp_path / "d.npz", "kl", batch_size=3, progress=False)
+    # 16384 values per sample, k = 4: every 4th of each 64-value row, 4096 per sample
+    assert one.calibrators["rows"].hist.counts.sum() == 6 * 4096
+    assert np.array_equal(one.calibrators["rows"].hist.counts, three.calibrators["rows"].hist.counts)
