@@ -17,7 +17,7 @@ import onnxruntime as ort
 from .errors import QtoolError
 from .fixedpoint import DEFAULT_ROUNDING
 from .model import graph_inputs, initializers
-from .ops import REGISTRY, IntegerOp, NodeView, Operand, Raw, Unsupported
+from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight
 from .qparams import QParams, dequantize_array, quantize_array
 
 
@@ -29,10 +29,12 @@ class Step:
     outputs: list[str]
     op: IntegerOp | None = None
     params: object = None
-    qparams: QParams | None = None  # of the output (integer, quantize) or input (dequantize)
-    key: str = ""  # the float tensor this step's integer output stands for
+    # per output of an integer or quantize step, the float tensor its integer output stands for
+    # and that tensor's (S, Z); a dequantize step's (S, Z) is its input's
+    keys: list[str] = field(default_factory=list)
+    qparams: list[QParams] = field(default_factory=list)
     reason: str = ""  # why a node with a kernel runs in float
-    absorbs: str = ""  # the QuantizeLinear node whose output an integer step produces
+    absorbs: list[str] = field(default_factory=list)  # QuantizeLinear nodes an integer step replaces
     specialized: dict = field(default_factory=dict)
 
 
@@ -90,15 +92,15 @@ class IntegerExecutor:
             if node.op_type == "QuantizeLinear":
                 if node.name not in absorbed_q:
                     steps.append(Step("quantize", node, [node.input[0]], [node.output[0]],
-                                      qparams=self._qparams_of(node), key=node.input[0]))
+                                      keys=[node.input[0]], qparams=[self._qparams_of(node)]))
                 continue
             if node.op_type == "DequantizeLinear":
                 steps.append(Step("dequantize", node, [node.input[0]], [node.output[0]],
-                                  qparams=self._qparams_of(node)))
+                                  qparams=[self._qparams_of(node)]))
                 continue
             step, reason = self._integer_step(node)
             if step is not None:
-                absorbed_q.add(step.absorbs)
+                absorbed_q.update(step.absorbs)
                 steps.append(step)
             else:
                 steps.append(Step("float", node, [n for n in node.input if n], list(node.output),
@@ -109,11 +111,12 @@ class IntegerExecutor:
         op = REGISTRY.get(node.op_type)
         if op is None:
             return None, "no integer kernel"
-        users = self.consumers.get(node.output[0], [])
-        if (len(node.output) != 1 or len(users) != 1 or users[0].op_type != "QuantizeLinear"
-                or node.output[0] in self.output_names):
-            return None, "output is not followed by a single QuantizeLinear"
-        q_node = users[0]
+        q_nodes = []
+        for out in node.output:
+            users = self.consumers.get(out, [])
+            if len(users) != 1 or users[0].op_type != "QuantizeLinear" or out in self.output_names:
+                return None, f"output '{out}' is not followed by a single QuantizeLinear"
+            q_nodes.append(users[0])
         operands, run_inputs = [], []
         consts = op.constants(node)
         for i, name in enumerate(node.input):
@@ -125,20 +128,21 @@ class IntegerExecutor:
                 qp = self._qparams_of(source)
                 value = self.constants.get(source.input[0])
                 operands.append(Operand(qp, value))
-                if value is None:
-                    run_inputs.append(source.input[0])
+                if value is None or not isinstance(consts.get(i), (Weight, Bias)):
+                    run_inputs.append(source.input[0])  # activations and quantized operands
             elif isinstance(consts.get(i), Raw):
                 operands.append(Operand(None, self.constants.get(name)))
                 run_inputs.append(name)
             else:
                 return None, f"input '{name}' is not quantized"
-        view = NodeView(node, operands, self._qparams_of(q_node), self.rounding, self.multiplier_bits)
+        outputs = [self._qparams_of(q) for q in q_nodes]
+        view = NodeView(node, operands, outputs[0], self.rounding, self.multiplier_bits, outputs=outputs)
         try:
             params = op.derive(view)
         except Unsupported as e:
             return None, str(e)
-        step = Step("integer", node, run_inputs, [q_node.output[0]], op=op, params=params,
-                    qparams=view.output, key=node.output[0], absorbs=q_node.name)
+        step = Step("integer", node, run_inputs, [q.output[0] for q in q_nodes], op=op, params=params,
+                    keys=list(node.output), qparams=outputs, absorbs=[q.name for q in q_nodes])
         return step, ""
 
     def _prune(self, steps: list[Step]) -> list[Step]:
@@ -165,7 +169,7 @@ class IntegerExecutor:
             for name, value in zip(step.outputs, outputs):
                 env[name] = value
             if keep_integer and step.kind in ("integer", "quantize"):
-                result.integer[step.key] = outputs[0]
+                result.integer.update(zip(step.keys, outputs))
         result.outputs = {name: env[name] for name in self.output_names}
         return result
 
@@ -176,14 +180,15 @@ class IntegerExecutor:
             if params is None:
                 params = step.specialized[shapes] = step.op.specialize(step.params, list(shapes))
             try:
-                return [step.op.run(params, *values)]
+                out = step.op.run(params, *values)
             except OverflowError:
                 raise QtoolError(f"int32 accumulator overflow in {step.node.op_type} node "
                                  f"'{step.node.name}'") from None
+            return list(out) if isinstance(out, (list, tuple)) else [out]
         if step.kind == "quantize":
-            return [quantize_array(values[0], step.qparams)]
+            return [quantize_array(values[0], step.qparams[0])]
         if step.kind == "dequantize":
-            return [dequantize_array(values[0], step.qparams)]
+            return [dequantize_array(values[0], step.qparams[0])]
         return self._run_float(step, values)
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
@@ -226,11 +231,12 @@ class IntegerExecutor:
         for step in self.steps:
             if step.kind not in ("integer", "quantize"):
                 continue
-            readers = users.get(step.outputs[0], [])
-            clamped = bool(readers) and all(r.kind == "integer" and r.op.clamps_below_zero
-                                            for r in readers)
             op_type = step.node.op_type if step.kind == "integer" else "QuantizeLinear"
-            info[step.key] = TensorInfo(op_type, step.qparams, clamped)
+            for key, out, qp in zip(step.keys, step.outputs, step.qparams):
+                readers = users.get(out, [])
+                clamped = bool(readers) and all(r.kind == "integer" and r.op.clamps_below_zero
+                                                for r in readers)
+                info[key] = TensorInfo(op_type, qp, clamped)
         return info
 
 

@@ -126,7 +126,7 @@ class _Rewriter:
         for node in self.graph.node:
             node = onnx.NodeProto.FromString(node.SerializeToString())
             op = integer.get(node.name)
-            consts = op.constants(node) if op else {}
+            consts = self._specs(node, op) if op else {}
             original = list(node.input)
             for i, name in enumerate(original):
                 spec = consts.get(i)
@@ -169,8 +169,18 @@ class _Rewriter:
                 integer[node.name] = op
         return integer
 
+    def _specs(self, node, op) -> dict:
+        """The op's constant inputs, plus any other constant input where the op accepts them as
+        per-tensor quantized operands."""
+        consts = dict(op.constants(node))
+        if op.accepts_constants:
+            for i, name in enumerate(node.input):
+                if name in self.inits and i not in consts and self.inits[name].dtype.kind == "f":
+                    consts[i] = Weight(axis=None)
+        return consts
+
     def _constants_reason(self, node, op) -> str | None:
-        consts = op.constants(node)
+        consts = self._specs(node, op)
         for i, name in enumerate(node.input):
             if not name:
                 continue
@@ -189,9 +199,9 @@ class _Rewriter:
             op = integer.get(node.name)
             if op is None:
                 continue
-            consts = op.constants(node)
+            consts = self._specs(node, op)
             names += [n for i, n in enumerate(node.input) if n and i not in consts]
-            names.append(node.output[0])
+            names += [n for n in node.output if n]
         names = list(dict.fromkeys(names))
         for name in names:
             if name not in self.table.tensors:
@@ -215,7 +225,7 @@ class _Rewriter:
         for node in self.graph.node:
             op = integer.get(node.name)
             if op is not None and op.shares_qparams:
-                consts = op.constants(node)
+                consts = self._specs(node, op)
                 members = [n for i, n in enumerate(node.input) if n and i not in consts]
                 members += [n for n in node.output if n in parent]
                 for other in members[1:]:

@@ -65,9 +65,11 @@ class NodeView:
     output: QParams
     rounding: str = DEFAULT_ROUNDING
     multiplier_bits: int = 32
+    outputs: list[QParams] = field(default_factory=list)  # every output's; ``output`` is the first
     attrs: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.outputs = self.outputs or [self.output]
         self.attrs = {a.name: onnx.helper.get_attribute_value(a) for a in self.node.attribute}
 
     def attr(self, name, default=None):
@@ -87,6 +89,9 @@ class IntegerOp:
     # The op passes values through unchanged or clamps at zero; its input may take the output's
     # range (backward propagation) when it has no other consumer.
     clamps_below_zero: ClassVar[bool] = False
+    # Inputs that are constants (initializers) and not named by ``constants()`` are quantized
+    # per tensor like an activation and reach ``run`` as integer arrays (Add x + 3, Mul x * 0.5).
+    accepts_constants: ClassVar[bool] = False
 
     def constants(self, node: onnx.NodeProto) -> dict[int, Weight | Bias | Raw]:
         return {}

@@ -32,6 +32,7 @@ class AddParams:
 @register
 class Add(IntegerOp):
     op_type = "Add"
+    accepts_constants = True
 
     def derive(self, view: NodeView) -> AddParams:
         a = per_tensor(view.inputs[0].qparams, "Add input A")
