@@ -153,4 +153,13 @@ def per_tensor(qp: QParams, what: str) -> QParams:
                    int(np.asarray(qp.zero_point).reshape(-1)[0]), qp.dtype)
 
 
-from . import add, conv, gemm, pool, relu, shape  # noqa: E402,F401  (registration)
+def _register_all() -> None:
+    """Import every module of this package: each registers its op classes."""
+    import importlib
+    import pkgutil
+
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+_register_all()
