@@ -19,7 +19,8 @@ from onnx import helper, numpy_helper
 from . import __version__
 from .errors import QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
-from .model import default_opset, file_digest, graph_inputs, initializers, load_model, prepare
+from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
+                    prepare)
 from .ops import REGISTRY, Bias, Unsupported, Weight, node_attrs
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
@@ -106,6 +107,7 @@ class _Rewriter:
             for name in node.input:
                 self.consumers[name].append(node)
         self.outputs = {o.name for o in self.graph.output}
+        self.float_names = set(float_tensors(model))
         self.taken = set(self.inits) | {n for node in self.graph.node for n in node.output}
         self.taken |= {i.name for i in self.graph.input}
         self.nodes: list[onnx.NodeProto] = []
@@ -173,6 +175,9 @@ class _Rewriter:
         """The op's constant inputs, plus any other constant input where the op accepts them as
         per-tensor quantized operands."""
         consts = dict(op.constants(node))
+        for i, spec in list(consts.items()):
+            if isinstance(spec, Weight) and spec.optional and node.input[i] not in self.inits:
+                del consts[i]  # e.g. MatMul's B when it is an activation
         if op.accepts_constants:
             for i, name in enumerate(node.input):
                 if name in self.inits and i not in consts and self.inits[name].dtype.kind == "f":
@@ -191,6 +196,11 @@ class _Rewriter:
                 return f"weight '{name}' is not float"
             if spec is None and name in self.inits:
                 return f"input '{name}' is a constant where an activation is expected"
+            if spec is None and name not in self.float_names:
+                return f"input '{name}' is not a float tensor"
+        for name in node.output:
+            if name and name not in self.float_names:
+                return f"output '{name}' is not a float tensor"
         return None
 
     def _activations(self, integer) -> list[str]:

@@ -29,9 +29,11 @@ def register(cls):
 
 @dataclass(frozen=True)
 class Weight:
-    """A constant input quantized symmetrically, per slice along ``axis`` when per-channel."""
+    """A constant input quantized symmetrically, per slice along ``axis`` when per-channel.
+    ``optional``: the input may also be an activation (MatMul's B), quantized as one."""
 
     axis: int | None
+    optional: bool = False
 
 
 @dataclass(frozen=True)
