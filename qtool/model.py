@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, numpy_helper
 
+from . import fusion
 from .errors import QtoolError
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
@@ -76,7 +77,26 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
             raise QtoolError(f"onnxruntime cannot load {source}: {_first_line(e)}") from None
         prepared = onnx.load(options.optimized_model_filepath)
     normalize(prepared)
+    prepared = _fuse(prepared, source)
     return onnx.shape_inference.infer_shapes(prepared)
+
+
+def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """HardSwish decompositions become HardSwish nodes (qtool/fusion.py), upgrading to opset 14."""
+    matches = fusion.find_hardswish(model)
+    if not matches:
+        return model
+    opset = default_opset(model)
+    if opset < fusion.HARDSWISH_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, fusion.HARDSWISH_OPSET)
+        except Exception:
+            return model  # the decomposition stays; it still runs, with more requantizations
+        normalize(model)
+        matches = fusion.find_hardswish(model)
+    fusion.fuse_hardswish(model, matches)
+    _drop_unused_initializers(model)
+    return model
 
 
 def normalize(model: onnx.ModelProto) -> None:

@@ -1,0 +1,110 @@
+"""Graph rewrites that turn exported decompositions back into the one op they stand for.
+
+PaddlePaddle's exporter (PP-OCR) writes HardSwish as ``x * clip(x + 3, 0, 6) / 6``: four nodes,
+three intermediate tensors, and three requantizations if each were quantized on its own. As one
+``HardSwish`` node (opset 14) it is one 256-entry lookup table, and calibration has three fewer
+tensors to watch. ``Mul(x, HardSigmoid(x))`` with HardSwish's slope and offset is fused alike.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper
+
+HARDSWISH_OPSET = 14
+
+
+def _scalar(inits: dict[str, onnx.TensorProto], name: str) -> float | None:
+    tensor = inits.get(name)
+    if tensor is None:
+        return None
+    value = onnx.numpy_helper.to_array(tensor)
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+class _Graph:
+    def __init__(self, model: onnx.ModelProto):
+        self.inits = {t.name: t for t in model.graph.initializer}
+        self.producer = {o: n for n in model.graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in model.graph.node:
+            for name in node.input:
+                self.consumers[name].append(node)
+        self.outputs = {o.name for o in model.graph.output}
+
+    def private(self, name: str) -> onnx.NodeProto | None:
+        """The producer of ``name`` when exactly one node reads it and it is no graph output."""
+        if name in self.outputs or len(self.consumers.get(name, [])) != 1:
+            return None
+        return self.producer.get(name)
+
+    def constant_operand(self, node: onnx.NodeProto) -> tuple[str, float] | None:
+        """(the other input, the constant) for a binary node with one scalar constant input."""
+        if len(node.input) != 2:
+            return None
+        for i in (0, 1):
+            value = _scalar(self.inits, node.input[i])
+            if value is not None and node.input[1 - i] not in self.inits:
+                return node.input[1 - i], value
+        return None
+
+
+def _match_clip_form(g: _Graph, div: onnx.NodeProto):
+    """``Div(Mul(x, Clip(Add(x, 3), 0, 6)), 6)`` -> (x, the four nodes) or None."""
+    if div.op_type != "Div" or _scalar(g.inits, div.input[1]) != 6.0:
+        return None
+    mul = g.private(div.input[0])
+    if mul is None or mul.op_type != "Mul":
+        return None
+    for clip_in, x in ((mul.input[0], mul.input[1]), (mul.input[1], mul.input[0])):
+        clip = g.private(clip_in)
+        if clip is None or clip.op_type != "Clip" or len(clip.input) != 3:
+            continue
+        if _scalar(g.inits, clip.input[1]) != 0.0 or _scalar(g.inits, clip.input[2]) != 6.0:
+            continue
+        add = g.private(clip.input[0])
+        if add is None or add.op_type != "Add" or g.constant_operand(add) != (x, 3.0):
+            continue
+        return x, [add, clip, mul, div]
+    return None
+
+
+def _match_hardsigmoid_form(g: _Graph, mul: onnx.NodeProto):
+    """``Mul(x, HardSigmoid(x, alpha=1/6, beta=0.5))`` -> (x, the two nodes) or None."""
+    if mul.op_type != "Mul" or len(mul.input) != 2:
+        return None
+    for hs_in, x in ((mul.input[0], mul.input[1]), (mul.input[1], mul.input[0])):
+        hs = g.private(hs_in)
+        if hs is None or hs.op_type != "HardSigmoid" or hs.input[0] != x:
+            continue
+        attrs = {a.name: a.f for a in hs.attribute}
+        if np.isclose(attrs.get("alpha", 0.2), 1 / 6, rtol=1e-6) and attrs.get("beta", 0.5) == 0.5:
+            return x, [hs, mul]
+    return None
+
+
+def find_hardswish(model: onnx.ModelProto) -> list[tuple[str, list[onnx.NodeProto]]]:
+    g = _Graph(model)
+    found = []
+    for node in model.graph.node:
+        match = _match_clip_form(g, node) or _match_hardsigmoid_form(g, node)
+        if match:
+            found.append(match)
+    return found
+
+
+def fuse_hardswish(model: onnx.ModelProto, matches) -> None:
+    """In place: each match becomes one HardSwish node at the position of its last node, writing
+    the last node's output (so tensor names downstream stay). The model must be at opset >= 14."""
+    replace = {}
+    drop = set()
+    for x, nodes in matches:
+        last = nodes[-1]
+        replace[last.name] = helper.make_node("HardSwish", [x], [last.output[0]], name=last.name)
+        drop.update(n.name for n in nodes[:-1])
+    kept = [replace.get(n.name, n) for n in model.graph.node if n.name not in drop]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)

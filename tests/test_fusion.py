@@ -1,0 +1,56 @@
+"""HardSwish decompositions become one HardSwish node in the prepared graph."""
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.model import default_opset, prepare
+
+
+def _const(name, value):
+    return numpy_helper.from_array(np.array(value, dtype=np.float32), name)
+
+
+def _model(extra_output=None, six=6.0):
+    """conv -> x * clip(x + 3, 0, 6) / six -> y, and Mul(z, HardSigmoid(z)) after it."""
+    nodes = [
+        helper.make_node("Conv", ["in", "w"], ["x"]),
+        helper.make_node("Add", ["x", "three"], ["a"]),
+        helper.make_node("Clip", ["a", "zero", "six"], ["c"]),
+        helper.make_node("Mul", ["x", "c"], ["m"]),
+        helper.make_node("Div", ["m", "divisor"], ["y"]),
+        helper.make_node("Conv", ["y", "w2"], ["z"]),
+        helper.make_node("HardSigmoid", ["z"], ["h"], alpha=1 / 6, beta=0.5),
+        helper.make_node("Mul", ["h", "z"], ["out"]),
+    ]
+    rng = np.random.default_rng(0)
+    inits = [_const("three", 3.0), _const("zero", 0.0), _const("six", 6.0), _const("divisor", six),
+             numpy_helper.from_array(rng.normal(0, 1, (4, 3, 1, 1)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32), "w2")]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    if extra_output:
+        outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "hs", [helper.make_tensor_value_info("in", TensorProto.FLOAT, [1, 3, 5, 5])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def _run(model, x):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["out"], {"in": x})[0]
+
+
+def test_both_forms_fuse_and_compute_the_same():
+    model = _model()
+    prepared = prepare(model)
+    ops = [n.op_type for n in prepared.graph.node]
+    assert ops == ["Conv", "HardSwish", "Conv", "HardSwish"]
+    assert default_opset(prepared) == 14
+    assert [n.output[0] for n in prepared.graph.node if n.op_type == "HardSwish"] == ["y", "out"]
+    x = np.random.default_rng(1).normal(0, 3, (1, 3, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_no_fusion_when_an_intermediate_is_used_elsewhere_or_constants_differ():
+    assert [n.op_type for n in prepare(_model(extra_output="c")).graph.node].count("HardSwish") == 1
+    assert [n.op_type for n in prepare(_model(six=5.0)).graph.node].count("HardSwish") == 1
