@@ -153,7 +153,10 @@ def merge(
 def quantize(
     model: Path = typer.Argument(..., help="Float ONNX model (the one the table was made for)."),
     table: Path = typer.Option(..., "--table", "-t", help="Calibration table from qtool calibrate."),
-    output: Path = typer.Option(..., "--output", "-o", help="Quantized QDQ ONNX model."),
+    output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model."),
+    format: str = typer.Option("qdq", "--format", help="qdq (QuantizeLinear/DequantizeLinear around "
+                               "float ops) or qoperator (QLinearConv, QLinearMatMul, com.microsoft "
+                               "QLinear* ops, integer data movement, LUTs as Gather)."),
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
     symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
     activation_type: str = typer.Option("int8", help="int8 or uint8."),
@@ -161,28 +164,45 @@ def quantize(
     rounding: str = typer.Option(DEFAULT_ROUNDING, help="half_up, half_away_from_zero, half_to_even "
                                                         "or toward_zero."),
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail (exit 2), listing every op that "
+                                "cannot run integer-only, unless named by --keep-float."),
+    params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
+                                              "parameters per op as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
-    """Rewrite MODEL as QDQ ONNX using TABLE, ready for onnxruntime and qtool exec.
+    """Rewrite MODEL as quantized ONNX using TABLE, ready for onnxruntime and qtool exec.
 
-    The model carries int8 weights, int32 biases, scales and zero points, and the rounding mode
-    and multiplier width in its metadata: all the integer executor derives its parameters from.
+    The model carries int8 weights, int32 biases, scales and zero points, the rounding mode and
+    multiplier width, and (metadata 'qtool.params') the integer parameters of every op: (S, Z) of
+    inputs and outputs, per-channel multiplier and rshift, zero-point-compensated int32 bias, LUTs.
 
     \b
     Examples:
       qtool quantize model.onnx --table table.yaml -o model.q.onnx
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --symmetric --multiplier-bits 8
-      qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm --strict
+      qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
     """
+    from .params import model_params
     from .quantize import QuantizeOptions, quantize as run
     from .table import read_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                              tuple(keep_float))
+                              tuple(keep_float), format, strict)
     try:
         check_writable(output)
+        if params_out is not None:
+            check_writable(params_out)
         qmodel, report = run(model, read_table(table), options, str(table))
-        atomic_write(output, qmodel.SerializeToString())
+        if params_out is not None:
+            atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
+        try:
+            atomic_write(output, qmodel.SerializeToString())
+        except QtoolError:
+            if params_out is not None:
+                params_out.unlink(missing_ok=True)  # both outputs or neither
+            raise
     except QtoolError as e:
         raise _fail(e)
     for w in report.warnings:
@@ -195,6 +215,11 @@ def quantize(
     typer.echo(f"float:   {len(report.kept_float)} ops")
     for line in float_node_lines(report.kept_float):
         typer.echo(line)
+    if report.format == "qoperator":
+        typer.echo(f"qoperator: {len(report.qdq_groups)} integer ops without a quantized-operator "
+                   f"form stay DequantizeLinear -> op -> QuantizeLinear")
+        for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
+            typer.echo(line)
     if report.widened:
         typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "

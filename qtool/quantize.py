@@ -8,6 +8,7 @@ neighbours, and is named in the report with the reason.
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +19,18 @@ from onnx import helper, numpy_helper
 
 from . import __version__
 from .errors import QtoolError
+from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
                     prepare)
 from .ops import REGISTRY, Bias, Unsupported, Weight, node_attrs
+from .params import PARAMS_KEY, integer_params, lookup_tables
+from .qoperator import to_qoperator
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
 
 ACTIVATION_TYPES = ("int8", "uint8")
+FORMATS = ("qdq", "qoperator")
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int32": onnx.TensorProto.INT32}
 
@@ -38,8 +43,12 @@ class QuantizeOptions:
     multiplier_bits: int = 32
     rounding: str = DEFAULT_ROUNDING
     keep_float: tuple[str, ...] = ()
+    format: str = "qdq"
+    strict: bool = False
 
     def check(self) -> None:
+        if self.format not in FORMATS:
+            raise QtoolError(f"unknown format '{self.format}'; choose one of {', '.join(FORMATS)}")
         if self.activation_type not in ACTIVATION_TYPES:
             raise QtoolError(f"unknown activation type '{self.activation_type}'; "
                              f"choose one of {', '.join(ACTIVATION_TYPES)}")
@@ -60,12 +69,18 @@ class QuantizeReport:
     opset: int = 0
     size_before: int = 0
     size_after: int = 0
+    format: str = "qdq"
+    # QOperator only: integer groups with no quantized-operator form, left as DQ -> op -> Q
+    qdq_groups: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"quantized": self.quantized,
-                "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
-                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
-                "size_before": self.size_before, "size_after": self.size_after}
+        out = {"format": self.format, "quantized": self.quantized,
+               "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
+               "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
+               "size_before": self.size_before, "size_after": self.size_after}
+        if self.format == "qoperator":
+            out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
+        return out
 
 
 def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
@@ -87,12 +102,50 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest}
     for key, value in meta.items():
         rewritten.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
-    try:
-        onnx.checker.check_model(rewritten, full_check=True)
-    except onnx.checker.ValidationError as e:  # a bug in the rewriter, not a user error
-        raise RuntimeError(f"quantized model fails the ONNX checker: {e}") from e
+    _check(rewritten)
+    # the executor's lowering is the judge of what runs integer, and the source of the parameters
+    executor = IntegerExecutor(rewritten)
+    _reconcile(report, executor)
+    if options.strict:
+        _enforce_strict(report, options)
+    params = integer_params(rewritten, executor)
+    rewritten.metadata_props.append(onnx.StringStringEntryProto(
+        key=PARAMS_KEY, value=json.dumps(params, separators=(",", ":"))))
+    report.format = options.format
+    if options.format == "qoperator":
+        converted = to_qoperator(rewritten, lookup_tables(executor))
+        rewritten = converted.model
+        report.qdq_groups = converted.unchanged
+        _check(rewritten)
     report.size_after = rewritten.ByteSize()
     return rewritten, report
+
+
+
+def _check(model: onnx.ModelProto) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except onnx.checker.ValidationError as e:  # a bug in the rewriter, not a user error
+        raise RuntimeError(f"quantized model fails the ONNX checker: {e}") from e
+
+
+def _reconcile(report: QuantizeReport, executor: IntegerExecutor) -> None:
+    """Nodes the rewriter quantized but whose kernel refused the derived parameters run float:
+    count and report them as such."""
+    for op_type, name, reason in executor.float_nodes():
+        if op_type in report.quantized and (op_type, name) not in {(t, n) for t, n, _ in report.kept_float}:
+            report.kept_float.append((op_type, name, reason))
+            report.quantized[op_type] -= 1
+    report.quantized = {t: n for t, n in report.quantized.items() if n}
+
+
+def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
+    asked = set(options.keep_float)
+    blocking = [(t, n, r) for t, n, r in report.kept_float if t not in asked and n not in asked]
+    if blocking:
+        listed = "; ".join(f"{t} '{n}' ({r})" for t, n, r in blocking[:10])
+        more = f"; and {len(blocking) - 10} more" if len(blocking) > 10 else ""
+        raise QtoolError(f"--strict: {len(blocking)} op(s) cannot run integer-only: {listed}{more}")
 
 
 class _Rewriter:

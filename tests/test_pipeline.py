@@ -101,13 +101,13 @@ def test_verify_on_demo(demo_model, demo_table, demo_heldout, tmp_path):
 
 
 def test_unsupported_op_stays_float_and_is_reported(tmp_path):
-    # Conv -> Sigmoid -> Conv: Sigmoid has no integer kernel yet, so it is fenced by Q/DQ
+    # Conv -> Softmax -> Conv: Softmax has no integer kernel (float by design), so it is fenced by Q/DQ
     rng = np.random.default_rng(0)
     w1, w2 = (rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32),
               rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32))
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1, 1, 1, 1]),
-         helper.make_node("Sigmoid", ["a"], ["s"], name="sig"),
+         helper.make_node("Softmax", ["a"], ["s"], name="sig", axis=1),
          helper.make_node("Conv", ["s", "w2"], ["y"], name="c2")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 6, 6])],
@@ -118,9 +118,9 @@ def test_unsupported_op_stays_float_and_is_reported(tmp_path):
     np.savez(tmp_path / "d.npz", x=x)
     table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
     qmodel, report = quantize(tmp_path / "m.onnx", table)
-    assert report.kept_float == [("Sigmoid", "sig", "no integer kernel for this op type")]
+    assert report.kept_float == [("Softmax", "sig", "no integer kernel for this op type")]
     executor = IntegerExecutor(qmodel)
-    assert [(t, n) for t, n, _ in executor.float_nodes()] == [("Sigmoid", "sig")]
+    assert [(t, n) for t, n, _ in executor.float_nodes()] == [("Softmax", "sig")]
     got = executor.run({"x": x}).outputs["y"]
     want = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
     cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))

@@ -69,6 +69,31 @@ class MaxPool(IntegerOp):
 
 
 @dataclass(frozen=True)
+class AverageSetup:
+    """What an average's derivation needs besides the element count. GlobalAveragePool's count
+    is the input's spatial size, known only once a shape arrives: ``specialize`` finishes it."""
+
+    scale_ratio: float  # S_x / S_y, to be divided by the count
+    zero_in: int
+    zero_out: int
+    multiplier_bits: int
+    rounding: str
+    dtype: str
+
+    @classmethod
+    def of(cls, view: NodeView) -> "AverageSetup":
+        op = view.node.op_type
+        x = per_tensor(view.inputs[0].qparams, f"{op} input")
+        y = per_tensor(view.output, f"{op} output")
+        return cls(x.scale / y.scale, x.zero_point, y.zero_point, view.multiplier_bits, view.rounding,
+                   y.dtype)
+
+    def params(self, window: "Window | None", count: int) -> "AvgPoolParams":
+        requant = quantize_multipliers(self.scale_ratio / count, self.multiplier_bits)
+        return AvgPoolParams(window, requant, self.zero_in, self.zero_out, self.rounding, self.dtype)
+
+
+@dataclass(frozen=True)
 class AvgPoolParams:
     window: Window | None  # None: global
     requant: Requant
@@ -79,11 +104,7 @@ class AvgPoolParams:
 
 
 def _avg_params(view: NodeView, window: Window | None, count: int) -> AvgPoolParams:
-    op = view.node.op_type
-    x = per_tensor(view.inputs[0].qparams, f"{op} input")
-    y = per_tensor(view.output, f"{op} output")
-    requant = quantize_multipliers(x.scale / (y.scale * count), view.multiplier_bits)
-    return AvgPoolParams(window, requant, x.zero_point, y.zero_point, view.rounding, y.dtype)
+    return AverageSetup.of(view).params(window, count)
 
 
 def _avg_run(p: AvgPoolParams, summed: np.ndarray) -> np.ndarray:
@@ -108,25 +129,17 @@ class AveragePool(IntegerOp):
         return _avg_run(p, patches.sum(axis=2))
 
 
-@dataclass(frozen=True)
-class GlobalAvgPoolSetup:
-    """The window is the input's whole spatial extent, known only once a shape arrives;
-    ``specialize`` finishes the derivation per input shape."""
-
-    view: NodeView
 
 
 @register
 class GlobalAveragePool(IntegerOp):
     op_type = "GlobalAveragePool"
 
-    def derive(self, view: NodeView) -> GlobalAvgPoolSetup:
-        _avg_params(view, None, 1)  # validates the quantization now, not at the first run
-        return GlobalAvgPoolSetup(view)
+    def derive(self, view: NodeView) -> AverageSetup:
+        return AverageSetup.of(view)
 
-    def specialize(self, setup: GlobalAvgPoolSetup, shapes) -> AvgPoolParams:
-        count = int(np.prod(shapes[0][2:], dtype=np.int64))
-        return _avg_params(setup.view, None, count)
+    def specialize(self, setup: AverageSetup, shapes) -> AvgPoolParams:
+        return setup.params(None, int(np.prod(shapes[0][2:], dtype=np.int64)))
 
     def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
