@@ -1,0 +1,148 @@
+"""Elementwise non-linear ops as 256-entry lookup tables (DESIGN.md, seed 003).
+
+``T[q - qmin] = sat(round(f(S_x * (q - Z_x)) / S_y) + Z_y)`` for every int8 or uint8 input ``q``.
+The input is dequantized in float32 exactly as DequantizeLinear does, ``f`` runs in float64 and
+the table is rounded once, at setup; the kernel is a gather.
+
+Rounding: ``half_up``, ``half_away_from_zero`` and ``half_to_even`` round the table as they round
+shifts. ``toward_zero`` is a run-time speed knob for shifts; a table costs nothing to round well,
+so it rounds to nearest, ties to even (as QuantizeLinear does). Ties are measure-zero for
+transcendental ``f``; they occur for the piecewise-linear HardSigmoid and HardSwish.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from ..fixedpoint import saturate
+from ..qparams import QParams, dequantize_array
+from . import IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
+
+
+def round_real(values, mode: str) -> np.ndarray:
+    """Float values to integers (int64) in rounding ``mode``; see the module note on toward_zero."""
+    v = np.asarray(values, dtype=np.float64)
+    if mode == "half_up":
+        r = np.floor(v + 0.5)
+    elif mode == "half_away_from_zero":
+        r = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    else:  # half_to_even, toward_zero
+        r = np.rint(v)
+    return r.astype(np.int64)
+
+
+def quantize_real(values, qp: QParams, mode: str) -> np.ndarray:
+    """``sat(round(values / S) + Z)`` in ``qp``'s type, ``values`` float (setup only)."""
+    scaled = np.asarray(values, dtype=np.float64) / float(qp.scale)
+    scaled = np.clip(scaled, -(2.0**40), 2.0**40)  # inf (e.g. an open clamp bound) saturates
+    return saturate(round_real(scaled, mode) + int(qp.zero_point), qp.dtype)
+
+
+@dataclass(frozen=True)
+class LutParams:
+    table: np.ndarray  # [256] in the output type, indexed by q - qmin of the input type
+    in_dtype: str
+
+
+class LookupTable(IntegerOp):
+    """Base class: subclasses define ``f`` (float64 in, float64 out)."""
+
+    def f(self, x: np.ndarray, view: NodeView) -> np.ndarray:
+        raise NotImplementedError
+
+    def derive(self, view: NodeView) -> LutParams:
+        x = per_tensor(view.inputs[0].qparams, f"{self.op_type} input")
+        y = per_tensor(view.output, f"{self.op_type} output")
+        if x.dtype not in ("int8", "uint8"):
+            raise Unsupported(f"a lookup table needs an 8-bit input, got {x.dtype}")
+        q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
+        real = dequantize_array(q, x).astype(np.float64)  # float32, as DequantizeLinear computes
+        return LutParams(quantize_real(self.f(real, view), y, view.rounding), x.dtype)
+
+    def run(self, p: LutParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        if x.dtype != np.dtype(p.in_dtype):
+            raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
+        # q - qmin without a wider copy: uint8 is q itself; for int8, flipping the sign bit of the
+        # byte gives q + 128
+        index = x.view(np.uint8) if p.in_dtype == "uint8" else x.view(np.uint8) ^ np.uint8(0x80)
+        return p.table[index]
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    return _erf(np.asarray(x, dtype=np.float64)).astype(np.float64)
+
+
+def hard_sigmoid(x: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    return np.clip(alpha * x + beta, 0.0, 1.0)
+
+
+@register
+class Sigmoid(LookupTable):
+    op_type = "Sigmoid"
+
+    def f(self, x, view):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+@register
+class Tanh(LookupTable):
+    op_type = "Tanh"
+
+    def f(self, x, view):
+        return np.tanh(x)
+
+
+@register
+class Erf(LookupTable):
+    op_type = "Erf"
+
+    def f(self, x, view):
+        return erf(x)
+
+
+@register
+class HardSigmoid(LookupTable):
+    op_type = "HardSigmoid"
+
+    def f(self, x, view):
+        # attributes are float32 in the model; onnxruntime computes with those values
+        return hard_sigmoid(x, view.attr("alpha", np.float32(0.2)), view.attr("beta", np.float32(0.5)))
+
+
+@register
+class HardSwish(LookupTable):
+    op_type = "HardSwish"  # opset 14
+
+    def f(self, x, view):
+        return x * hard_sigmoid(x, 1.0 / 6.0, 0.5)
+
+
+class Gelu(LookupTable):
+    op_type = "Gelu"  # opset 20
+
+    def check(self, node, attrs):
+        approximate = attrs.get("approximate", b"none")
+        approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+        if approximate not in ("none", "tanh"):
+            raise Unsupported(f"Gelu approximate='{approximate}' is not one of none, tanh")
+
+    def derive(self, view):
+        self.check(view.node, view.attrs)
+        return super().derive(view)
+
+    def f(self, x, view):
+        if view.attr("approximate", "none") == "tanh":
+            return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+        return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+if onnx.defs.has("Gelu"):
+    register(Gelu)
