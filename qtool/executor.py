@@ -132,7 +132,8 @@ class IntegerExecutor:
                     run_inputs.append(source.input[0])  # activations and quantized operands
             elif isinstance(consts.get(i), Raw):
                 operands.append(Operand(None, self.constants.get(name)))
-                run_inputs.append(name)
+                if consts[i].at_run:
+                    run_inputs.append(name)
             else:
                 return None, f"input '{name}' is not quantized"
         outputs = [self._qparams_of(q) for q in q_nodes]

@@ -23,7 +23,7 @@ from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
                     prepare)
-from .ops import REGISTRY, Bias, Unsupported, Weight, node_attrs
+from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .qoperator import to_qoperator
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
@@ -31,6 +31,10 @@ from .table import Table
 
 ACTIVATION_TYPES = ("int8", "uint8")
 FORMATS = ("qdq", "qoperator")
+# Outputs whose range the op itself fixes. Softmax's calibrated maximum is below 1 on small data;
+# onnxruntime fuses DQ -> Softmax -> Q into QLinearSoftmax, which outputs zeros when the output
+# scale is below 1/256 (onnxruntime 1.31).
+FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int32": onnx.TensorProto.INT32}
 
@@ -160,6 +164,7 @@ class _Rewriter:
             for name in node.input:
                 self.consumers[name].append(node)
         self.outputs = {o.name for o in self.graph.output}
+        self.producers = {o: node for node in self.graph.node for o in node.output}
         self.float_names = set(float_tensors(model))
         self.taken = set(self.inits) | {n for node in self.graph.node for n in node.output}
         self.taken |= {i.name for i in self.graph.input}
@@ -245,6 +250,8 @@ class _Rewriter:
             spec = consts.get(i)
             if isinstance(spec, (Weight, Bias)) and name not in self.inits:
                 return f"input '{name}' must be a constant"
+            if isinstance(spec, Raw) and not spec.at_run and name not in self.inits:
+                return f"input '{name}' must be a constant"
             if isinstance(spec, Weight) and self.inits[name].dtype.kind != "f":
                 return f"weight '{name}' is not float"
             if spec is None and name in self.inits:
@@ -308,7 +315,12 @@ class _Rewriter:
         return result
 
     def _effective_range(self, name, integer):
-        """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part."""
+        """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part.
+        An output whose range the op fixes (Softmax: [0, 1]) takes that range."""
+        producer = self.producers.get(name)
+        if producer is not None and producer.op_type in FIXED_OUTPUT_RANGE:
+            lo, hi = FIXED_OUTPUT_RANGE[producer.op_type]
+            return lo, hi, max(abs(lo), abs(hi))
         e = self.table.tensors[name]
         users = self.consumers.get(name, [])
         clamped = (users and name not in self.outputs

@@ -18,7 +18,7 @@ import pytest
 
 from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
-from qtool.quantize import quantize
+from qtool.quantize import QuantizeOptions, quantize
 from qtool.verify import verify
 
 
@@ -32,14 +32,15 @@ def _model(name: str) -> Path:
     return path
 
 
-def _strokes(n: int, seed: int) -> np.ndarray:
-    """Light 48x192 images with dark horizontal marks, like a line of text; PP-OCR's [-1, 1] range."""
+def _strokes(n: int, seed: int, height: int = 48, width: int = 192) -> np.ndarray:
+    """Light images with dark marks in rows, like lines of text; PP-OCR's [-1, 1] range."""
     rng = np.random.default_rng(seed)
-    x = np.full((n, 3, 48, 192), 0.9, np.float32)
+    x = np.full((n, 3, height, width), 0.9, np.float32)
     for i in range(n):
-        for _ in range(rng.integers(8, 16)):
-            r, c = rng.integers(10, 38), rng.integers(0, 180)
-            x[i, :, r:r + rng.integers(2, 10), c:c + rng.integers(2, 12)] = rng.uniform(-1, 0.2)
+        for top in range(10, height - 10, 48):
+            for _ in range(rng.integers(8, 16) * width // 192):
+                r, c = top + rng.integers(0, 28), rng.integers(0, width - 12)
+                x[i, :, r:r + rng.integers(2, 10), c:c + rng.integers(2, 12)] = rng.uniform(-1, 0.2)
     return x
 
 
@@ -72,3 +73,47 @@ def test_ppocr_cls_end_to_end(tmp_path):
     want = ort.InferenceSession(str(model)).run(None, {"x": x})[0]
     got = executor.run({"x": x}).outputs[session.get_outputs()[0].name]
     assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.9  # top-1 agreement
+
+
+MODELS = {  # file, calibration input shape
+    "rec": ("ch_PP-OCRv4_rec_infer.onnx", (4, 3, 48, 320)),
+    "det": ("ch_PP-OCRv4_det_infer.onnx", (2, 3, 160, 160)),
+    "cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", (4, 3, 48, 192)),
+}
+
+
+@pytest.fixture(scope="module")
+def real_tables(tmp_path_factory):
+    """One minmax table per PP-OCR model, on synthetic inputs, made once."""
+    tables = {}
+
+    def get(kind):
+        if kind not in tables:
+            name, shape = MODELS[kind]
+            folder = tmp_path_factory.mktemp(kind)
+            x = _strokes(shape[0], 3, *shape[2:])
+            np.savez(folder / "calib.npz", x=x)
+            tables[kind] = (_model(name), calibrate(_model(name), folder / "calib.npz", progress=False), x)
+        return tables[kind]
+    return get
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("fmt", ["qdq", "qoperator"])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_ppocr_quantizes_in_both_formats(real_tables, kind, fmt, bits):
+    """Every PP-OCR model, QDQ and QOperator, 32- and 8-bit multipliers: the checker accepts the
+    model, onnxruntime runs it, and it stays close to float on a calibration sample."""
+    model, table, x = real_tables(kind)
+    qmodel, report = quantize(model, table, QuantizeOptions(format=fmt, multiplier_bits=bits))
+    onnx.checker.check_model(qmodel, full_check=True)
+    session = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": x[:1]})[0]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x[:1]})[0]
+    assert got.shape == want.shape
+    cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos > 0.9, f"{kind} {fmt} {bits}-bit: cosine {cos:.4f}"
+    assert report.quantized["Conv"] >= 30
+    if fmt == "qoperator":
+        ops = {n.op_type for n in qmodel.graph.node}
+        assert "QLinearConv" in ops and "Conv" not in ops

@@ -46,7 +46,11 @@ class Bias:
 
 @dataclass(frozen=True)
 class Raw:
-    """A constant input kept as it is (shapes, axes)."""
+    """An input kept as it is (shapes, axes, bounds), read by ``derive`` from the constant.
+    ``at_run``: the input may also be computed at run time (Reshape's shape from a Shape node);
+    it then reaches ``run`` as well. Otherwise it must be a constant."""
+
+    at_run: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Reshape(IntegerOp):
     shares_qparams = True
 
     def constants(self, node):
-        return {1: Raw()}
+        return {1: Raw(at_run=True)}
 
     def derive(self, view: NodeView) -> ShapeParams:
         x = per_tensor(view.inputs[0].qparams, "Reshape input")

@@ -1,0 +1,191 @@
+"""Accuracy of quantized PP-OCR models: float vs qtool vs onnxruntime's quantize_static, one run.
+
+    python bench/quality.py                          # rec, det, cls and the demo; ORT baselines too
+    python bench/quality.py --models rec --rec-eval 100 --no-ort
+    python bench/quality.py --models det --qtool minmax,percentile --executor-samples 2
+
+Calibration and evaluation data are disjoint (bench/datasets.py, different seeds):
+- rec: rendered text lines with known strings; metric: exact string after CTC decode with the
+  charset from the model's metadata, plus logits SQNR against float;
+- det: crops of scikit-image photos and rendered text pages; metric: probability-map SQNR and the
+  IoU of the p > 0.3 masks against float;
+- cls: rendered lines, half rotated by 180 degrees; metric: top-1 agreement with float;
+- demo: the shipped digits CNN on its held-out set; metric: top-1 accuracy.
+
+Rows: float; qtool with each --qtool method (asymmetric int8 activations, per-channel weights,
+32-bit multipliers), run by onnxruntime on the QDQ model; onnxruntime quantize_static MinMax and
+Entropy (per-channel QDQ, opset upgraded to 13 and quant_pre_process, bench/ort_baseline.py: the
+settings it needs to write a valid model here). With --executor-samples N, qtool's integer
+executor also runs the first N evaluation samples of each qtool row, and the table gives its
+agreement with onnxruntime on the same QDQ model.
+
+Needs: pip install -e '.[bench]' and rapidocr-onnxruntime --no-deps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+import datasets  # noqa: E402
+import ort_baseline  # noqa: E402
+
+from qtool.calibrate import calibrate  # noqa: E402
+from qtool.executor import IntegerExecutor  # noqa: E402
+from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
+
+DEMO = ROOT / "qtool" / "demo"
+BATCH = {"rec": 8, "det": 1, "cls": 16, "demo": 64}
+
+
+def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    noise = float(((ref - got) ** 2).sum())
+    return float("inf") if noise == 0 else 10 * np.log10(float((ref ** 2).sum()) / noise)
+
+
+def run_model(model, x: np.ndarray, batch: int) -> np.ndarray:
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return np.concatenate([session.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+
+
+class Workload:
+    """Model path, calibration and evaluation data, and the metric."""
+
+    def __init__(self, kind: str, args, workdir: Path):
+        self.kind = kind
+        self.labels = self.strings = None
+        if kind == "demo":
+            self.model = DEMO / "digits_cnn.onnx"
+            self.calib = DEMO / "digits_calib.npz"
+            held = np.load(DEMO / "digits_heldout.npz")
+            self.x, self.labels = held["input"], held["label"]
+            return
+        self.model = Path(datasets.model_path(kind))
+        self.calib = workdir / f"{kind}_calib.npz"
+        if kind == "rec":
+            xc, _ = datasets.text_lines(args.rec_calib, seed=0)
+            self.x, self.strings = datasets.text_lines(args.rec_eval, seed=1)
+            self.charset = datasets.rec_charset(str(self.model))
+        elif kind == "cls":
+            xc, _ = datasets.cls_lines(args.cls_calib, seed=0)
+            self.x, _ = datasets.cls_lines(args.cls_eval, seed=1)
+        else:
+            xc = datasets.det_crops(args.det_calib, seed=0, size=args.det_size)
+            self.x = datasets.det_crops(args.det_eval, seed=1, size=args.det_size)
+        np.savez(self.calib, x=xc)
+
+    def metrics(self, y: np.ndarray, ref: np.ndarray) -> dict:
+        out = {"sqnr_db": sqnr_db(ref, y)}
+        if self.kind == "rec":
+            pred = datasets.ctc_decode(y, self.charset)
+            out["word_acc"] = float(np.mean([p == s for p, s in zip(pred, self.strings)]))
+        elif self.kind == "det":
+            a, b = ref > 0.3, y > 0.3
+            out["iou"] = float((a & b).sum() / max(1, (a | b).sum()))
+        elif self.kind == "cls":
+            out["agree"] = float(np.mean(y.argmax(1) == ref.argmax(1)))
+        else:
+            out["top1"] = float(np.mean(y.argmax(1) == self.labels))
+        return out
+
+
+def fmt(metrics: dict) -> str:
+    parts = []
+    for key, value in metrics.items():
+        if key in ("word_acc", "agree", "top1", "iou", "executor_agree"):
+            parts.append(f"{key} {100 * value:.1f}%" if key != "iou" else f"iou {value:.4f}")
+        elif key in ("sqnr_db", "executor_sqnr_db"):
+            parts.append(f"{key.replace('_db', '')} {value:.1f} dB")
+        elif isinstance(value, float):
+            parts.append(f"{key} {value:.1f}")
+        else:
+            parts.append(f"{key} {value}")
+    return ", ".join(parts)
+
+
+def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path) -> dict:
+    t = time.perf_counter()
+    table = calibrate(w.model, w.calib, method, batch_size=BATCH[w.kind], progress=False)
+    qmodel, report = quantize(w.model, table, QuantizeOptions())
+    seconds = time.perf_counter() - t
+    y = run_model(qmodel, w.x, BATCH[w.kind])
+    metrics = w.metrics(y, ref)
+    metrics["float_ops"] = len(report.kept_float)
+    metrics["seconds"] = seconds
+    if args.executor_samples:
+        n = args.executor_samples
+        executor = IntegerExecutor(qmodel)
+        name = qmodel.graph.input[0].name
+        got = np.concatenate([executor.run({name: w.x[i:i + 1]}).outputs[qmodel.graph.output[0].name]
+                              for i in range(n)])
+        metrics["executor_sqnr_db"] = sqnr_db(y[:n], got)  # against onnxruntime on the same model
+    return metrics
+
+
+def ort_row(w: Workload, method: str, ref: np.ndarray, workdir: Path) -> dict:
+    out = workdir / f"{w.kind}_ort_{method}.onnx"
+    res = ort_baseline.run_quantize_static(str(w.model), str(w.calib), method, str(out),
+                                           batch_size=BATCH[w.kind], opset=13, prep="ort",
+                                           max_memory_gb=20)
+    if res.get("error"):
+        return {"error": str(res["error"]).splitlines()[-1][:120]}
+    try:
+        onnx.checker.check_model(onnx.load(str(out)), full_check=True)
+        y = run_model(out, w.x, BATCH[w.kind])
+    except Exception as e:  # an invalid model is a result here, not a crash
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    metrics = w.metrics(y, ref)
+    metrics["seconds"] = res["wall_seconds"]
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="rec,det,cls,demo")
+    parser.add_argument("--qtool", default="minmax,percentile,kl,mse", help="calibration methods")
+    parser.add_argument("--no-ort", action="store_true", help="skip onnxruntime quantize_static")
+    parser.add_argument("--rec-calib", type=int, default=64)
+    parser.add_argument("--rec-eval", type=int, default=200)
+    parser.add_argument("--cls-calib", type=int, default=64)
+    parser.add_argument("--cls-eval", type=int, default=200)
+    parser.add_argument("--det-calib", type=int, default=16)
+    parser.add_argument("--det-eval", type=int, default=8)
+    parser.add_argument("--det-size", type=int, default=640)
+    parser.add_argument("--executor-samples", type=int, default=0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="qtool-quality-") as tmp:
+        workdir = Path(tmp)
+        lines = ["| model | quantizer | metrics |", "|---|---|---|"]
+        for kind in args.models.split(","):
+            w = Workload(kind, args, workdir)
+            ref = run_model(w.model, w.x, BATCH[kind])
+            rows = [("float", w.metrics(ref, ref))]
+            for method in args.qtool.split(","):
+                rows.append((f"qtool {method}", qtool_row(w, method, ref, args, workdir)))
+                print(f"{kind} qtool {method}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
+            if not args.no_ort and kind != "demo":
+                for method in ("MinMax", "Entropy"):
+                    rows.append((f"ORT {method}", ort_row(w, method, ref, workdir)))
+                    print(f"{kind} ORT {method}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
+            for name, metrics in rows:
+                if name == "float":
+                    metrics = {k: v for k, v in metrics.items() if k != "sqnr_db" and k != "iou"}
+                lines.append(f"| {kind} | {name} | {fmt(metrics)} |")
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
