@@ -168,13 +168,15 @@ class _Converter:
 
     def move(self, node, dqs, outs):
         """Data movement on integer tensors: every quantized input and output share one (S, Z)."""
-        activations = [i for i, dq in enumerate(dqs) if dq is not None]
-        if not activations or any(not self.same_qparams(dqs[i], q) for i in activations for q in outs):
+        # the data inputs; the others (shape, axes, pads, scales) stay as they are
+        data = range(len(node.input)) if node.op_type == "Concat" else [0]
+        if any(dqs[i] is None for i in data) or any(not self.same_qparams(dqs[i], q)
+                                                    for i in data for q in outs):
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Resize" and attrs.get("mode", b"nearest") not in (b"nearest", "nearest"):
             return None
-        inputs = [dqs[i].input[0] if dqs[i] is not None else n for i, n in enumerate(node.input)]
+        inputs = [dqs[i].input[0] if i in data else n for i, n in enumerate(node.input)]
         if node.op_type == "Pad":
             if attrs.get("mode", b"constant") in (b"constant", "constant"):
                 scale = float(self.value(outs[0].input[1]))
