@@ -1,4 +1,11 @@
-"""Gemm and MatMul with a constant B: Conv's derivation with the output channel on the last axis."""
+"""Gemm and MatMul.
+
+With a constant B: Conv's derivation with the output channel on the last axis (per-channel B).
+MatMul activation x activation (attention's Q.K^T and attn.V, batched with numpy/ONNX broadcasting),
+both per tensor: ``acc = sum (q_a - Z_a)(q_b - Z_b)`` exactly (``int_matmul`` on the zero-point
+shifted operands, 9-bit values), then one requantization with ``M / 2**rshift = S_a * S_b / S_y``
+and ``+ Z_y``.
+"""
 
 from __future__ import annotations
 
@@ -73,15 +80,51 @@ class Gemm(IntegerOp):
         return _run(p, x)
 
 
+@dataclass(frozen=True)
+class ActMatMulParams:
+    """MatMul of two activations, both per tensor."""
+
+    zero_a: int
+    zero_b: int
+    requant: Requant  # S_a * S_b / S_y
+    zero_out: int
+    rounding: str
+    dtype: str
+
+
+def _derive_activations(view: NodeView) -> ActMatMulParams:
+    a = per_tensor(view.inputs[0].qparams, "MatMul input A")
+    b = per_tensor(view.inputs[1].qparams, "MatMul input B")
+    y = per_tensor(view.output, "MatMul output")
+    requant = quantize_multipliers(np.float64(a.scale) * np.float64(b.scale) / y.scale,
+                                   view.multiplier_bits)
+    return ActMatMulParams(a.zero_point, b.zero_point, requant, y.zero_point, view.rounding, y.dtype)
+
+
+def _run_activations(p: ActMatMulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    check_integer(a, b)
+    acc = int_matmul(a.astype(np.int32) - p.zero_a, b.astype(np.int32) - p.zero_b)
+    y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
+    return saturate(y + p.zero_out, p.dtype)
+
+
 @register
 class MatMul(IntegerOp):
     op_type = "MatMul"
 
     def constants(self, node):
-        return {1: Weight(axis=1)}
+        # B is a per-channel weight when it is a constant, a per-tensor activation otherwise
+        return {1: Weight(axis=1, optional=True)}
 
     def derive(self, view):
+        b = view.inputs[1]
+        if b is not None and b.value is None:
+            return _derive_activations(view)
         return _derive(view, 1, bias_index=None)
 
-    def run(self, p, x):
+    def run(self, p, x, *b):
+        if isinstance(p, ActMatMulParams):
+            if len(b) != 1:
+                raise ValueError("MatMul of two activations needs both operands")
+            return _run_activations(p, x, b[0])
         return _run(p, x)

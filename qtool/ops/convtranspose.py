@@ -1,0 +1,139 @@
+"""ConvTranspose 2-D: ``q_y = ((sum q_x * q_w + b_i32 - Z_x * sum_valid q_w) * M >> rshift) + Z_y``.
+
+The weight is ``[C_in, C_out/group, kh, kw]``: output channel ``g * C_out/group + c`` reads slice
+``c`` of axis 1 within group ``g``, so per-channel scales run along axis 1 (shared by the groups).
+The kernel scatters: one exact integer GEMM per group (``int_matmul``, int8 x int8 products) gives,
+for every input pixel, its contribution to each tap; the taps are added (int64) into the
+``(H - 1) * stride + dilation * (k - 1) + 1 + output_padding`` output, then ``pads`` are cropped.
+
+Zero-point compensation: ``sum (q_x - Z_x) q_w = sum q_x q_w - Z_x * sum q_w`` where the second
+sum runs over the taps that reach the output pixel. Unlike Conv, that set varies with the position
+(borders, and the stride phase: a 2x2 stride-2 kernel gives each pixel one tap), so the
+compensation is ``Z_x`` times ConvTranspose of an all-ones input, an integer map built by the same
+scatter from the per-tap channel sums of the weight. The bias itself is ``round(B / (S_x * S_w))``
+(``accumulator_bias`` without the uniform term).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, per_tensor,
+               register)
+from .conv import accumulator_bias, weight_scales
+from .intmatmul import int_matmul
+
+
+@dataclass(frozen=True)
+class ConvTransposeParams:
+    weight: np.ndarray  # int8 [C_in, C_out/group, kh, kw]
+    tap_sums: np.ndarray  # int64 [C_out, kh, kw]: sum of q_w over the group's input channels
+    bias: np.ndarray  # int64 [C_out], accumulator units, no zero-point term
+    requant: Requant  # per output channel
+    zero_in: int
+    zero_out: int
+    pads: tuple[int, int, int, int]  # top, left, bottom, right
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+    output_padding: tuple[int, int]
+    group: int
+    rounding: str
+    dtype: str
+
+
+def _text(value, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@register
+class ConvTranspose(IntegerOp):
+    op_type = "ConvTranspose"
+
+    def constants(self, node):
+        # Per channel along axis 1. With groups, the quantizer would need to tile the C_out/group
+        # scales to the bias's C_out entries, which it does not: grouped weights go per tensor.
+        axis = 1 if node_attrs(node).get("group", 1) == 1 else None
+        return {1: Weight(axis=axis), 2: Bias(activation=0, weight=1)}
+
+    def check(self, node, attrs):
+        if _text(attrs.get("auto_pad"), "NOTSET") not in ("NOTSET", "VALID"):
+            raise Unsupported("auto_pad SAME_* is not supported")
+        if attrs.get("output_shape") is not None:
+            raise Unsupported("the output_shape attribute is not supported")
+        if len(attrs.get("kernel_shape", [0, 0])) != 2:
+            raise Unsupported("only 2-D ConvTranspose is supported")
+
+    def derive(self, view: NodeView) -> ConvTransposeParams:
+        self.check(view.node, view.attrs)
+        x = per_tensor(view.inputs[0].qparams, "ConvTranspose input")
+        y = per_tensor(view.output, "ConvTranspose output")
+        weight = view.inputs[1].value
+        if weight is None or weight.ndim != 4:
+            raise Unsupported("only 2-D ConvTranspose is supported")
+        group = int(view.attr("group", 1))
+        c_in, per_group, kh, kw = weight.shape
+        if c_in % group:
+            raise Unsupported("input channels do not divide into groups")
+        c_out = per_group * group
+        channel_scale = x.scale * np.tile(weight_scales(view, 1, per_group, 1), group)
+        # the group's weights as Conv lays them out: [C_out, C_in/group, kh, kw]
+        conv_layout = (weight.reshape(group, c_in // group, per_group, kh, kw)
+                       .transpose(0, 2, 1, 3, 4).reshape(c_out, c_in // group, kh, kw))
+        pads = tuple(view.attr("pads", [0, 0, 0, 0]))
+        if _text(view.attr("auto_pad"), "NOTSET") == "VALID":
+            pads = (0, 0, 0, 0)
+        return ConvTransposeParams(
+            weight=weight,
+            tap_sums=conv_layout.astype(np.int64).sum(axis=1),
+            bias=accumulator_bias(view, 2, conv_layout, 0, channel_scale, 0),
+            requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
+            zero_in=x.zero_point,
+            zero_out=y.zero_point,
+            pads=(pads[0], pads[1], pads[2], pads[3]),
+            strides=tuple(view.attr("strides", [1, 1])),
+            dilations=tuple(view.attr("dilations", [1, 1])),
+            output_padding=tuple(view.attr("output_padding", [0, 0])),
+            group=group,
+            rounding=view.rounding,
+            dtype=y.dtype,
+        )
+
+    def run(self, p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x, p.weight)
+        n, c_in, h, w = x.shape
+        _, per_group, kh, kw = p.weight.shape
+        c_per_group = c_in // p.group
+        sh, sw = p.strides
+        dh, dw = p.dilations
+        full_h = (h - 1) * sh + dh * (kh - 1) + 1 + p.output_padding[0]
+        full_w = (w - 1) * sw + dw * (kw - 1) + 1 + p.output_padding[1]
+        acc = np.zeros((n, per_group * p.group, full_h, full_w), dtype=np.int64)
+
+        def tap(i, j):  # the output pixels that tap (i, j) of the input pixels reaches
+            return (slice(i * dh, i * dh + (h - 1) * sh + 1, sh),
+                    slice(j * dw, j * dw + (w - 1) * sw + 1, sw))
+
+        for g in range(p.group):
+            xg = x[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group, h * w)
+            wg = p.weight[g * c_per_group:(g + 1) * c_per_group].reshape(c_per_group, -1).T
+            contrib = int_matmul(wg[None], xg).reshape(n, per_group, kh, kw, h, w)
+            out = acc[:, g * per_group:(g + 1) * per_group]
+            for i in range(kh):
+                for j in range(kw):
+                    out[(slice(None), slice(None), *tap(i, j))] += contrib[:, :, i, j]
+        if p.zero_in:
+            reached = np.zeros(acc.shape[1:], dtype=np.int64)  # ConvTranspose of an all-ones input
+            for i in range(kh):
+                for j in range(kw):
+                    reached[(slice(None), *tap(i, j))] += p.tap_sums[:, i, j, None, None]
+            acc -= p.zero_in * reached[None]
+        top, left, bottom, right = p.pads
+        acc = acc[:, :, top:full_h - bottom, left:full_w - right] + p.bias[None, :, None, None]
+        y = requantize(acc, p.requant.multiplier[None, :, None, None],
+                       p.requant.rshift[None, :, None, None], p.rounding)
+        return saturate(y + p.zero_out, p.dtype)

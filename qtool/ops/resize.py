@@ -1,0 +1,230 @@
+"""Resize, nearest and linear.
+
+Input and output share (S, Z) (``shares_qparams``): nearest only moves values and a bilinear value
+is a convex combination of its neighbours, so the output range lies in the input's.
+
+* nearest: pure data movement, one index table per axis, computed at setup exactly as onnxruntime
+  does (float32 coordinates, its ``nearest_mode`` rounding, clamped to the input), for the
+  coordinate modes half_pixel, asymmetric, pytorch_half_pixel, tf_half_pixel_for_nearest and
+  align_corners (tf_crop_and_resize, with its roi and extrapolation, is not supported).
+* linear (bilinear on the last two axes; any leading axes must keep their size): each output
+  coordinate ``c`` (clamped to the input) gives neighbours ``i0 = floor(c)``, ``i1 = min(i0 + 1,
+  n - 1)`` and the fraction ``l = c - i0``, stored as ``w1 = round(l * 2**K)``, ``w0 = 2**K - w1``
+  (K = ``FRACTION_BITS``). The kernel accumulates exactly in int64
+  ``acc = sum wy * wx * (q_x - Z_x)`` (scale ``S_x / 4**K``) and requantizes once with
+  ``M / 2**rshift = S_x / (S_y * 4**K)`` (a power of two when S_x = S_y, so exact), then ``+ Z_y``.
+
+  LSB bound: rounding each weight moves it by at most ``2**-(K+1)``; since a bilinear value changes
+  along one axis by at most the neighbours' difference (<= 255 steps of the 8-bit input), the
+  accumulated value is off by at most ``255 / 2**K + 510 / 4**(K+1) < 0.125`` input LSB at K = 11.
+  With S_x = S_y the result is the exact interpolation rounded once after an error below 0.125, so
+  it differs from a float reference by at most 1 LSB, and not at all when every fraction is a
+  multiple of 2**-K (2x upsampling: fractions 0.25 / 0.75). ``|acc| <= 255 * 4**11 < 2**31``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from . import IntegerOp, NodeView, Raw, Rescale, Unsupported, check_integer, per_tensor, register, rescale
+from .layout import raw_input
+
+FRACTION_BITS = 11
+# "tf_half_pixel_for_nn" is onnxruntime's spelling of the ONNX "tf_half_pixel_for_nearest"
+COORDINATE_MODES = ("half_pixel", "asymmetric", "pytorch_half_pixel", "tf_half_pixel_for_nearest",
+                    "tf_half_pixel_for_nn", "align_corners")
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+
+
+def _text(value, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class ResizeSetup:
+    mode: str
+    coordinate_mode: str
+    nearest_mode: str
+    scales: tuple[float, ...] | None  # float32 values, as the model stores them
+    sizes: tuple[int, ...] | None
+    rescale: Rescale  # nearest
+    requant: Requant | None  # linear: S_x / (S_y * 4**FRACTION_BITS)
+    zero_in: int
+    zero_out: int
+    rounding: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class NearestPlan:
+    rescale: Rescale
+    index: tuple[np.ndarray | None, ...]  # per axis, the input index of each output index
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    out_lead: tuple[int, ...]  # the leading (unscaled) dimensions
+    y0: np.ndarray
+    y1: np.ndarray
+    wy0: np.ndarray  # int64, wy0 + wy1 = 2**FRACTION_BITS
+    wy1: np.ndarray
+    x0: np.ndarray
+    x1: np.ndarray
+    wx0: np.ndarray
+    wx1: np.ndarray
+    requant: Requant
+    zero_in: int
+    zero_out: int
+    rounding: str
+    dtype: str
+
+
+def output_shape(setup: ResizeSetup, shape: tuple[int, ...]) -> tuple[list[int], list[np.float32]]:
+    """Output dimensions and per-axis float32 scales as onnxruntime computes them."""
+    if setup.sizes is not None:
+        if len(setup.sizes) != len(shape):
+            raise ValueError(f"Resize sizes {list(setup.sizes)} do not match input rank {len(shape)}")
+        scales = [np.float32(np.float32(o) / np.float32(i)) if i else np.float32(1)
+                  for o, i in zip(setup.sizes, shape)]
+        return list(setup.sizes), scales
+    if len(setup.scales) != len(shape):
+        raise ValueError(f"Resize scales {list(setup.scales)} do not match input rank {len(shape)}")
+    scales = [np.float32(s) for s in setup.scales]
+    return [int(s * np.float32(i)) for s, i in zip(scales, shape)], scales
+
+
+def original_coordinates(mode: str, out_len: int, in_len: int, scale: np.float32) -> np.ndarray:
+    """Input coordinate of each output index, in float32 like onnxruntime."""
+    x = np.arange(out_len, dtype=np.float32)
+    half = np.float32(0.5)
+    if mode == "asymmetric":
+        return x / scale
+    if mode == "half_pixel":
+        return (x + half) / scale - half
+    if mode == "pytorch_half_pixel":
+        return (x + half) / scale - half if out_len > 1 else np.zeros(out_len, np.float32)
+    if mode in ("tf_half_pixel_for_nearest", "tf_half_pixel_for_nn"):
+        return (x + half) / scale
+    if mode == "align_corners":
+        if out_len == 1:
+            return np.zeros(out_len, np.float32)
+        return x * np.float32(in_len - 1) / np.float32(out_len - 1)
+    raise ValueError(f"unknown coordinate transformation mode {mode!r}")
+
+
+def nearest_index(coords: np.ndarray, mode: str, in_len: int) -> np.ndarray:
+    c = coords.astype(np.float64)  # float32 values: every step below is exact in float64
+    away = np.sign(c) * np.floor(np.abs(c) + 0.5)  # C's round(): half away from zero
+    if mode == "round_prefer_floor":
+        idx = np.where(c == np.trunc(c) + 0.5, np.floor(c), away)
+    elif mode == "round_prefer_ceil":
+        idx = away
+    elif mode == "floor":
+        idx = np.floor(c)
+    elif mode == "ceil":
+        idx = np.ceil(c)
+    else:
+        raise ValueError(f"unknown nearest mode {mode!r}")
+    return np.clip(idx, 0, in_len - 1).astype(np.int64)
+
+
+def linear_taps(coords: np.ndarray, in_len: int, bits: int = FRACTION_BITS):
+    """Neighbours and fixed-point weights (``w0 + w1 = 2**bits``) of each coordinate."""
+    c = np.clip(coords, np.float32(0), np.float32(in_len - 1)).astype(np.float64)
+    i0 = np.minimum(np.floor(c).astype(np.int64), in_len - 1)
+    i1 = np.minimum(i0 + 1, in_len - 1)
+    w1 = np.floor((c - i0) * 2**bits + 0.5).astype(np.int64)
+    return i0, i1, 2**bits - w1, w1
+
+
+@register
+class Resize(IntegerOp):
+    op_type = "Resize"
+    shares_qparams = True
+
+    def constants(self, node):
+        return {1: Raw(), 2: Raw(), 3: Raw()}
+
+    def check(self, node, attrs):
+        mode = _text(attrs.get("mode"), "nearest")
+        if mode not in ("nearest", "linear"):
+            raise Unsupported(f"Resize mode {mode!r} is not supported")
+        coordinate = _text(attrs.get("coordinate_transformation_mode"), "half_pixel")
+        if coordinate not in COORDINATE_MODES:
+            raise Unsupported(f"coordinate_transformation_mode {coordinate!r} is not supported")
+        nearest = _text(attrs.get("nearest_mode"), "round_prefer_floor")
+        if mode == "nearest" and nearest not in NEAREST_MODES:
+            raise Unsupported(f"nearest_mode {nearest!r} is not supported")
+        if attrs.get("antialias", 0):
+            raise Unsupported("antialias is not supported")
+        if attrs.get("axes") is not None:
+            raise Unsupported("the axes attribute is not supported")
+        if _text(attrs.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
+            raise Unsupported("keep_aspect_ratio_policy other than stretch is not supported")
+        if len(node.input) < 3:
+            raise Unsupported("Resize before opset 11 is not supported")
+
+    def derive(self, view: NodeView) -> ResizeSetup:
+        self.check(view.node, view.attrs)
+        x = per_tensor(view.inputs[0].qparams, "Resize input")
+        y = per_tensor(view.output, "Resize output")
+        scales = raw_input(view, 2, "Resize scales")
+        sizes = raw_input(view, 3, "Resize sizes")
+        scales = None if scales is None or scales.size == 0 else tuple(
+            float(s) for s in scales.astype(np.float32).reshape(-1))
+        sizes = None if sizes is None or sizes.size == 0 else tuple(int(s) for s in sizes.reshape(-1))
+        if scales is None and sizes is None:
+            raise Unsupported("Resize needs scales or sizes")
+        if scales is not None and min(scales) <= 0:
+            raise Unsupported("Resize scales must be positive")
+        mode = view.attr("mode", "nearest")
+        requant = None
+        if mode == "linear":
+            if scales is not None and (len(scales) < 2 or any(s != 1 for s in scales[:-2])):
+                raise Unsupported("linear Resize only on the last two axes")
+            requant = quantize_multipliers(x.scale / (y.scale * 4**FRACTION_BITS), view.multiplier_bits)
+        return ResizeSetup(mode, view.attr("coordinate_transformation_mode", "half_pixel"),
+                           view.attr("nearest_mode", "round_prefer_floor"), scales, sizes,
+                           rescale(x, y, view), requant, x.zero_point, y.zero_point, view.rounding,
+                           y.dtype)
+
+    def specialize(self, setup: ResizeSetup, shapes) -> NearestPlan | LinearPlan:
+        shape = tuple(shapes[0])
+        out, scales = output_shape(setup, shape)
+        if setup.mode == "nearest":
+            index = []
+            for o, i, s in zip(out, shape, scales):
+                idx = nearest_index(original_coordinates(setup.coordinate_mode, o, i, s),
+                                    setup.nearest_mode, i)
+                index.append(None if o == i and np.array_equal(idx, np.arange(i)) else idx)
+            return NearestPlan(setup.rescale, tuple(index))
+        if len(shape) < 2 or tuple(out[:-2]) != shape[:-2]:
+            raise ValueError(f"linear Resize from {shape} to {out} changes a leading axis")
+        taps = []
+        for o, i, s in zip(out[-2:], shape[-2:], scales[-2:]):
+            if s == 1:  # onnxruntime keeps the coordinate as is when an axis is not scaled
+                coords = np.arange(o, dtype=np.float32)
+            else:
+                coords = original_coordinates(setup.coordinate_mode, o, i, s)
+            taps.append(linear_taps(coords, i))
+        (y0, y1, wy0, wy1), (x0, x1, wx0, wx1) = taps
+        return LinearPlan(tuple(out[:-2]), y0, y1, wy0, wy1, x0, x1, wx0, wx1, setup.requant,
+                          setup.zero_in, setup.zero_out, setup.rounding, setup.dtype)
+
+    def run(self, p: NearestPlan | LinearPlan, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        if isinstance(p, NearestPlan):
+            for axis, idx in enumerate(p.index):
+                if idx is not None:
+                    x = np.take(x, idx, axis=axis)
+            return p.rescale(x)
+        d = x.astype(np.int64) - p.zero_in
+        rows = d[..., p.y0, :] * p.wy0[:, None] + d[..., p.y1, :] * p.wy1[:, None]
+        acc = rows[..., p.x0] * p.wx0 + rows[..., p.x1] * p.wx1  # scale S_x / 4**FRACTION_BITS
+        y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
+        return saturate(y + p.zero_out, p.dtype)
