@@ -1,5 +1,8 @@
 """Graph rewrites that turn exported decompositions back into the one op they stand for.
 
+PP-LCNet (PP-OCRv4) follows convolutions with a learnable affine block, ``Mul(scalar)`` then
+``Add(scalar)``: folded into the convolution's weights and bias, they cost nothing.
+
 PaddlePaddle's exporter (PP-OCR) writes HardSwish as ``x * clip(x + 3, 0, 6) / 6``: four nodes,
 three intermediate tensors, and three requantizations if each were quantized on its own. As one
 ``HardSwish`` node (opset 14) it is one 256-entry lookup table, and calibration has three fewer
@@ -41,15 +44,20 @@ class _Graph:
             return None
         return self.producer.get(name)
 
-    def constant_operand(self, node: onnx.NodeProto) -> tuple[str, float] | None:
-        """(the other input, the constant) for a binary node with one scalar constant input."""
+    def constant_operand_any(self, node: onnx.NodeProto) -> tuple[str, str] | None:
+        """(the other input, the constant's name) for a binary node with one constant input."""
         if len(node.input) != 2:
             return None
         for i in (0, 1):
-            value = _scalar(self.inits, node.input[i])
-            if value is not None and node.input[1 - i] not in self.inits:
-                return node.input[1 - i], value
+            if node.input[i] in self.inits and node.input[1 - i] not in self.inits:
+                return node.input[1 - i], node.input[i]
         return None
+
+    def constant_operand(self, node: onnx.NodeProto) -> tuple[str, float] | None:
+        """(the other input, the value) for a binary node with one scalar constant input."""
+        found = self.constant_operand_any(node)
+        value = None if found is None else _scalar(self.inits, found[1])
+        return None if value is None else (found[0], value)
 
 
 def _match_clip_form(g: _Graph, div: onnx.NodeProto):
@@ -108,3 +116,70 @@ def fuse_hardswish(model: onnx.ModelProto, matches) -> None:
     kept = [replace.get(n.name, n) for n in model.graph.node if n.name not in drop]
     del model.graph.node[:]
     model.graph.node.extend(kept)
+
+
+def _per_channel(value: np.ndarray, channels: int) -> np.ndarray | None:
+    """A constant that broadcasts over a Conv output [N, C, H, W] as one value per channel:
+    a scalar, [C, 1, 1] or [1, C, 1, 1]."""
+    if value.size == 1:
+        return np.full(channels, value.reshape(-1)[0], dtype=np.float64)
+    if value.ndim in (3, 4) and value.shape[-3] == channels and value.size == channels:
+        return value.reshape(-1).astype(np.float64)
+    return None
+
+
+def fold_affine_into_conv(model: onnx.ModelProto) -> int:
+    """In place: ``Conv -> Mul(c) -> Add(b)`` with per-channel or scalar constants becomes one Conv
+    with ``W' = W * c`` and ``B' = B * c + b`` (PP-LCNet's learnable affine blocks). Exact up to
+    float rounding, and one requantization instead of three. Returns the number of folds."""
+    folds = 0
+    while True:
+        g = _Graph(model)
+        match = None
+        for node in model.graph.node:
+            if node.op_type not in ("Mul", "Add"):
+                continue
+            operand = g.constant_operand_any(node)
+            if operand is None:
+                continue
+            x, const_name = operand
+            conv = g.private(x)
+            if conv is None or conv.op_type != "Conv" or conv.input[1] not in g.inits:
+                continue
+            if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in g.inits:
+                continue
+            weight = onnx.numpy_helper.to_array(g.inits[conv.input[1]])
+            if weight.ndim != 4:
+                continue
+            values = _per_channel(onnx.numpy_helper.to_array(g.inits[const_name]), weight.shape[0])
+            if values is not None:
+                match = (node, conv, weight, values)
+                break
+        if match is None:
+            return folds
+        node, conv, weight, values = match
+        bias = np.zeros(weight.shape[0], np.float64)
+        if len(conv.input) > 2 and conv.input[2]:
+            bias = onnx.numpy_helper.to_array(g.inits[conv.input[2]]).astype(np.float64)
+        if node.op_type == "Mul":
+            weight = weight * values.reshape(-1, *([1] * (weight.ndim - 1))).astype(weight.dtype)
+            bias = bias * values
+        else:
+            bias = bias + values
+        w_name = _fresh_init(model, f"{conv.name}_w_folded", weight.astype(np.float32))
+        b_name = _fresh_init(model, f"{conv.name}_b_folded", bias.astype(np.float32))
+        new_inputs = [conv.input[0], w_name, b_name]
+        del conv.input[:]
+        conv.input.extend(new_inputs)
+        conv.output[0] = node.output[0]
+        model.graph.node.remove(node)
+        folds += 1
+
+
+def _fresh_init(model: onnx.ModelProto, base: str, array: np.ndarray) -> str:
+    taken = {t.name for t in model.graph.initializer}
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    model.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
+    return name

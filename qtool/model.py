@@ -82,7 +82,10 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """HardSwish decompositions become HardSwish nodes (qtool/fusion.py), upgrading to opset 14."""
+    """Constant affine ops after a Conv fold into it; HardSwish decompositions become HardSwish
+    nodes (qtool/fusion.py), upgrading to opset 14."""
+    if fusion.fold_affine_into_conv(model):
+        _drop_unused_initializers(model)
     matches = fusion.find_hardswish(model)
     if not matches:
         return model

@@ -54,3 +54,35 @@ def test_both_forms_fuse_and_compute_the_same():
 def test_no_fusion_when_an_intermediate_is_used_elsewhere_or_constants_differ():
     assert [n.op_type for n in prepare(_model(extra_output="c")).graph.node].count("HardSwish") == 1
     assert [n.op_type for n in prepare(_model(six=5.0)).graph.node].count("HardSwish") == 1
+
+
+def _affine_model(conv_output_also_graph_output=False):
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Conv", ["in", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["scale", "c"], ["m"]),
+             helper.make_node("Add", ["m", "shift"], ["a"]),
+             helper.make_node("Relu", ["a"], ["out"])]
+    inits = [numpy_helper.from_array(rng.normal(0, 1, (4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(0, 1, (4,)).astype(np.float32), "b"),
+             _const("scale", [0.7]),
+             numpy_helper.from_array(rng.normal(0, 1, (1, 4, 1, 1)).astype(np.float32), "shift")]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    if conv_output_also_graph_output:
+        outputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "affine", [helper.make_tensor_value_info("in", TensorProto.FLOAT, [1, 3, 5, 5])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_constant_mul_and_add_after_conv_fold_into_it():
+    model = _affine_model()
+    prepared = prepare(model)
+    assert [n.op_type for n in prepared.graph.node] == ["Conv", "Relu"]
+    assert prepared.graph.node[0].output[0] == "a"  # the tensor after the affine ops keeps its name
+    x = np.random.default_rng(1).normal(0, 1, (1, 3, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_no_fold_when_the_conv_output_is_read_elsewhere():
+    prepared = prepare(_affine_model(conv_output_also_graph_output=True))
+    assert [n.op_type for n in prepared.graph.node] == ["Conv", "Mul", "Add", "Relu"]
