@@ -167,3 +167,29 @@ def test_data_movement_ops_share_their_input_range(demo_model, demo_table):
     executor = IntegerExecutor(qmodel)
     pool = next(s for s in executor.steps if s.node.op_type == "MaxPool")
     assert pool.params.rescale.requant is None  # identity: no arithmetic at all
+
+
+def test_layernorm_variance_stays_float(tmp_path):
+    # x -> LayerNorm decomposition -> * gamma: the Add(variance, eps) before Sqrt stays float
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1], name="mean"),
+             helper.make_node("Sub", ["x", "mean"], ["centred"], name="sub"),
+             helper.make_node("Pow", ["centred", "two"], ["sq"], name="pow"),
+             helper.make_node("ReduceMean", ["sq"], ["var"], axes=[-1], name="var"),
+             helper.make_node("Add", ["var", "eps"], ["var_eps"], name="add_eps"),
+             helper.make_node("Sqrt", ["var_eps"], ["std"], name="sqrt"),
+             helper.make_node("Div", ["centred", "std"], ["normed"], name="div"),
+             helper.make_node("Mul", ["normed", "gamma"], ["y"], name="gamma_mul")]
+    graph = helper.make_graph(
+        nodes, "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5, 8])],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+         numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+         numpy_helper.from_array(rng.normal(1, 0.1, 8).astype(np.float32), "gamma")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.normal(0, 2, (8, 5, 8)).astype(np.float32))
+    table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
+    _, report = quantize(tmp_path / "m.onnx", table)
+    assert ("Add", "add_eps", "inside a LayerNormalization (float by default)") in report.kept_float
+    assert report.quantized == {"Mul": 1}  # gamma's Mul runs integer
