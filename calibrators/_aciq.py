@@ -44,7 +44,7 @@ def optimal_ratio(distribution: str, bits: int = 8) -> float:
 
 class ACIQCalibrator(HistogramCalibrator):
     distribution = ""
-    reductions = ("minmax", "sample", "moments")
+    reductions = ("minmax", "sample", "moments")  # narrowed by each fit to what it reads
 
     def __init__(self, bits: int = 8, bins: int = DEFAULT_BINS):
         super().__init__(bins)

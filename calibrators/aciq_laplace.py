@@ -13,6 +13,7 @@ from ._aciq import ACIQCalibrator
 class ACIQLaplace(ACIQCalibrator):
     name = "aciq_laplace"
     distribution = "laplace"
+    reductions = ("minmax", "sample", "sum")  # the mean, and the spread from the histogram
 
     def spread(self) -> float:
         h = self.hist

@@ -6,8 +6,9 @@ exceeds ``R``, the range doubles as often as needed and each new bin is the exac
 single pass, and two shards merge by adding counts after growing to the larger range. The price is
 resolution: the data's ``max|x|`` occupies between half and all of the bins.
 
-Alongside: min, max, the element count, sum and sum of squares (for ACIQ's Gaussian fit), and the
-number of exact zeros (TPU-MLIR's KLD leaves them out).
+Alongside: min, max, the element count, sum and sum of squares (for ACIQ's Gaussian fit), and, when
+asked for (``count_zeros``, TPU-MLIR's KLD leaves them out), the number of exact zeros among the
+binned values: with a subsampled batch that is the sample's, so it matches the zero bin's count.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ DEFAULT_BINS = 2048
 
 
 class Histogram:
-    def __init__(self, bins: int = DEFAULT_BINS):
+    def __init__(self, bins: int = DEFAULT_BINS, count_zeros: bool = True):
         self.bins = bins
+        self.count_zeros = count_zeros
         self.range = 0.0  # R: bins cover [-R, R); 0 while every value seen is 0
         self.counts = np.zeros(2 * bins, dtype=np.int64)  # [-R, 0) then [0, R)
         self.min, self.max = math.inf, -math.inf
@@ -36,20 +38,24 @@ class Histogram:
             return
         x = np.asarray(x, dtype=np.float32).ravel()
         x64 = x.astype(np.float64)
-        self._fold(float(x.min()), float(x.max()), x.size, float(x64.sum()), float(x64 @ x64),
-                   int(x.size - np.count_nonzero(x)), x)
+        self._fold(float(x.min()), float(x.max()), x.size, float(x64.sum()), float(x64 @ x64), x)
 
     def add_batch(self, stats) -> None:
         """Fold in a batch reduced inside onnxruntime (``qtool.stats_graph.BatchStats``): exact
         min, max and moments of the whole tensor, and a sample of it to bin."""
-        self._fold(stats.min, stats.max, stats.count, stats.total, stats.total_sq, stats.zeros,
-                   stats.sample)
+        self._fold(stats.min, stats.max, stats.count, stats.total, stats.total_sq, stats.sample)
 
-    def _fold(self, lo, hi, count, total, total_sq, zeros, values) -> None:
-        if self._fold_scalars(lo, hi, count, total, total_sq, zeros) and values is not None:
-            self.counts += _bin_many([np.asarray(values).ravel()], [self._scale()], self.bins)[0]
+    def _fold(self, lo, hi, count, total, total_sq, values) -> None:
+        if self._fold_scalars(lo, hi, count, total, total_sq) and values is not None:
+            values = np.asarray(values).ravel()
+            self.counts += _bin_many([values], [self._scale()], self.bins)[0]
+            self._count_zeros(values)
 
-    def _fold_scalars(self, lo, hi, count, total, total_sq, zeros) -> bool:
+    def _count_zeros(self, values: np.ndarray) -> None:
+        if self.count_zeros:
+            self.zeros += values.size - int(np.count_nonzero(values))
+
+    def _fold_scalars(self, lo, hi, count, total, total_sq) -> bool:
         """Everything but the binning; False when the batch is not finite (nothing to bin)."""
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.min, self.max = math.nan, math.nan  # reported by the caller, never binned
@@ -59,7 +65,6 @@ class Histogram:
         self.n += count
         self.total += total
         self.total_sq += total_sq
-        self.zeros += zeros
         return True
 
     def _scale(self) -> np.float32:
@@ -71,11 +76,13 @@ class Histogram:
         """``add_batch`` for many histograms at once: one vectorised binning for the batch."""
         values, scales, targets = [], [], []
         for h, s in zip(histograms, stats):
-            if h._fold_scalars(s.min, s.max, s.count, s.total, s.total_sq, s.zeros) \
+            if h._fold_scalars(s.min, s.max, s.count, s.total, s.total_sq) \
                     and s.sample is not None and s.sample.size:
-                values.append(np.asarray(s.sample).ravel())
+                v = np.asarray(s.sample).ravel()
+                values.append(v)
                 scales.append(h._scale())
                 targets.append(h)
+                h._count_zeros(v)
         if not targets:
             return
         bins = targets[0].bins
@@ -181,8 +188,10 @@ class HistogramCalibrator:
 
     name = ""
 
+    counts_zeros = False  # whether the histogram counts exact zeros (``Histogram.zeros``)
+
     def __init__(self, bins: int = DEFAULT_BINS):
-        self.hist = Histogram(bins)
+        self.hist = Histogram(bins, count_zeros=self.counts_zeros)
 
     # what the engine reduces inside onnxruntime for this calibrator (qtool.stats_graph)
     reductions = ("minmax", "sample")
@@ -205,6 +214,7 @@ class HistogramCalibrator:
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         self.hist = Histogram.from_state(state)
+        self.hist.count_zeros = self.counts_zeros
 
     def threshold(self) -> float:
         raise NotImplementedError

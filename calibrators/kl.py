@@ -6,11 +6,14 @@ those ``i`` bins into ``levels`` groups (``i // levels`` bins each, the last gro
 and spreads each group's count evenly over its bins that are non-zero in P. The threshold is the
 middle of bin ``argmin KL(P || Q)``.
 
-The search is vectorised and needs no per-candidate copy of the histogram: with prefix sums of
-``h``, ``h log h`` and ``h > 0``, each candidate's divergence is a sum over its ``levels`` groups,
-``KL = sum_b P_b log P_b - sum_k M_k log(L_k / (c_k * H_i))``, where ``L_k`` is a group's count,
-``c_k`` its non-zero bins, ``M_k`` its share of P and ``H_i`` the count below the candidate.
-A candidate whose P puts mass where Q has none is rejected (TensorRT smooths instead).
+The search costs O(bins), not O(bins * levels): with prefix sums of ``h``, ``h log h`` and
+``h > 0``, each candidate's divergence is ``KL = sum_b P_b log P_b - sum_k M_k log(L_k / (c_k H_i))``
+over its ``levels`` groups, where ``L_k`` is a group's count, ``c_k`` its non-zero bins, ``M_k`` its
+share of P and ``H_i`` the count below the candidate. All groups but the last span
+``k * w .. (k + 1) * w`` with ``w = i // levels``, the same for every candidate of that width, so
+their part of the sum is computed once per width (a handful) and only the last group per candidate.
+A candidate whose P puts mass where Q has none is rejected (TensorRT smooths instead). Candidates
+whose divergences agree to 1e-12 are ties, and the first (smallest) wins, as in a plain loop.
 
 ``variant="tpu_mlir"`` leaves exact zeros out of the histogram, as TPU-MLIR's KLD calibrator does
 (common after Relu, they otherwise pull the threshold down); its bins centred on multiples of the
@@ -27,6 +30,10 @@ from .histogram import DEFAULT_BINS, HistogramCalibrator
 VARIANTS = ("tensorrt", "tpu_mlir")
 
 
+def _xlogx(v: np.ndarray) -> np.ndarray:
+    return np.where(v > 0, v * np.log(np.where(v > 0, v, 1.0)), 0.0)
+
+
 def kl_threshold_bins(counts: np.ndarray, levels: int = 128) -> float:
     """The KL-optimal clipping point in bins (fractional), for |x| counts starting at 0."""
     counts = np.asarray(counts, dtype=np.float64)
@@ -36,35 +43,39 @@ def kl_threshold_bins(counts: np.ndarray, levels: int = 128) -> float:
     total = counts.sum()
     h = counts[:used]
     prefix = np.concatenate([[0.0], np.cumsum(h)])
-    h_log_h = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
-    prefix_hlogh = np.concatenate([[0.0], np.cumsum(h_log_h)])
     prefix_nonzero = np.concatenate([[0], np.cumsum(h > 0)])
+    prefix_hlogh = np.concatenate([[0.0], np.cumsum(_xlogx(h))])
 
     cand = np.arange(levels, used + 1)  # threshold after bin cand - 1
     outliers = total - prefix[cand]
     last = h[cand - 1]
-    # sum_b P log P (unnormalised, then normalised by total)
-    last_mass = last + outliers
-    plogp = (prefix_hlogh[cand - 1] + np.where(last_mass > 0, last_mass * np.log(np.maximum(last_mass, 1e-300)), 0.0))
-    plogp = plogp / total - np.log(total)
-    # groups: boundaries k * (cand // levels), the last group ends at cand
-    merged = cand // levels
-    starts = merged[:, None] * np.arange(levels)[None, :]
-    ends = np.concatenate([starts[:, 1:], cand[:, None]], axis=1)
-    group = prefix[ends] - prefix[starts]  # L_k
-    nonzero = (prefix_nonzero[ends] - prefix_nonzero[starts]).astype(np.float64)  # c_k
-    mass = group.copy()  # M_k * total
-    mass[:, -1] += outliers
-    # the outliers make the last bin non-zero in P even where the histogram is empty there
-    nonzero[:, -1] += (last == 0) & (outliers > 0)
+    plogp = prefix_hlogh[cand - 1] + _xlogx(last + outliers)  # sum P log P, unnormalised
+
+    # the first levels - 1 groups depend only on the width w = cand // levels
+    width = cand // levels
+    w = width - width[0]
+    edges = np.arange(width[0], width[-1] + 1)[:, None] * np.arange(levels)[None, :]
+    group = prefix[edges[:, 1:]] - prefix[edges[:, :-1]]  # L_k
+    nonzero = (prefix_nonzero[edges[:, 1:]] - prefix_nonzero[edges[:, :-1]]).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        log_q = np.log(group / (nonzero * prefix[cand][:, None]))
-        terms = np.where(mass > 0, mass * log_q, 0.0)
-    cross = terms.sum(axis=1) / total
-    impossible = ((mass > 0) & (group == 0)).any(axis=1)
-    divergence = np.where(impossible, np.inf, plogp - cross)
-    best = int(np.argmin(divergence))
-    return float(cand[best])
+        head = np.where(group > 0, group * (np.log(group) - np.log(nonzero)), 0.0).sum(axis=1)
+    start = edges[w, -1]  # the last group: start .. cand, plus the outliers in P
+    head_mass = prefix[start]
+    group_last = prefix[cand] - prefix[start]
+    nonzero_last = (prefix_nonzero[cand] - prefix_nonzero[start]).astype(np.float64)
+    # the outliers make the last bin non-zero in P even where the histogram is empty there
+    nonzero_last += (last == 0) & (outliers > 0)
+    mass_last = group_last + outliers
+    impossible = (mass_last > 0) & (group_last == 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_below = np.log(prefix[cand])  # H_i
+        tail = np.where(mass_last > 0,
+                        mass_last * (np.log(group_last) - np.log(nonzero_last) - log_below), 0.0)
+        cross = head[w] - head_mass * log_below + tail  # sum_k M_k log Q_k, unnormalised
+        divergence = np.where(impossible, np.inf, (plogp - cross) / total - np.log(total))
+    best = float(divergence.min())
+    ties = divergence <= best + 1e-12 * max(1.0, abs(best))
+    return float(cand[int(np.argmax(ties))])
 
 
 @register
@@ -74,10 +85,10 @@ class KL(HistogramCalibrator):
     def __init__(self, bins: int = DEFAULT_BINS, levels: int = 128, variant: str = "tensorrt"):
         if variant not in VARIANTS:
             raise ValueError(f"unknown kl variant '{variant}'; choose one of {', '.join(VARIANTS)}")
+        # tpu_mlir: the exact zeros among the binned values, counted in numpy from the sample
+        self.counts_zeros = variant == "tpu_mlir"
         super().__init__(bins)
         self.levels, self.variant = levels, variant
-        if variant == "tpu_mlir":
-            self.reductions = ("minmax", "sample", "zeros")
 
     def threshold(self) -> float:
         h = self.hist

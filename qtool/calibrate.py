@@ -1,8 +1,13 @@
 """``qtool calibrate`` and ``qtool merge``: stream per-tensor statistics over a dataset.
 
-One onnxruntime session on the prepared float model returns every float tensor; each batch's
-tensors update one calibrator per tensor and are dropped, so memory holds about one batch of
+One onnxruntime session on the prepared float model computes, next to every tensor that
+``qtool quantize`` may need, the few statistics the method reads (``qtool.stats_graph``); each
+batch updates one calibrator per tensor and is dropped, so memory holds about one batch of
 activations. The statistics can be saved (``--stats-out``) and merged across shards.
+
+Which tensors: the graph inputs and outputs and every float activation read or written by a node
+that has an integer kernel (``qtool.ops.REGISTRY``) accepting its attributes; tensors only inside
+float regions (LayerNorm's ReduceMean/Pow/Sqrt, Shape arithmetic) get no statistics.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import inspect
 import io
 import json
 import math
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,12 +156,17 @@ class Statistics:
         self.samples += other.samples
 
 
-def _fix_dims(model: onnx.ModelProto, data: Dataset) -> tuple[onnx.ModelProto, dict[str, list]]:
-    """A copy of ``model`` with every input dim but the batch fixed to the data's, shapes inferred.
+def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
+              ) -> tuple[onnx.ModelProto, dict[str, list]]:
+    """A copy of ``model`` with every input dim but the batch fixed to the data's, shapes inferred;
+    with ``batch``, the batch dim fixed too and shape computations (Shape -> Reshape) followed, so
+    that most tensors get static sizes.
 
     Only used to learn tensor types and shapes; the graph that runs keeps its dynamic dims.
     """
-    fixed = onnx.ModelProto.FromString(model.SerializeToString())
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    del fixed.graph.value_info[:]  # inferred again, from the fixed dims
     shapes = {}
     for vi in graph_inputs(fixed):
         sample_shape = data.sample_shape(vi.name)
@@ -162,12 +174,61 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset) -> tuple[onnx.ModelProto, d
         for dim, size in zip(list(dims)[1:], sample_shape):
             dim.Clear()
             dim.dim_value = size
+        if batch and len(dims):
+            dims[0].Clear()
+            dims[0].dim_value = batch
         shapes[vi.name] = ["N", *sample_shape]
+    for data_prop in ((True, False) if batch else (False,)):
+        try:
+            return onnx.shape_inference.infer_shapes(fixed, data_prop=data_prop), shapes
+        except Exception:  # shape inference is a help here, not a requirement
+            pass
+    return (fixed if batch is None else model), shapes
+
+
+def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """The tensors of ``names`` that ``qtool quantize`` may need a range for: graph inputs and
+    outputs, and the activations of every node with an integer kernel that accepts the node
+    (``qtool.ops.REGISTRY`` and the op's ``check``), whatever becomes of its constants."""
+    from .ops import REGISTRY, Unsupported, node_attrs
+
+    inits = {i.name for i in model.graph.initializer}
+    needed = {vi.name for vi in model.graph.input} | {vi.name for vi in model.graph.output}
+    for node in model.graph.node:
+        op = REGISTRY.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if op is None:
+            continue
+        try:
+            op.check(node, node_attrs(node))
+        except Unsupported:
+            continue
+        except Exception:  # a check that fails otherwise: keep the node's tensors
+            pass
+        needed.update(n for n in (*node.input, *node.output) if n and n not in inits)
+    return [n for n in names if n in needed]
+
+
+def _model_and_data(model_path, data_path, preprocess):
+    """The prepared model and the dataset, read concurrently (the data is matched to the model's
+    inputs, which preparation leaves as they are); errors come in that order."""
+    source = load_model(model_path)
+    loaded: dict = {}
+
+    def read():
+        try:
+            loaded["data"] = load_dataset(data_path, source, preprocess)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, after the model's errors)
+            loaded["error"] = e
+
+    reader = threading.Thread(target=read, name="qtool-read-data", daemon=True)
+    reader.start()
     try:
-        fixed = onnx.shape_inference.infer_shapes(fixed)
-    except Exception:  # shape inference is a help here, not a requirement
-        pass
-    return fixed, shapes
+        model = prepare(source, f"model file '{model_path}'")
+    finally:
+        reader.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    return model, loaded["data"]
 
 
 def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax",
@@ -176,30 +237,82 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR) -> Statistics:
     make_calibrator(method, params)  # validate before any work
     check_sampling(num_samples, batch_size)
-    model = prepare(load_model(model_path), f"model file '{model_path}'")
-    data = load_dataset(data_path, model, preprocess)
-    typed, shapes = _fix_dims(model, data)
+    model, data = _model_and_data(model_path, data_path, preprocess)
+    batch_size = fixed_batch(model) or batch_size
+    total = len(data) if num_samples is None else min(num_samples, len(data))
+    typed, shapes = _fix_dims(model, data, min(batch_size, total))
     if log is not None:
         for vi in graph_inputs(model):
             declared = ["N" if i == 0 else (d if d else "?") for i, d in enumerate(input_shape(vi))]
             if declared != shapes[vi.name]:
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
-    batch_size = fixed_batch(model) or batch_size
-    names = float_tensors(typed)
+    names = needed_tensors(model, float_tensors(typed))
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
                        0, shapes, {name: make_calibrator(method, params) for name in names})
     update = _updater(model, typed, names, stats.calibrators, histogram_samples)
-    total = len(data) if num_samples is None else min(num_samples, len(data))
     with progress_bar(total, "calibrate", progress) as bar:
-        for feeds in data.batches(batch_size, total):
-            update(feeds)
-            n = len(next(iter(feeds.values())))
-            stats.samples += n
-            bar.update(n)
+        try:
+            for feeds in data.batches(batch_size, total):
+                update(feeds)
+                n = len(next(iter(feeds.values())))
+                stats.samples += n
+                bar.update(n)
+        except BaseException:
+            update.close(check=False)
+            raise
+        update.close()
     return stats
 
 
-def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int):
+class _Updates:
+    """Feeds batches to onnxruntime and their statistics to the calibrators. With ``threaded``,
+    the calibrators update on a worker thread: numpy bins batch i while onnxruntime runs batch
+    i + 1. One worker, in batch order, so the result is the same as updating in line."""
+
+    def __init__(self, run, apply, threaded: bool = True):
+        self.run, self.apply = run, apply
+        self.error: BaseException | None = None
+        self.worker = None
+        if threaded:
+            self.pending: queue.Queue = queue.Queue(maxsize=1)
+            self.worker = threading.Thread(target=self._work, name="qtool-calibrate", daemon=True)
+            self.worker.start()
+
+    def _work(self):
+        while True:
+            item = self.pending.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self.apply(item)
+                except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+                    self.error = e
+
+    def __call__(self, feeds):
+        outputs = self.run(feeds)
+        if self.worker is None:
+            self.apply(outputs)
+            return
+        self._raise()
+        self.pending.put(outputs)
+
+    def close(self, check: bool = True):
+        """Wait for the pending updates; raise what they raised (unless ``check`` is False)."""
+        if self.worker is not None and self.worker.is_alive():
+            self.pending.put(None)
+            self.worker.join()
+        if check:
+            self._raise()
+
+    def _raise(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int
+             ) -> _Updates:
     """A function feeding one batch to every calibrator: through statistics reduced inside
     onnxruntime when the method declares them, else through the full tensors."""
     prototype = next(iter(calibrators_by_name.values()), None)
@@ -207,12 +320,11 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     if not reductions or not hasattr(prototype, "update_reduced"):
         runner = FloatRunner(model, names)
 
-        def update_full(feeds):
-            outputs = runner.run(feeds)
+        def update_full(outputs):
             for name, calibrator in calibrators_by_name.items():
                 calibrator.update(outputs[name])
 
-        return update_full
+        return _Updates(runner.run, update_full, threaded=False)  # full tensors: one batch at a time
     infos = [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
     types = {vi.name: vi.type.tensor_type.elem_type for vi in infos}
     shapes = {vi.name: input_shape(vi) for vi in infos}
@@ -221,17 +333,18 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     runner = FloatRunner(stats_model)
 
     names_in_order = list(calibrators_by_name)
+    ordered = [calibrators_by_name[n] for n in names_in_order]
     many = getattr(type(prototype), "update_reduced_many", None)
 
-    def update_reduced(feeds):
-        batch = stats_graph.unpack(runner.run(feeds), layout)
+    def update_reduced(outputs):
+        batch = stats_graph.unpack(outputs, layout)
         if many is not None:  # one vectorised update for every tensor (histogram binning)
-            many([calibrators_by_name[n] for n in names_in_order], [batch[n] for n in names_in_order])
+            many(ordered, [batch[n] for n in names_in_order])
             return
         for name, calibrator in calibrators_by_name.items():
             calibrator.update_reduced(batch[name])
 
-    return update_reduced
+    return _Updates(runner.run, update_reduced)
 
 
 def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minmax",

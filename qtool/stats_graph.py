@@ -5,21 +5,21 @@ makes about 200 MB of activations per 48x320 line). So the float graph gets, rig
 calibrated tensor's producer, a few nodes whose small outputs are all that leaves the session:
 
 * ``minmax``: ReduceMin and ReduceMax over every axis but the channel, finished in numpy;
-* ``moments``: the element count, the sum and the sum of squares;
+* ``sum``: the element count and the sum; ``moments``: those and the sum of squares;
 * ``zeros``: the number of exact zeros;
 * ``sample``: for histograms, every ``k``-th element of each sample, where
-  ``k = ceil(n / samples_per_tensor)`` comes from the tensor's static per-sample size ``n``.
-  (computed in the graph from the sample's size when shape inference could not tell it). The
-  subsample depends only on each sample, so batch sizes and shards do not change it; tensors of
-  at most ``samples_per_tensor`` elements per sample are taken whole.
+  ``k = ceil(n / samples_per_tensor)`` and ``n`` is the tensor's size per sample: its static size
+  (shapes inferred with the batch dim fixed) divided by the batch, or, when shape inference could
+  not tell it, the same computed in the graph at run time. The subsample depends only on each
+  sample, so batch sizes and shards do not change it; tensors of at most ``samples_per_tensor``
+  elements per sample are taken whole.
 
 Min, max and moments always cover every element; the histogram is binned in numpy from the
-sample, with the range taken from the exact min and max.
+sample, with the range taken from the exact min and max. Each statistic costs one pass over the
+tensor (the sample touches every k-th element), so calibrators ask only for what they use.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -27,21 +27,27 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .model import default_opset
 
-REDUCTIONS = ("minmax", "moments", "zeros", "sample")
+REDUCTIONS = ("minmax", "sum", "moments", "zeros", "sample")
 DEFAULT_SAMPLES_PER_TENSOR = 4096
 
 
-@dataclass(frozen=True)
 class BatchStats:
     """What one batch contributes for one tensor."""
 
-    min: float
-    max: float
-    count: int = 0  # elements (moments)
-    total: float = 0.0
-    total_sq: float = 0.0
-    zeros: int = 0
-    sample: np.ndarray | None = None  # float32 values to bin
+    __slots__ = ("min", "max", "count", "total", "total_sq", "zeros", "sample")
+
+    def __init__(self, min: float, max: float, count: int = 0, total: float = 0.0,
+                 total_sq: float = 0.0, zeros: int = 0, sample: np.ndarray | None = None):
+        self.min, self.max = min, max
+        self.count = count  # elements (sum, moments)
+        self.total, self.total_sq = total, total_sq
+        self.zeros = zeros
+        self.sample = sample  # float32 values to bin
+
+    def __repr__(self) -> str:
+        return (f"BatchStats(min={self.min}, max={self.max}, count={self.count}, total={self.total}, "
+                f"total_sq={self.total_sq}, zeros={self.zeros}, "
+                f"sample={None if self.sample is None else self.sample.shape})")
 
 
 class _Builder:
@@ -71,7 +77,8 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
           samples_per_tensor: int = DEFAULT_SAMPLES_PER_TENSOR):
     """The model with statistics outputs; returns (model, {tensor: {statistic: output name}}).
 
-    ``shapes`` gives each tensor's static shape where known (batch dim first).
+    ``shapes`` gives each tensor's shape where known (batch dim first): static sizes, inferred
+    with the batch dim fixed, let the subsampling stride be a constant.
     """
     unknown = set(reductions) - set(REDUCTIONS)
     if unknown:
@@ -102,9 +109,10 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
         if types.get(t, TensorProto.FLOAT) != TensorProto.FLOAT:
             x = b.op("Cast", [t], to=TensorProto.FLOAT)
         out = {"min": reduce("ReduceMin", x, shapes.get(t)), "max": reduce("ReduceMax", x, shapes.get(t))}
-        if "moments" in reductions:  # float32 sums: ACIQ needs mean and spread, not ulps
+        if "moments" in reductions or "sum" in reductions:  # float32 sums: ACIQ needs mean and spread
             out["count"] = b.op("Size", [x])
             out["total"] = b.op("ReduceSum", [x], keepdims=0)
+        if "moments" in reductions:
             out["total_sq"] = b.op("ReduceSumSquare", [x], keepdims=0)
         if "zeros" in reductions:
             is_zero = b.op("Equal", [x, const("zero", 0.0, np.float32)])
@@ -114,7 +122,7 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             if step == 1:
                 out["sample"] = x
             else:
-                flat = b.op("Flatten", [x], axis=1)  # [samples, n]
+                flat = b.op("Flatten", [x], axis=1)  # [rows, n]
                 if step is None:
                     # k = ceil(elements per sample / cap) with elements per sample = size / batch,
                     # known at run time: dim 0 may be the batch times something ([N*T, C])
@@ -159,7 +167,8 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
                 add_stats(o)
         graph_nodes.append(node)
         graph_nodes.extend(b.nodes)  # right after the producer, so the tensor can be freed early
-    out_model = onnx.ModelProto.FromString(model.SerializeToString())
+    out_model = onnx.ModelProto()
+    out_model.CopyFrom(model)
     del out_model.graph.node[:]
     out_model.graph.node.extend(graph_nodes)
     out_model.graph.initializer.extend(b.inits)
@@ -170,21 +179,39 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
 
 
 def _step(shape, samples_per_tensor: int, batch_dim=None) -> int | None:
-    """Subsampling stride from the static per-sample size; None when only run time knows it:
-    a dim is unknown, or dim 0 is not the model input's batch dim (so rows are not samples)."""
+    """Subsampling stride from the static size per sample; None when only run time knows it.
+
+    With a symbolic batch dim, the size per sample is static when every other dim is and dim 0 is
+    the model input's batch dim (rows are samples). With shapes inferred for a fixed batch
+    (``batch_dim`` an int), it is the static size divided by the batch, whatever dim 0 is
+    ([N*T, C] included), as the run-time computation in the graph would find.
+    """
     if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
         return None
-    if batch_dim is not None and shape[0] != batch_dim:
+    if isinstance(batch_dim, int) and batch_dim > 0 and isinstance(shape[0], int) and shape[0] > 0:
+        size = int(np.prod(shape, dtype=np.int64))
+        if size % batch_dim:
+            return None
+        per_sample = size // batch_dim
+    elif batch_dim is not None and shape[0] != batch_dim:
         return None
-    per_sample = int(np.prod(shape[1:], dtype=np.int64))
+    else:
+        per_sample = int(np.prod(shape[1:], dtype=np.int64))
     return max(1, -(-per_sample // samples_per_tensor))  # ceil: at most samples_per_tensor kept
 
 
 def unpack(values: dict[str, np.ndarray], layout: dict[str, dict[str, str]]) -> dict[str, BatchStats]:
     stats = {}
     for tensor, names in layout.items():
-        v = {k: values[n] for k, n in names.items()}
-        stats[tensor] = BatchStats(
-            float(v["min"].min()), float(v["max"].max()), int(v.get("count", 0)), float(v.get("total", 0.0)),
-            float(v.get("total_sq", 0.0)), int(v.get("zeros", 0)), v.get("sample"))
+        lo, hi = values[names["min"]], values[names["max"]]
+        s = BatchStats(float(lo.min() if lo.ndim else lo), float(hi.max() if hi.ndim else hi))
+        if "count" in names:
+            s.count, s.total = int(values[names["count"]]), float(values[names["total"]])
+            if "total_sq" in names:
+                s.total_sq = float(values[names["total_sq"]])
+        if "zeros" in names:
+            s.zeros = int(values[names["zeros"]])
+        if "sample" in names:
+            s.sample = values[names["sample"]]
+        stats[tensor] = s
     return stats
