@@ -1,9 +1,12 @@
-"""The integer-only executor: runs a QDQ model the way an integer device would.
+"""The integer-only executor: runs a QDQ or QOperator model the way an integer device would.
 
 Lowering (setup) finds each ``DequantizeLinear -> op -> QuantizeLinear`` group whose op has an
-integer kernel and derives its integer parameters; floats are used only there. At run time the
-group's kernel sees only integer arrays. Everything else runs as what it is: QuantizeLinear and
-DequantizeLinear at the float boundaries, and fenced float ops one node at a time in onnxruntime.
+integer kernel and derives its integer parameters; floats are used only there. QOperator nodes
+(QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ..., ConvInteger, MatMulInteger) and plain ops on
+integer tensors (MaxPool, Reshape, Clip, a table Gather, ...) are lowered to the same kernels by
+qtool/qoperator_exec.py. At run time a kernel sees only integer arrays. Everything else runs as
+what it is: QuantizeLinear and DequantizeLinear at the float boundaries, and fenced float ops one
+node at a time in onnxruntime.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import onnx
 import onnxruntime as ort
 
 from .errors import QtoolError
-from .fixedpoint import DEFAULT_ROUNDING
 from .model import graph_inputs, initializers
-from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight
+from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
+from .qoperator_exec import QOperatorLowering, float_name
 from .qparams import QParams, dequantize_array, quantize_array
+
+
+FOREIGN_ROUNDING = "half_to_even"
 
 
 @dataclass
@@ -30,12 +36,16 @@ class Step:
     op: IntegerOp | None = None
     params: object = None
     # per output of an integer or quantize step, the float tensor its integer output stands for
-    # and that tensor's (S, Z); a dequantize step's (S, Z) is its input's
-    keys: list[str] = field(default_factory=list)
-    qparams: list[QParams] = field(default_factory=list)
+    # and that tensor's (S, Z); a dequantize step's (S, Z) is its input's. None where unknown (a
+    # QOperator step's int32 accumulator, a table index): the output is integer but reported by
+    # no key.
+    keys: list[str | None] = field(default_factory=list)
+    qparams: list[QParams | None] = field(default_factory=list)
     reason: str = ""  # why a node with a kernel runs in float
     absorbs: list[str] = field(default_factory=list)  # QuantizeLinear nodes an integer step replaces
     specialized: dict = field(default_factory=dict)
+    # a QOperator step that clamps at real zero (the integer Clip a Relu becomes)
+    clamps_below_zero: bool = False
 
 
 @dataclass
@@ -51,7 +61,9 @@ def _metadata(model: onnx.ModelProto) -> dict[str, str]:
 class IntegerExecutor:
     def __init__(self, model: onnx.ModelProto):
         meta = _metadata(model)
-        self.rounding = meta.get("qtool.rounding", DEFAULT_ROUNDING)
+        # a model qtool did not quantize follows ONNX, which rounds half to even everywhere
+        # (QuantizeLinear, QLinearConv's reference); qtool's own models say which mode they use
+        self.rounding = meta.get("qtool.rounding", FOREIGN_ROUNDING)
         self.multiplier_bits = int(meta.get("qtool.multiplier_bits", "32"))
         self.model = model
         self.opsets = {o.domain or "": o.version for o in model.opset_import}
@@ -63,12 +75,19 @@ class IntegerExecutor:
                 self.consumers.setdefault(name, []).append(node)
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
+        self.lowering = None  # _qparams_of, which QOperatorLowering calls, checks for it
+        self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
+                                          self._qparams_of)
         self.steps = self._prune(self._lower())
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
         """(S, Z) of a QuantizeLinear/DequantizeLinear node from its constant inputs."""
+        attrs = node_attrs(node)
+        if attrs.get("block_size", 0):
+            raise QtoolError(f"{node.op_type} node '{node.name}' uses blocked quantization "
+                             f"(block_size), which qtool does not support")
         if node.input[1] not in self.constants:
             raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant scale")
         scale = self.constants[node.input[1]]
@@ -76,8 +95,13 @@ class IntegerExecutor:
             zero = self.constants.get(node.input[2])
             if zero is None:
                 raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant zero point")
-        else:
-            zero = np.zeros(scale.shape, dtype=np.uint8)
+        else:  # no zero point: Q's output_dtype, DQ's input type, else uint8 (the ONNX default)
+            dtype = "uint8"
+            if node.op_type == "QuantizeLinear" and attrs.get("output_dtype", 0):
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(attrs["output_dtype"])
+            elif node.op_type == "DequantizeLinear" and self.lowering is not None:
+                dtype = self.lowering.dtypes.get(node.input[0]) or dtype
+            zero = np.zeros(scale.shape, dtype=dtype)
         axis = None
         if scale.ndim == 1 and scale.size > 1:
             axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
@@ -90,22 +114,59 @@ class IntegerExecutor:
         steps = []
         for node in self.model.graph.node:
             if node.op_type == "QuantizeLinear":
+                qp = self._qparams_of(node)
                 if node.name not in absorbed_q:
                     steps.append(Step("quantize", node, [node.input[0]], [node.output[0]],
-                                      keys=[node.input[0]], qparams=[self._qparams_of(node)]))
+                                      keys=[node.input[0]], qparams=[qp]))
+                self.lowering.record(node.output, [qp.dtype])
                 continue
             if node.op_type == "DequantizeLinear":
+                qp = self._qparams_of(node)
+                out = self._dequantized_type(node)
                 steps.append(Step("dequantize", node, [node.input[0]], [node.output[0]],
-                                  qparams=[self._qparams_of(node)]))
+                                  qparams=[qp], params=out))
+                self.lowering.record(node.output, [out])
                 continue
             step, reason = self._integer_step(node)
+            if step is None:
+                step, reason = self._qoperator_step(node, reason)
             if step is not None:
                 absorbed_q.update(step.absorbs)
                 steps.append(step)
+                if step.absorbs:  # a QDQ group: its outputs are the QuantizeLinear outputs
+                    self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
             else:
                 steps.append(Step("float", node, [n for n in node.input if n], list(node.output),
                                   reason=reason))
+                self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
         return steps
+
+    def _qoperator_step(self, node: onnx.NodeProto, qdq_reason: str):
+        """A QOperator node or a plain op on integer tensors as an integer step (qoperator_exec)."""
+        try:
+            lowered = self.lowering.lower(node)
+        except Unsupported as e:
+            return None, str(e)
+        if lowered is None:
+            return None, qdq_reason
+        self.lowering.record(lowered.outputs, lowered.dtypes)
+        keys = [float_name(o) if qp is not None else None
+                for o, qp in zip(lowered.outputs, lowered.qparams)]
+        return Step("integer", node, lowered.inputs, lowered.outputs, op=lowered.op,
+                    params=lowered.params, keys=keys, qparams=list(lowered.qparams),
+                    clamps_below_zero=lowered.clamps_below_zero), ""
+
+    def _declared_type(self, name: str) -> str | None:
+        """A float step's output type as the model declares it (value_info), if it does."""
+        return self.lowering.dtypes.get(name)
+
+    def _dequantized_type(self, node: onnx.NodeProto) -> str:
+        """DequantizeLinear's output type: ``output_dtype``, else the scale's type."""
+        attrs = node_attrs(node)
+        if attrs.get("output_dtype", 0):
+            return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(attrs["output_dtype"])))
+        scale = self.constants.get(node.input[1])
+        return str(scale.dtype) if scale is not None and scale.dtype.kind == "f" else "float32"
 
     def _integer_step(self, node: onnx.NodeProto):
         op = REGISTRY.get(node.op_type)
@@ -170,7 +231,7 @@ class IntegerExecutor:
             for name, value in zip(step.outputs, outputs):
                 env[name] = value
             if keep_integer and step.kind in ("integer", "quantize"):
-                result.integer.update(zip(step.keys, outputs))
+                result.integer.update((k, v) for k, v in zip(step.keys, outputs) if k is not None)
         result.outputs = {name: env[name] for name in self.output_names}
         return result
 
@@ -182,14 +243,15 @@ class IntegerExecutor:
                 params = step.specialized[shapes] = step.op.specialize(step.params, list(shapes))
             try:
                 out = step.op.run(params, *values)
-            except OverflowError:
-                raise QtoolError(f"int32 accumulator overflow in {step.node.op_type} node "
-                                 f"'{step.node.name}'") from None
+            except OverflowError as e:
+                what = "int32 accumulator overflow" if "accumulator" in str(e) else f"overflow ({e})"
+                raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
             return list(out) if isinstance(out, (list, tuple)) else [out]
         if step.kind == "quantize":
             return [quantize_array(values[0], step.qparams[0])]
         if step.kind == "dequantize":
-            return [dequantize_array(values[0], step.qparams[0])]
+            out = dequantize_array(values[0], step.qparams[0])
+            return [out if step.params in (None, "float32") else out.astype(step.params)]
         return self._run_float(step, values)
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
@@ -234,9 +296,12 @@ class IntegerExecutor:
                 continue
             op_type = step.node.op_type if step.kind == "integer" else "QuantizeLinear"
             for key, out, qp in zip(step.keys, step.outputs, step.qparams):
+                if key is None or qp is None:
+                    continue
                 readers = users.get(out, [])
-                clamped = bool(readers) and all(r.kind == "integer" and r.op.clamps_below_zero
-                                                for r in readers)
+                clamped = bool(readers) and all(
+                    r.kind == "integer" and (r.op.clamps_below_zero or r.clamps_below_zero)
+                    for r in readers)
                 info[key] = TensorInfo(op_type, qp, clamped)
         return info
 

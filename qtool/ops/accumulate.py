@@ -1,0 +1,115 @@
+"""ConvInteger and MatMulInteger (ONNX): the int32 accumulator itself, no requantization.
+
+``y = sum (q_x - Z_x)(q_w - Z_w)`` exactly (``int_matmul`` on the zero-point shifted operands),
+returned as int32. A sum outside int32 raises ``OverflowError`` (the executor names the node);
+it is never wrapped.
+
+* ConvInteger: ``x_zero_point`` is a scalar, ``w_zero_point`` a scalar or one per output channel.
+  Padding adds real zeros (``Z_x`` before the shift, 0 after it), as the ONNX reference does.
+* MatMulInteger: ``a_zero_point`` a scalar or one per row of A (its second-to-last axis),
+  ``b_zero_point`` a scalar or one per column of B (its last axis); numpy matmul broadcasting.
+
+These classes are not in ``REGISTRY``: no float op quantizes to them; the executor lowers the
+ONNX nodes of these types to them directly (qtool/qoperator_exec.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fixedpoint import INT32_MAX, INT32_MIN
+from . import IntegerOp, NodeView, Unsupported, check_integer
+from .conv import _im2col
+from .intmatmul import int_matmul
+
+
+def _to_int32(acc: np.ndarray) -> np.ndarray:
+    if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
+        raise OverflowError("accumulator exceeds int32")
+    return acc.astype(np.int32)
+
+
+def _zero_point(view: NodeView, index: int) -> np.ndarray:
+    """The zero point operand ``index`` carries (its ``qparams.zero_point``) as int64, 0 if absent."""
+    if index >= len(view.inputs) or view.inputs[index] is None or view.inputs[index].qparams is None:
+        return np.zeros((), np.int64)
+    return np.asarray(view.inputs[index].qparams.zero_point, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class ConvIntegerParams:
+    zero_x: int
+    zero_w: np.ndarray  # int64, shape () or [C_out]
+    pads: tuple[int, int, int, int]  # top, left, bottom, right
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+    group: int
+
+
+class ConvInteger(IntegerOp):
+    """Operands: 0 the input, 1 the weight (an activation or a constant, it reaches ``run``);
+    their ``qparams.zero_point`` are the node's zero points."""
+
+    op_type = "ConvInteger"
+
+    def derive(self, view: NodeView) -> ConvIntegerParams:
+        if view.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+            raise Unsupported("auto_pad SAME_* is not supported")
+        kernel = view.attr("kernel_shape")
+        if kernel is not None and len(kernel) != 2:
+            raise Unsupported("only 2-D convolution is supported")
+        zero_x = _zero_point(view, 0)
+        if zero_x.size != 1:
+            raise Unsupported("x_zero_point must be a scalar")
+        zero_w = _zero_point(view, 1).reshape(-1)
+        pads = tuple(view.attr("pads", [0, 0, 0, 0]))
+        if len(pads) != 4:
+            raise Unsupported("only 2-D convolution is supported")
+        zero_w = zero_w if zero_w.size > 1 else zero_w.reshape(())
+        return ConvIntegerParams(int(zero_x.reshape(-1)[0]), zero_w, (pads[0], pads[1], pads[2], pads[3]),
+                                 tuple(view.attr("strides", [1, 1])), tuple(view.attr("dilations", [1, 1])),
+                                 int(view.attr("group", 1)))
+
+    def run(self, p: ConvIntegerParams, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        check_integer(x, w)
+        if x.ndim != 4 or w.ndim != 4:
+            raise ValueError(f"ConvInteger is 2-D: got input {x.shape} and weight {w.shape}")
+        n = x.shape[0]
+        c_out, c_per_group, kh, kw = w.shape
+        zero_w = p.zero_w.reshape(-1, 1, 1, 1) if p.zero_w.ndim else p.zero_w
+        ws = w.astype(np.int32) - zero_w.astype(np.int32)
+        top, left, bottom, right = p.pads
+        xs = np.pad(x.astype(np.int32) - p.zero_x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        cols, out_h, out_w = _im2col(xs, kh, kw, p.strides, p.dilations)
+        per_group = c_out // p.group
+        outs = []
+        for g in range(p.group):
+            patch = cols[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group * kh * kw, -1)
+            outs.append(int_matmul(ws[g * per_group:(g + 1) * per_group].reshape(per_group, -1)[None], patch))
+        return _to_int32(np.concatenate(outs, axis=1)).reshape(n, c_out, out_h, out_w)
+
+
+@dataclass(frozen=True)
+class MatMulIntegerParams:
+    zero_a: np.ndarray  # int64, () or [M]
+    zero_b: np.ndarray  # int64, () or [N]
+
+
+class MatMulInteger(IntegerOp):
+    """Operands: 0 A, 1 B (both reach ``run``); their ``qparams.zero_point`` are the zero points."""
+
+    op_type = "MatMulInteger"
+
+    def derive(self, view: NodeView) -> MatMulIntegerParams:
+        zero_a, zero_b = _zero_point(view, 0).reshape(-1), _zero_point(view, 1).reshape(-1)
+        return MatMulIntegerParams(zero_a if zero_a.size > 1 else zero_a.reshape(()),
+                                   zero_b if zero_b.size > 1 else zero_b.reshape(()))
+
+    def run(self, p: MatMulIntegerParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        check_integer(a, b)
+        zero_a = p.zero_a[:, None] if p.zero_a.ndim else p.zero_a  # one per row of A
+        acc = int_matmul(a.astype(np.int32) - zero_a.astype(np.int32),
+                         b.astype(np.int32) - p.zero_b.astype(np.int32))
+        return _to_int32(acc)
