@@ -9,7 +9,9 @@ creation and the pass over the data included) and its peak RSS. The same child f
 onnxruntime float inference over the same samples and batch size (default optimizations, best of
 2 after a warm-up), so each ratio compares runs made under the same load: on a shared 2-core
 machine absolute timings drift by up to 2x within minutes. The median ratio of ``--repeats`` runs
-is printed. onnxruntime's own ``quantize_static``
+is printed. The note splits each run into its fixed cost (model preparation, session creation, the final
+threshold search) and the pass over the data, whose ratio to inference holds as samples grow.
+onnxruntime's own ``quantize_static``
 (MinMax and Entropy) runs beside, also in a child process, for its wall time and peak RSS, with
 the settings it needs to write a valid model here: the model upgraded to opset 13 and passed
 through ``quant_pre_process`` (see bench/ort_baseline.py).
@@ -44,7 +46,7 @@ _CHILD = """
 import json, sys, time
 import numpy as np
 import onnxruntime as ort
-from qtool.calibrate import collect
+from qtool import calibrate
 model, data, method, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 x = np.load(data)["x"]
 session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
@@ -56,10 +58,21 @@ for _ in range(2):
         session.run(None, {"x": x[i:i + batch]})
     inference.append(time.perf_counter() - t)
 del session
+# the pass over the data: from the first batch handed to onnxruntime to the last statistics folded
+marks = []
+call, close = calibrate._Updates.__call__, calibrate._Updates.close
+def timed_call(self, feeds):
+    marks.append(time.perf_counter()) if not marks else None
+    return call(self, feeds)
+def timed_close(self, check=True):
+    close(self, check)
+    marks.append(time.perf_counter())
+calibrate._Updates.__call__, calibrate._Updates.close = timed_call, timed_close
 t = time.perf_counter()
-table = collect(model, data, method, batch_size=batch, progress=False).table()
+table = calibrate.collect(model, data, method, batch_size=batch, progress=False).table()
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "inference": min(inference), "tensors": len(table.tensors)}))
+print(json.dumps({"seconds": seconds, "stream": marks[-1] - marks[0], "inference": min(inference),
+                  "tensors": len(table.tensors)}))
 """
 
 
@@ -95,12 +108,14 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--ort-methods", default="MinMax,Entropy")
     parser.add_argument("--no-ort-quantize", action="store_true", help="skip quantize_static")
+    parser.add_argument("--samples", type=int, help="samples per model (default: rec 64, det 16)")
     parser.add_argument("--repeats", type=int, default=3, help="qtool runs per method (best time kept)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="qtool-bench-") as tmp:
         for key in args.models.split(","):
             kind, n, batch = WORKLOADS[key]
+            n = args.samples or n
             model = datasets.model_path(kind)
             data, x = make_data(kind, n, tmp)
             inference_times = [ort_baseline.time_ort_inference(model, x, batch)]
@@ -117,7 +132,9 @@ def main(argv=None) -> None:
                 r = runs[len(runs) // 2]
                 rows.append((key, f"qtool {method}", r["seconds"], r["seconds"] / r["inference"],
                              max(x["peak_rss_mb"] for x in runs),
-                             f"{r['tensors']} tensors; inference {r['inference']:.2f} s in that run"))
+                             f"{r['tensors']} tensors; inference {r['inference']:.2f} s in that run; "
+                             f"fixed {r['seconds'] - r['stream']:.2f} s, pass over the data "
+                             f"{r['stream'] / r['inference']:.2f}x"))
             base = float(np.median(inference_times))  # every inference timing of this model
             if not args.no_ort_quantize:
                 for method in args.ort_methods.split(","):
