@@ -95,4 +95,8 @@ class KL(HistogramCalibrator):
         counts = h.abs_counts().astype(np.float64)
         if self.variant == "tpu_mlir":
             counts[0] -= h.zeros  # exact zeros say nothing about the range
-        return (kl_threshold_bins(counts, self.levels) + 0.5) * h.width
+        # A tensor that keeps away from 0 (all of |x| above some m) has empty bins below m, and
+        # the search from 0 degenerates: its first candidate holds all the mass in one bin, so P
+        # equals Q and the threshold lands at m, clipping every value. Search from m instead.
+        first = int(np.argmax(counts > 0))
+        return (first + kl_threshold_bins(counts[first:], self.levels) + 0.5) * h.width

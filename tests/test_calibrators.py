@@ -138,6 +138,16 @@ def test_kl_clips_a_long_tail():
     assert fed("kl", x, variant="tpu_mlir").result().threshold < 10
 
 
+@pytest.mark.parametrize("variant", ["tensorrt", "tpu_mlir"])
+def test_kl_on_a_tensor_that_keeps_away_from_zero(variant):
+    # every value in [-2, -1] (PP-OCR's SE-block convs do this): no mass below |x| = 1, which once
+    # made the first candidate win with KL = 0 and clipped the range to the single point -1
+    x = RNG.uniform(-2.0, -1.0, 50_000).astype(np.float32)
+    r = fed("kl", x, variant=variant).result()
+    assert r.threshold > 1.9  # a flat distribution without a tail keeps (nearly) everything
+    assert r.min < -1.9 and r.max == pytest.approx(float(x.max()))
+
+
 def test_kl_tpu_mlir_variant_ignores_exact_zeros():
     relu = np.maximum(NORMAL, 0)  # about 38% exact zeros
     c = fed("kl", relu, variant="tpu_mlir")
