@@ -129,7 +129,26 @@ def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndar
     acc = acc.astype(np.int64)
     if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
         raise OverflowError("accumulator exceeds int32")
-    return rounding_rshift(acc * np.asarray(multiplier, dtype=np.int64), rshift, mode)
+    multiplier = np.asarray(multiplier, dtype=np.int64)
+    product = acc * multiplier
+    r = np.asarray(rshift, dtype=np.int64)
+    if mode in _ADD_HALF and r.size and r.min() > 0 and np.abs(multiplier).max(initial=0) < 2**31:
+        # |product| < 2**62, so adding half of a shift of at most 63 cannot leave int64
+        return _ADD_HALF[mode](product, np.minimum(r, 63))
+    return rounding_rshift(product, rshift, mode)
+
+
+def _half_up(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    return np.right_shift(x + np.left_shift(np.int64(1), r - 1), r)
+
+
+def _half_away_from_zero(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    magnitude = _half_up(np.abs(x), r)
+    return np.where(x < 0, -magnitude, magnitude)
+
+
+# the modes that are "add half, shift" (on |x| for away from zero), for shifts of at least 1
+_ADD_HALF = {"half_up": _half_up, "half_away_from_zero": _half_away_from_zero}
 
 
 def saturate(x, dtype: str) -> np.ndarray:

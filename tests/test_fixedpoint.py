@@ -109,8 +109,8 @@ int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 
 
 @settings(max_examples=400)
-@given(int32, st.integers(min_value=0, max_value=2**31 - 1), st.integers(min_value=0, max_value=80),
-       st.sampled_from(ROUNDING_MODES))
+@given(int32, st.integers(min_value=-(2**31) + 1, max_value=2**31 - 1),
+       st.integers(min_value=0, max_value=80), st.sampled_from(ROUNDING_MODES))
 def test_requantize_matches_exact_rational_rounding(acc, multiplier, rshift, mode):
     got = requantize(np.array([acc], dtype=np.int32), multiplier, rshift, mode)[0]
     assert got == _exact(Fraction(acc * multiplier, 2**rshift), mode)
@@ -161,3 +161,14 @@ def test_saturate_clamps_to_type():
     assert saturate(x, "int8").tolist() == [-128, -128, -128, 0, 127, 127, 127]
     assert saturate(x, "uint8").tolist() == [0, 0, 0, 0, 127, 128, 255]
     assert saturate(x, "int8").dtype == np.int8
+
+
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+def test_requantize_extremes(mode):
+    # the largest products (|acc| 2**31, |multiplier| 2**31 - 1) with the shifts where adding half
+    # comes closest to int64's limit
+    accs = np.array([-(2**31), 2**31 - 1, -1, 1, 0], dtype=np.int64)
+    for multiplier in (2**31 - 1, -(2**31) + 1):
+        for rshift in (1, 31, 62, 63, 64):
+            got = requantize(accs, multiplier, rshift, mode)
+            assert got.tolist() == [_exact(Fraction(int(a) * multiplier, 2**rshift), mode) for a in accs]

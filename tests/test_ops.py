@@ -9,7 +9,7 @@ from qtool.fixedpoint import Requant
 from qtool.ops import REGISTRY, NodeView, Operand, Rescale
 from qtool.ops.conv import ConvParams
 from qtool.ops.gemm import MatMulParams
-from qtool.ops.intmatmul import int_matmul, k_chunk
+from qtool.ops.intmatmul import exact_float_type, int_matmul, k_chunk
 from qtool.ops.pool import AvgPoolParams, MaxPoolParams, Window
 from qtool.qparams import QParams
 
@@ -163,6 +163,31 @@ def test_int_matmul_splits_k_at_the_mantissa_bound():
     assert int_matmul(a, b, mantissa_limit=limit).tolist() == [[exact] * 3] * 2
 
 
+@pytest.mark.parametrize("k, float_type", [(1032, np.float32), (1033, np.float64)])
+def test_int_matmul_float32_path_is_exact_at_its_bound(k, float_type):
+    # worst case for int8: every product 127 * -128 = -16256; 1032 of them sum to -16,776,192,
+    # just inside float32's 2**24 mantissa, and one more product needs float64
+    assert exact_float_type(k, 127, 128) is float_type
+    a = np.full((2, k), 127, dtype=np.int8)
+    b = np.full((k, 3), -128, dtype=np.int8)
+    a[1, ::2] = -128  # the second row alternates signs: partial sums swing, the total is small
+    expected = [[-16256 * k] * 3, [sum(-16256 if i % 2 else 16384 for i in range(k))] * 3]
+    assert int_matmul(a, b).tolist() == expected
+
+
+def test_int_matmul_random_uint8_by_int8_against_python_ints():
+    # uint8 activations (up to 255) times int8 weights: the float32 bound is K <= 514
+    rng = np.random.default_rng(1)
+    for k in (514, 515, 1500):
+        a = rng.integers(0, 256, size=(2, 3, k)).astype(np.uint8)
+        b = rng.integers(-128, 128, size=(k, 5)).astype(np.int8)
+        a[0, 0] = 255
+        b[:, 0] = -128
+        expected = a.astype(object) @ b.astype(object)
+        assert (int_matmul(a, b) == expected.astype(np.int64)).all()
+    assert exact_float_type(514, 255, 128) is np.float32 and exact_float_type(515, 255, 128) is np.float64
+
+
 def test_int_matmul_random_against_python_ints():
     rng = np.random.default_rng(0)
     a = rng.integers(-128, 128, size=(3, 700)).astype(np.int8)
@@ -170,3 +195,41 @@ def test_int_matmul_random_against_python_ints():
     expected = [[sum(int(a[i, k]) * int(b[k, j]) for k in range(700)) for j in range(4)] for i in range(3)]
     assert int_matmul(a, b, mantissa_limit=2**20).tolist() == expected
     assert int_matmul(a, b).tolist() == expected
+
+
+def _naive_conv(x, w, group, strides, dilations):
+    """Direct loops over output pixels, channels and taps, in Python ints."""
+    n, c_in, h, wd = x.shape
+    c_out, c_per_group, kh, kw = w.shape
+    per_group = c_out // group
+    out_h = (h - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    out_w = (wd - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    y = np.zeros((n, c_out, out_h, out_w), dtype=object)
+    for b in range(n):
+        for o in range(c_out):
+            g = o // per_group
+            for r in range(out_h):
+                for c in range(out_w):
+                    y[b, o, r, c] = sum(
+                        int(x[b, g * c_per_group + ci, r * strides[0] + i * dilations[0],
+                              c * strides[1] + j * dilations[1]]) * int(w[o, ci, i, j])
+                        for ci in range(c_per_group) for i in range(kh) for j in range(kw))
+    return y.reshape(n, c_out, -1)
+
+
+@pytest.mark.parametrize("c_in, c_out, group, kernel, strides, dilations", [
+    (4, 4, 4, 3, (1, 1), (1, 1)),  # depthwise
+    (3, 6, 3, 3, (2, 1), (1, 2)),  # depthwise with a channel multiplier of 2
+    (4, 6, 2, 2, (1, 2), (2, 1)),  # two groups of two input channels
+    (3, 5, 1, 1, (1, 1), (1, 1)),  # dense 1x1
+])
+def test_conv_accumulate_against_direct_loops(c_in, c_out, group, kernel, strides, dilations):
+    from qtool.ops.conv import conv_accumulate
+
+    rng = np.random.default_rng(c_in * 10 + c_out)
+    x = rng.integers(0, 256, size=(2, c_in, 7, 8)).astype(np.uint8)
+    w = rng.integers(-128, 128, size=(c_out, c_in // group, kernel, kernel)).astype(np.int8)
+    acc, out_h, out_w = conv_accumulate(x, w, group, strides, dilations)
+    expected = _naive_conv(x, w, group, strides, dilations)
+    assert acc.shape == expected.shape and acc.shape[2] == out_h * out_w
+    assert (acc == expected.astype(np.int64)).all()

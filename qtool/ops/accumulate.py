@@ -21,7 +21,7 @@ import numpy as np
 
 from ..fixedpoint import INT32_MAX, INT32_MIN
 from . import IntegerOp, NodeView, Unsupported, check_integer
-from .conv import _im2col
+from .conv import conv_accumulate
 from .intmatmul import int_matmul
 
 
@@ -76,19 +76,13 @@ class ConvInteger(IntegerOp):
         check_integer(x, w)
         if x.ndim != 4 or w.ndim != 4:
             raise ValueError(f"ConvInteger is 2-D: got input {x.shape} and weight {w.shape}")
-        n = x.shape[0]
-        c_out, c_per_group, kh, kw = w.shape
+        n, c_out = x.shape[0], w.shape[0]
         zero_w = p.zero_w.reshape(-1, 1, 1, 1) if p.zero_w.ndim else p.zero_w
         ws = w.astype(np.int32) - zero_w.astype(np.int32)
         top, left, bottom, right = p.pads
         xs = np.pad(x.astype(np.int32) - p.zero_x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-        cols, out_h, out_w = _im2col(xs, kh, kw, p.strides, p.dilations)
-        per_group = c_out // p.group
-        outs = []
-        for g in range(p.group):
-            patch = cols[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group * kh * kw, -1)
-            outs.append(int_matmul(ws[g * per_group:(g + 1) * per_group].reshape(per_group, -1)[None], patch))
-        return _to_int32(np.concatenate(outs, axis=1)).reshape(n, c_out, out_h, out_w)
+        acc, out_h, out_w = conv_accumulate(xs, ws, p.group, p.strides, p.dilations)
+        return _to_int32(acc).reshape(n, c_out, out_h, out_w)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from ..fixedpoint import INT32_MAX, Requant, quantize_multipliers, requantize, saturate
 from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, per_tensor, register
 from .intmatmul import int_matmul
 
@@ -104,21 +104,53 @@ class Conv(IntegerOp):
 
     def run(self, p: ConvParams, x: np.ndarray) -> np.ndarray:
         check_integer(x, p.weight)
-        n, c_in, _, _ = x.shape
-        c_out, c_per_group, kh, kw = p.weight.shape
+        n, c_out = x.shape[0], p.weight.shape[0]
         top, left, bottom, right = p.pads
         padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=p.zero_in)
-        cols, out_h, out_w = _im2col(padded, kh, kw, p.strides, p.dilations)  # [n, C, kh*kw, L]
-        outs = []
-        per_group = c_out // p.group
-        for g in range(p.group):
-            patch = cols[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group * kh * kw, -1)
-            w = p.weight[g * per_group:(g + 1) * per_group].reshape(per_group, -1)
-            outs.append(int_matmul(w[None], patch))  # [n, per_group, L]
-        acc = np.concatenate(outs, axis=1) + p.bias[None, :, None]
+        acc, out_h, out_w = conv_accumulate(padded, p.weight, p.group, p.strides, p.dilations)
+        acc = acc + p.bias[None, :, None]
         y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None],
                        p.rounding)
         return saturate(y + p.zero_out, p.dtype).reshape(n, c_out, out_h, out_w)
+
+
+def conv_accumulate(x: np.ndarray, weight: np.ndarray, group: int, strides, dilations):
+    """``sum x * w`` over each window of the (already padded) integer ``x`` [n, C, H, W], exact:
+    returns (int64 [n, C_out, out_h * out_w], out_h, out_w).
+
+    Depthwise (one input channel per group) multiplies and adds tap by tap in int32, or int64
+    when the sum could leave int32; every other conv is one batched ``int_matmul`` over the groups.
+    """
+    n = x.shape[0]
+    c_out, c_per_group, kh, kw = weight.shape
+    per_group = c_out // group
+    if c_per_group == 1:
+        return _depthwise(x, weight, per_group, strides, dilations)
+    cols, out_h, out_w = _im2col(x, kh, kw, strides, dilations)  # [n, C, kh*kw, L]
+    patch = cols.reshape(n, group, c_per_group * kh * kw, out_h * out_w)
+    acc = int_matmul(weight.reshape(1, group, per_group, -1), patch)  # [n, group, per_group, L]
+    return acc.reshape(n, c_out, out_h * out_w), out_h, out_w
+
+
+def _depthwise(x: np.ndarray, weight: np.ndarray, per_group: int, strides, dilations):
+    n, _, h, w = x.shape
+    c_out, _, kh, kw = weight.shape
+    sh, sw = strides
+    dh, dw = dilations
+    out_h = (h - dh * (kh - 1) - 1) // sh + 1
+    out_w = (w - dw * (kw - 1) - 1) // sw + 1
+    bound = kh * kw * int(np.abs(x).max(initial=0)) * int(np.abs(weight).max(initial=0))
+    dtype = np.int32 if bound <= INT32_MAX else np.int64
+    if per_group > 1:  # a channel multiplier: output channel o reads input channel o // per_group
+        x = np.repeat(x, per_group, axis=1)
+    x = x.astype(dtype, copy=False)
+    taps = weight.reshape(c_out, kh * kw).astype(dtype)[None, :, :, None, None]
+    acc = np.zeros((n, c_out, out_h, out_w), dtype=dtype)
+    for i in range(kh):
+        for j in range(kw):
+            window = x[:, :, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+            acc += taps[:, :, i * kw + j] * window
+    return acc.reshape(n, c_out, out_h * out_w).astype(np.int64), out_h, out_w
 
 
 def _im2col(x: np.ndarray, kh: int, kw: int, strides, dilations):
