@@ -238,22 +238,33 @@ def verify(
     batch_size: int = typer.Option(8, help="Samples per run (every compared tensor of a batch is "
                                            "held in memory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as "
+                                               "one self-contained HTML page (with an SQNR plot "
+                                               "when matplotlib is installed)."),
+    run_ort: bool = typer.Option(False, "--ort", help="Also run onnxruntime on QMODEL: its outputs "
+                                 "against the float model and against the integer executor."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Compare the float model with the integer executor, output by output and tensor by tensor.
 
-    Exits 1 when an output misses the tolerance.
+    Exits 1 when an output misses the tolerance (the --report page is written all the same).
 
     \b
     Examples:
       qtool verify model.onnx model.q.onnx --data heldout.npz
       qtool verify model.onnx model.q.onnx --data heldout.npz --labels label --tolerance 0.999,30
+      qtool verify model.onnx model.q.onnx --data heldout.npz --ort --report report.html
     """
+    from .html_report import render_html
     from .verify import format_report, parse_tolerance, verify as run
 
     try:
+        if report_path is not None:
+            check_writable(report_path)
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
-                     progress=not quiet)
+                     progress=not quiet, run_ort=run_ort)
+        if report_path is not None:
+            atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
     except QtoolError as e:
         raise _fail(e)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else format_report(report))

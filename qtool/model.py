@@ -34,13 +34,13 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path))
     except Exception as e:  # protobuf raises DecodeError, truncated files raise others
-        raise QtoolError(f"model file '{path}' is not a valid ONNX model ({_first_line(e)})") from None
+        raise QtoolError(f"model file '{path}' is not a valid ONNX model ({first_line(e)})") from None
     if not model.graph.node:
         raise QtoolError(f"model file '{path}' is not a valid ONNX model (empty graph)")
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
-        raise QtoolError(f"model file '{path}' fails the ONNX checker: {_first_line(e)}") from None
+        raise QtoolError(f"model file '{path}' fails the ONNX checker: {first_line(e)}") from None
     return model
 
 
@@ -65,7 +65,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
             model = onnx.version_converter.convert_version(model, MIN_OPSET)
         except Exception as e:
             raise QtoolError(f"cannot upgrade {source} from opset {opset} to {MIN_OPSET} "
-                             f"(needed for per-channel QDQ): {_first_line(e)}") from None
+                             f"(needed for per-channel QDQ): {first_line(e)}") from None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
@@ -74,7 +74,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
         try:
             ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as e:
-            raise QtoolError(f"onnxruntime cannot load {source}: {_first_line(e)}") from None
+            raise QtoolError(f"onnxruntime cannot load {source}: {first_line(e)}") from None
         prepared = onnx.load(options.optimized_model_filepath)
     normalize(prepared)
     prepared = _fuse(prepared, source)
@@ -188,7 +188,7 @@ class FloatRunner:
         try:
             values = self.session.run(None, feeds)
         except Exception as e:
-            raise QtoolError(f"onnxruntime failed on the float model: {_first_line(e)}") from None
+            raise QtoolError(f"onnxruntime failed on the float model: {first_line(e)}") from None
         return dict(zip(self.output_names, values))
 
 
@@ -196,6 +196,6 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
+
 from .calibrate import fixed_batch
 from .data import check_sampling, load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
-from .model import FloatRunner, graph_inputs, load_model, prepare
+from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
 
@@ -68,6 +70,46 @@ class Comparison:
 
 
 @dataclass
+class OrtCheck:
+    """One model output of onnxruntime on the quantized model: against the float model
+    (``vs_float``) and against the integer executor on the same model (exact agreement)."""
+
+    vs_float: Comparison
+    qparams: QParams | None = None  # of the integers the output is dequantized from, if it is
+    max_diff: float = 0.0  # executor vs onnxruntime: in the output's LSB with qparams, else absolute
+    equal: int = 0
+    count: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.vs_float.name
+
+    @property
+    def unit(self) -> str:
+        return "absolute" if self.qparams is None else "lsb"
+
+    @property
+    def equal_fraction(self) -> float:
+        return self.equal / self.count if self.count else 1.0
+
+    def update(self, ref: np.ndarray, got: np.ndarray, executor: np.ndarray) -> None:
+        self.vs_float.update(ref, got)
+        diff = np.abs(executor.astype(np.float64) - got.astype(np.float64))
+        if self.qparams is not None:
+            diff = diff / _scale_like(self.qparams, diff.ndim)
+        if diff.size:
+            self.max_diff = max(self.max_diff, float(diff.max()))
+        self.equal += int(np.count_nonzero(executor == got))
+        self.count += diff.size
+
+    def to_dict(self) -> dict:
+        max_diff = round(self.max_diff, 3) if self.unit == "lsb" else float(f"{self.max_diff:.6g}")
+        return self.vs_float.to_dict() | {"vs_executor": {
+            "max_diff": max_diff, "unit": self.unit,
+            "equal_fraction": round(self.equal_fraction, 6)}}
+
+
+@dataclass
 class VerifyReport:
     samples: int
     tolerance: tuple[float, float | None]
@@ -76,6 +118,7 @@ class VerifyReport:
     float_nodes: list[tuple[str, str, str]]
     accuracy: dict | None = None
     failures: list[str] = field(default_factory=list)
+    ort: list[OrtCheck] | None = None  # with verify(..., run_ort=True)
 
     @property
     def passed(self) -> bool:
@@ -92,7 +135,9 @@ class VerifyReport:
                 "tensors": [c.to_dict() for c in self.tensors],
                 "worst": self.worst(),
                 "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
-                "accuracy": self.accuracy, "failures": self.failures}
+                "accuracy": self.accuracy,
+                "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
+                "failures": self.failures}
 
 
 # verify copies every compared tensor out of onnxruntime (PP-OCRv4 rec: about 200 MB a sample)
@@ -114,7 +159,9 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
            num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
-           preprocess=None) -> VerifyReport:
+           preprocess=None, run_ort: bool = False) -> VerifyReport:
+    """Run the float model and the integer executor over DATA, comparing every output and every
+    integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output."""
     check_sampling(num_samples, batch_size)
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
@@ -129,6 +176,9 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
     runner = FloatRunner(model, [c.name for c in tensors])
+    ort_session = _ort_session(qmodel, qmodel_path) if run_ort else None
+    dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
+    ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
     batch_size = fixed_batch(model) or batch_size
     correct_float = correct_int = 0
@@ -143,6 +193,10 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 c.update(reference[c.name], result.outputs[c.name])
             for c in tensors:
                 c.update(reference[c.name], dequantize_array(result.integer[c.name], c.qparams))
+            if ort_session is not None:
+                got = _ort_run(ort_session, feeds, qmodel_path)
+                for c in ort_checks:
+                    c.update(reference[c.name], got[c.name], result.outputs[c.name])
             n = len(next(iter(feeds.values())))
             if labels is not None:
                 truth = data.extra[labels][start:start + n]
@@ -151,7 +205,8 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 correct_int += int((result.outputs[first].argmax(-1) == truth).sum())
             start += n
             bar.update(n)
-    report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes())
+    report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
+                          ort=ort_checks if run_ort else None)
     if labels is not None:
         report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
                            "integer": 100.0 * correct_int / total}
@@ -162,6 +217,38 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
         if min_sqnr is not None and c.sqnr < min_sqnr:
             report.failures.append(f"output '{c.name}' SQNR {c.sqnr:.2f} dB < {min_sqnr} dB")
     return report
+
+
+def _ort_session(qmodel, path) -> ort.InferenceSession:
+    """onnxruntime on the quantized model as it would be deployed (default optimizations, which
+    fuse QDQ groups into its own integer kernels)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(qmodel.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise QtoolError(f"onnxruntime cannot load quantized model '{path}': "
+                         f"{first_line(e)}") from None
+
+
+def _ort_run(session: ort.InferenceSession, feeds: dict, path) -> dict[str, np.ndarray]:
+    names = [i.name for i in session.get_inputs()]
+    try:
+        values = session.run(None, {n: feeds[n] for n in names})
+    except Exception as e:  # a KeyError too: an input the float model does not have
+        raise QtoolError(f"onnxruntime failed on quantized model '{path}': {first_line(e)}") from None
+    return dict(zip([o.name for o in session.get_outputs()], values))
+
+
+def _scale_like(qp: QParams, ndim: int) -> np.ndarray:
+    """The scale shaped to broadcast against a rank-``ndim`` tensor (per-channel along its axis)."""
+    scale = np.asarray(qp.scale, dtype=np.float64)
+    if qp.axis is not None:
+        shape = [1] * ndim
+        shape[qp.axis] = -1
+        scale = scale.reshape(shape)
+    return scale
 
 
 def _ran(name: str, op_type: str, inputs) -> str:
@@ -187,15 +274,30 @@ def format_report(report: VerifyReport) -> str:
     if report.float_nodes:
         lines += ["", f"ran in float: {len(report.float_nodes)} nodes"]
         lines += float_node_lines(report.float_nodes)
+    if report.ort is not None:
+        lines += ["", "onnxruntime on the quantized model: cosine and SQNR against the float model, "
+                      "max diff and equal elements against the integer executor",
+                  f"{'output':<32} {'cosine':>9} {'SQNR dB':>8} {'max diff':>12} {'equal':>8}"]
+        for c in report.ort:
+            lines.append(f"{c.name:<32} {c.vs_float.cosine:>9.6f} {c.vs_float.sqnr:>8.2f} "
+                         f"{format_diff(c):>12} {100 * c.equal_fraction:>7.2f}%")
     if report.accuracy:
         a = report.accuracy
         lines += ["", f"top-1 accuracy on '{a['labels']}': float {a['float']:.2f}%, "
                       f"integer {a['integer']:.2f}% ({a['integer'] - a['float']:+.2f} points)"]
-    cos, sqnr = report.tolerance
-    rule = f"output cosine >= {cos}" + (f", SQNR >= {sqnr} dB" if sqnr is not None else "")
+    rule = tolerance_rule(report.tolerance)
     lines.append("")
     lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))
     return "\n".join(lines)
+
+
+def tolerance_rule(tolerance: tuple[float, float | None]) -> str:
+    cos, sqnr = tolerance
+    return f"output cosine >= {cos}" + (f", SQNR >= {sqnr} dB" if sqnr is not None else "")
+
+
+def format_diff(c: OrtCheck) -> str:
+    return f"{c.max_diff:.2f} LSB" if c.unit == "lsb" else f"{c.max_diff:.3g}"
 
 
 def _finite(x: float):

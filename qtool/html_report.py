@@ -1,0 +1,241 @@
+"""``qtool verify --report``: the verify report as one self-contained HTML page.
+
+Inline CSS, no script, no external asset; the per-layer SQNR plot is a PNG in a data: URI, drawn
+with matplotlib when it is installed (the ``report`` extra) and replaced by a note when it is not.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from html import escape
+
+from . import __version__
+from .verify import Comparison, VerifyReport, format_diff, tolerance_rule
+
+NO_PLOT = "No plot: matplotlib is not installed (pip install 'qtool[report]')."
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2328;
+       max-width: 1180px; margin: 24px auto; padding: 0 16px; }
+h1 { font-size: 22px; margin: 0 0 12px; }
+h2 { font-size: 17px; margin: 30px 0 8px; padding-bottom: 4px; border-bottom: 1px solid #d0d7de; }
+.badge { display: inline-block; padding: 1px 12px; border-radius: 12px; color: #fff; font-size: 15px;
+         font-weight: 600; vertical-align: 2px; margin-left: 8px; }
+.pass { background: #1a7f37; } .fail { background: #cf222e; }
+dl { display: grid; grid-template-columns: max-content auto; gap: 2px 16px; margin: 0; }
+dt { color: #59636e; } dd { margin: 0; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { padding: 3px 10px; border-bottom: 1px solid #eaeef2; text-align: left; white-space: nowrap; }
+th { background: #f6f8fa; border-bottom: 1px solid #d0d7de; }
+.num { text-align: right; font-variant-numeric: tabular-nums; }
+.name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
+td.reason { white-space: normal; }
+tr.worst td { background: #ffebe9; }
+.tag { display: inline-block; padding: 0 6px; border-radius: 8px; font-size: 11px; font-weight: 600;
+       background: #cf222e; color: #fff; }
+.ran-float { color: #bc4c00; font-weight: 600; } .ran-input { color: #59636e; }
+.note { color: #59636e; font-size: 13px; }
+ul.failures { color: #cf222e; margin: 6px 0 0; }
+img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
+footer { margin: 32px 0 8px; color: #59636e; font-size: 12px; }
+"""
+
+# how the plot shows each kind of tensor: (label, colour, marker)
+_KINDS = {"integer": ("integer kernel", "#0969da", "o"),
+          "float": ("float, then quantized", "#e16f24", "s"),
+          "input": ("model input", "#6e7781", "D")}
+
+
+def render_html(report: VerifyReport, model: str, qmodel: str) -> str:
+    """The whole page for ``report``; ``model`` and ``qmodel`` are the file names for the header."""
+    status = "PASS" if report.passed else "FAIL"
+    badge = f"<span class=\"badge {status.lower()}\">{status}</span>"
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+             f"<title>qtool verify: {escape(qmodel)} {status}</title>\n<style>{_CSS}</style>\n"
+             f"</head>\n<body>\n<h1>qtool verify {badge}</h1>",
+             _header(report, model, qmodel),
+             "<h2>Outputs: float model vs integer executor</h2>", _outputs_table(report.outputs)]
+    if report.ort is not None:
+        parts += ["<h2>onnxruntime on the quantized model</h2>", _ort_table(report)]
+    parts += ["<h2>SQNR along the graph</h2>", _plot_block(report),
+              "<h2>Tensors in graph order</h2>", _tensor_table(report),
+              "<h2>Nodes that ran in float</h2>", _float_nodes(report.float_nodes),
+              f"<footer>qtool {escape(__version__)}</footer>\n</body>\n</html>\n"]
+    return "\n".join(parts)
+
+
+def _header(report: VerifyReport, model: str, qmodel: str) -> str:
+    rows = [("float model", f"<span class=\"name\">{escape(model)}</span> (onnxruntime)"),
+            ("quantized model", f"<span class=\"name\">{escape(qmodel)}</span> (integer executor)"),
+            ("samples", str(report.samples)),
+            ("tolerance", escape(tolerance_rule(report.tolerance)))]
+    if report.accuracy:
+        a = report.accuracy
+        rows.append((f"top-1 on '{escape(a['labels'])}'",
+                     f"float {a['float']:.2f}%, integer {a['integer']:.2f}% "
+                     f"({a['integer'] - a['float']:+.2f} points)"))
+    worst = report.worst()
+    if worst:
+        names = ", ".join(f"<span class=\"name\">{escape(n)}</span>" for n in worst)
+        rows.append(("worst layers", names))
+    text = "<dl>\n" + "\n".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows) + "\n</dl>"
+    if report.failures:
+        items = "".join(f"<li>{escape(f)}</li>" for f in report.failures)
+        text += f"\n<ul class=\"failures\">{items}</ul>"
+    return text
+
+
+def _outputs_table(outputs: list[Comparison]) -> str:
+    rows = [f"<tr><td class=\"name\">{escape(c.name)}</td><td class=\"num\">{c.cosine:.6f}</td>"
+            f"<td class=\"num\">{_db(c.sqnr)}</td></tr>" for c in outputs]
+    return _table(["output", ("cosine", "num"), ("SQNR dB", "num")], rows)
+
+
+def _ort_table(report: VerifyReport) -> str:
+    rows = []
+    for c in report.ort:
+        rows.append(f"<tr><td class=\"name\">{escape(c.name)}</td>"
+                    f"<td class=\"num\">{c.vs_float.cosine:.6f}</td>"
+                    f"<td class=\"num\">{_db(c.vs_float.sqnr)}</td>"
+                    f"<td class=\"num\">{escape(format_diff(c))}</td>"
+                    f"<td class=\"num\">{100 * c.equal_fraction:.2f}%</td></tr>")
+    head = ["output", ("cosine vs float", "num"), ("SQNR dB vs float", "num"),
+            ("max |diff| vs executor", "num"), ("equal elements", "num")]
+    return (_table(head, rows) + "\n<p class=\"note\">The same samples through onnxruntime on the "
+            "quantized model (default optimizations, which fuse QDQ groups into its own integer "
+            "kernels): against the float model, and element by element against the integer "
+            "executor's outputs.</p>")
+
+
+def _tensor_table(report: VerifyReport) -> str:
+    worst = set(report.worst())
+    rows = []
+    for i, c in enumerate(report.tensors):
+        op = c.op_type + ("+Relu" if c.clamped else "")
+        marked = c.name in worst
+        tag = " <span class=\"tag\">worst</span>" if marked else ""
+        row_class = ' class="worst"' if marked else ""
+        rows.append(f"<tr{row_class}><td class=\"num\">{i}</td>"
+                    f"<td class=\"name\">{escape(c.name)}{tag}</td><td>{escape(op)}</td>"
+                    f"<td class=\"ran-{escape(c.ran)}\">{escape(c.ran)}</td>"
+                    f"<td class=\"num\">{c.cosine:.6f}</td><td class=\"num\">{_db(c.sqnr)}</td>"
+                    f"<td class=\"num\">{c.max_lsb:.2f}</td></tr>")
+    head = [("#", "num"), "tensor", "op type", "ran", ("cosine", "num"), ("SQNR dB", "num"),
+            ("max |diff| LSB", "num")]
+    text = _table(head, rows)
+    if any(c.clamped for c in report.tensors):
+        text += ("\n<p class=\"note\">+Relu: quantized with the range of the Relu that reads it, "
+                 "so compared after it.</p>")
+    return text
+
+
+def _float_nodes(nodes: list[tuple[str, str, str]]) -> str:
+    if not nodes:
+        return "<p>None: every node ran on integer kernels.</p>"
+    rows = [f"<tr><td>{escape(op_type)}</td><td class=\"name\">{escape(name)}</td>"
+            f"<td class=\"reason\">{escape(reason)}</td></tr>" for op_type, name, reason in nodes]
+    return _table(["op type", "node", "reason"], rows)
+
+
+def _table(head: list, rows: list[str]) -> str:
+    cells = "".join(f"<th class=\"{h[1]}\">{escape(h[0])}</th>" if isinstance(h, tuple)
+                    else f"<th>{escape(h)}</th>" for h in head)
+    body = "\n".join(rows)
+    return f"<table>\n<thead><tr>{cells}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+
+
+def _db(x: float) -> str:
+    if math.isfinite(x):
+        return f"{x:.2f}"
+    return "&infin; (exact)" if x > 0 else "&minus;&infin;"
+
+
+def _plot_block(report: VerifyReport) -> str:
+    png = sqnr_plot(report)
+    if png is None:
+        return f"<p class=\"note\">{escape(NO_PLOT)}</p>"
+    data = base64.b64encode(png).decode("ascii")
+    note = "x: the tensor's # in the table below; the worst layers are named."
+    if any(math.isinf(c.sqnr) for c in report.tensors):
+        note += (" An exact match (infinite SQNR) is drawn as a triangle at the top edge, a zero "
+                 "reference with a nonzero error (minus infinity) at the bottom.")
+    return (f"<img src=\"data:image/png;base64,{data}\" alt=\"SQNR in dB of each tensor, in graph "
+            f"order\">\n<p class=\"note\">{escape(note)}</p>")
+
+
+def sqnr_plot(report: VerifyReport) -> bytes | None:
+    """Per-tensor SQNR along the graph as PNG bytes, or None without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return None
+    tensors = report.tensors
+    sqnr = [c.sqnr for c in tensors]
+    finite = [v for v in sqnr if math.isfinite(v)]
+    low, high = (min(finite), max(finite)) if finite else (0.0, 60.0)
+    margin = max(3.0, 0.08 * (high - low))
+    top, bottom = high + margin, low - margin  # where +inf and -inf are drawn
+    y = [top if v == math.inf else bottom if v == -math.inf else v for v in sqnr]
+    size = 28 if len(y) <= 80 else 10
+
+    figure = Figure(figsize=(11, 3.8), dpi=100)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    ax.plot(range(len(y)), y, color="#afb8c1", linewidth=1, zorder=1)
+    for kind, (label, colour, marker) in _KINDS.items():
+        shown = [i for i, c in enumerate(tensors) if c.ran == kind and math.isfinite(sqnr[i])]
+        if shown:
+            ax.scatter(shown, [y[i] for i in shown], s=size, color=colour, marker=marker, label=label,
+                       zorder=3)
+    for value, where, marker, label in ((math.inf, top, "^", "exact (SQNR \u221e)"),
+                                        (-math.inf, bottom, "v", "zero reference (\u2212\u221e)")):
+        shown = [i for i, v in enumerate(sqnr) if v == value]
+        if shown:
+            ax.scatter(shown, [where] * len(shown), s=size + 16, marker=marker, facecolor="white",
+                       edgecolor="#1f2328", label=label, zorder=3)
+    index = {c.name: i for i, c in enumerate(tensors)}
+    worst = [index[name] for name in report.worst()]
+    # one height per label, above the worst points; rightward labels (leftward near the right
+    # edge) stacked so that their leader lines do not cross
+    rightward = sorted((i for i in worst if i <= 0.75 * len(y)), reverse=True)
+    leftward = sorted(i for i in worst if i > 0.75 * len(y))
+    span = top - bottom
+    base = max((y[i] for i in worst), default=top) + 0.15 * span
+    label_top = top
+    for level, i in enumerate(rightward + leftward):
+        ax.scatter([i], [y[i]], s=size * 4.5, facecolor="none", edgecolor="#cf222e", linewidth=1.6,
+                   zorder=4)
+        left = i in leftward
+        height = base + 0.09 * span * level
+        label_top = max(label_top, height)
+        label = ax.annotate(f"#{i} {_short(tensors[i].name)}", (i, y[i]),
+                            xytext=(i + (-0.02 if left else 0.02) * len(y), height),
+                            ha="right" if left else "left", va="center", fontsize=9, color="#cf222e",
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white",
+                                  "edgecolor": "none", "alpha": 0.75},
+                            arrowprops={"arrowstyle": "-", "color": "#cf222e", "linewidth": 0.8})
+        label.set_in_layout(False)
+    ax.set_ylim(bottom - margin, max(top, label_top) + margin)
+    ax.set_xlim(-0.5, max(len(y), 1) - 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("tensor # (graph order)")
+    ax.set_ylabel("SQNR (dB)")
+    ax.grid(True, color="#eaeef2", linewidth=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.01), ncols=5, fontsize=9, frameon=False,
+              borderaxespad=0, handletextpad=0.3, columnspacing=1.5)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _short(name: str, limit: int = 36) -> str:
+    """Long names keep their end, which usually tells layers apart (``.../conv/Conv_output_0``)."""
+    return name if len(name) <= limit else "\u2026" + name[-(limit - 1):]
