@@ -86,6 +86,23 @@ def quantize_multipliers(scales, bits: int = 32) -> Requant:
     return Requant(multiplier, rshift)
 
 
+def _half_up(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    return np.right_shift(x + np.left_shift(np.int64(1), r - 1), r)
+
+
+def _half_away_from_zero(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    magnitude = _half_up(np.abs(x), r)
+    return np.where(x < 0, -magnitude, magnitude)
+
+
+# the modes that are "add half, shift" (on |x| for away from zero), for shifts of at least 1
+_ADD_HALF = {"half_up": _half_up, "half_away_from_zero": _half_away_from_zero}
+
+
+def _within(x: np.ndarray, bound: int) -> bool:
+    return x.size == 0 or (int(x.min()) > -bound and int(x.max()) < bound)
+
+
 def rounding_rshift(x, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
     """``x / 2**rshift`` rounded in ``mode``; ``x`` int64, ``rshift`` broadcastable ints.
 
@@ -96,6 +113,9 @@ def rounding_rshift(x, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
     if x.dtype != np.int64:
         raise TypeError(f"rounding_rshift expects int64, got {x.dtype}")
     r = np.asarray(rshift, dtype=np.int64)
+    if mode in _ADD_HALF and r.size and r.min() > 0 and _within(x, 2**62):
+        # adding half of a shift of at most 63 cannot leave int64: one add and one shift
+        return _ADD_HALF[mode](x, np.minimum(r, 63))
     if np.any(r < 0):
         left = np.clip(-r, 0, 62)
         limit = np.right_shift(np.int64(2**62), left)
@@ -129,26 +149,7 @@ def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndar
     acc = acc.astype(np.int64)
     if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
         raise OverflowError("accumulator exceeds int32")
-    multiplier = np.asarray(multiplier, dtype=np.int64)
-    product = acc * multiplier
-    r = np.asarray(rshift, dtype=np.int64)
-    if mode in _ADD_HALF and r.size and r.min() > 0 and np.abs(multiplier).max(initial=0) < 2**31:
-        # |product| < 2**62, so adding half of a shift of at most 63 cannot leave int64
-        return _ADD_HALF[mode](product, np.minimum(r, 63))
-    return rounding_rshift(product, rshift, mode)
-
-
-def _half_up(x: np.ndarray, r: np.ndarray) -> np.ndarray:
-    return np.right_shift(x + np.left_shift(np.int64(1), r - 1), r)
-
-
-def _half_away_from_zero(x: np.ndarray, r: np.ndarray) -> np.ndarray:
-    magnitude = _half_up(np.abs(x), r)
-    return np.where(x < 0, -magnitude, magnitude)
-
-
-# the modes that are "add half, shift" (on |x| for away from zero), for shifts of at least 1
-_ADD_HALF = {"half_up": _half_up, "half_away_from_zero": _half_away_from_zero}
+    return rounding_rshift(acc * np.asarray(multiplier, dtype=np.int64), rshift, mode)
 
 
 def saturate(x, dtype: str) -> np.ndarray:
