@@ -146,16 +146,21 @@ def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndar
     acc = np.asarray(acc)
     if acc.dtype.kind not in "iu":
         raise TypeError(f"requantize expects an integer accumulator, got {acc.dtype}")
-    acc = acc.astype(np.int64)
+    acc = acc.astype(np.int64, copy=False)
     if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
         raise OverflowError("accumulator exceeds int32")
-    return rounding_rshift(acc * np.asarray(multiplier, dtype=np.int64), rshift, mode)
+    multiplier = np.asarray(multiplier, dtype=np.int64)
+    r = np.asarray(rshift, dtype=np.int64)
+    if mode in _ADD_HALF and r.size and r.min() > 0 and np.abs(multiplier).max(initial=0) < 2**31:
+        # int32 accumulator times a 31-bit multiplier: |product| < 2**62 without looking
+        return _ADD_HALF[mode](acc * multiplier, np.minimum(r, 63))
+    return rounding_rshift(acc * multiplier, rshift, mode)
 
 
 def saturate(x, dtype: str) -> np.ndarray:
     """Clamp to the range of integer ``dtype`` and cast."""
     lo, hi = int_range(dtype)
-    return np.clip(x, lo, hi).astype(dtype)
+    return np.clip(x, lo, hi).astype(dtype, copy=False)
 
 
 def int_range(dtype: str) -> tuple[int, int]:
