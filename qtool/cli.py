@@ -63,8 +63,12 @@ def calibrate(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name (samples "
                                                         "first), or a folder of .npy/.npz or images."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml or "
-                                                                       ".json)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml, "
+                                                                       ".json; see --format)."),
+    table_format: Optional[str] = typer.Option(None, "--format", help="Table format: yaml, json, "
+                                               "cali_table (TPU-MLIR) or trt (TensorRT cache). "
+                                               "Default from the -o name: .json, .cache, "
+                                               "*cali_table, else yaml."),
     method: str = typer.Option("minmax", help="minmax, kl, percentile, mse, aciq_gauss, "
                                               "aciq_laplace, or a plugin's."),
     param: List[str] = typer.Option([], help="Method parameter NAME=VALUE (repeatable), e.g. "
@@ -91,16 +95,20 @@ def calibrate(
     Examples:
       qtool calibrate model.onnx --data calib.npz -o table.yaml
       qtool calibrate model.onnx --data calib.npz -o table.yaml --method kl
+      qtool calibrate model.onnx --data calib.npz -o model_cali_table --method kl   # TPU-MLIR
+      qtool calibrate model.onnx --data calib.npz -o calib.cache --format trt       # TensorRT
       qtool calibrate model.onnx --data calib.npz -o t.yaml --method percentile --param percentile=99.9
       qtool calibrate model.onnx --data images/ -o t.yaml --resize 224x224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225
       qtool calibrate model.onnx --data shard1.npz --stats-out part1.npz   # then: qtool merge part*.npz -o t.yaml
     """
     from .calibrate import collect, parse_params
     from .table import write_table
+    from .table_formats import output_format
 
     try:
         if output is None and stats_out is None:
             raise QtoolError("give -o TABLE, --stats-out STATS, or both")
+        fmt = output_format(output or "", table_format)
         for target in (output, stats_out):
             if target is not None:
                 check_writable(target)
@@ -114,7 +122,7 @@ def calibrate(
         if stats_out is not None:
             stats.save(stats_out)
         if output is not None:
-            write_table(table, output)
+            write_table(table, output, fmt)
     except QtoolError as e:
         raise _fail(e)
     if not quiet:
@@ -149,10 +157,48 @@ def merge(
     _log(f"merged {len(stats)} files: {len(table.tensors)} tensors on {table.samples} samples -> {output}")
 
 
+@app.command("convert-table")
+def convert_table(
+    table: Path = typer.Argument(..., help="Calibration table in any format qtool reads."),
+    output: Path = typer.Option(..., "--output", "-o", help="The converted table."),
+    to: Optional[str] = typer.Option(None, "--to", help="yaml, json, cali_table (TPU-MLIR) or trt "
+                                     "(TensorRT cache). Default from the -o name: .json, .cache, "
+                                     "*cali_table, else yaml."),
+    source: Optional[str] = typer.Option(None, "--from", help="Format of TABLE: yaml, json, "
+                                         "cali_table, trt or ort (detected when omitted)."),
+):
+    """Convert a calibration table between qtool's YAML/JSON, TPU-MLIR's cali_table and TensorRT's
+    calibration cache; onnxruntime's calibration.json is read too.
+
+    A TensorRT cache holds only a float32 scale (threshold / 127) per tensor: read back, min/max
+    become -threshold/+threshold. Foreign tables carry no model digest.
+
+    \b
+    Examples:
+      qtool convert-table table.yaml -o model_cali_table          # to TPU-MLIR
+      qtool convert-table table.yaml -o calib.cache               # to TensorRT
+      qtool convert-table model_cali_table -o table.yaml
+      qtool convert-table calibration.json -o table.yaml          # from onnxruntime
+      qtool convert-table calib.txt --from cali_table -o t.bin --to trt
+    """
+    from .table_formats import FORMAT_NAMES, convert_table as run
+
+    try:
+        converted, origin, fmt = run(table, output, to, source)
+    except QtoolError as e:
+        raise _fail(e)
+    _log(f"converted {len(converted.tensors)} tensors: {FORMAT_NAMES[origin]} -> {FORMAT_NAMES[fmt]} "
+         f"-> {output}")
+
+
 @app.command()
 def quantize(
     model: Path = typer.Argument(..., help="Float ONNX model (the one the table was made for)."),
-    table: Path = typer.Option(..., "--table", "-t", help="Calibration table from qtool calibrate."),
+    table: Path = typer.Option(..., "--table", "-t", help="Calibration table: qtool's (YAML/JSON), "
+                               "TPU-MLIR cali_table, TensorRT cache or onnxruntime calibration.json."),
+    table_format: Optional[str] = typer.Option(None, "--table-format", help="Format of TABLE: yaml, "
+                                               "json, cali_table, trt or ort (detected when "
+                                               "omitted)."),
     output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model."),
     format: str = typer.Option("qdq", "--format", help="qdq (QuantizeLinear/DequantizeLinear around "
                                "float ops) or qoperator (QLinearConv, QLinearMatMul, com.microsoft "
@@ -179,6 +225,7 @@ def quantize(
     \b
     Examples:
       qtool quantize model.onnx --table table.yaml -o model.q.onnx
+      qtool quantize model.onnx --table calibration.json -o model.q.onnx   # onnxruntime's table
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --symmetric --multiplier-bits 8
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm --strict
       qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
@@ -194,7 +241,7 @@ def quantize(
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
-        qmodel, report = run(model, read_table(table), options, str(table))
+        qmodel, report = run(model, read_table(table, table_format), options, str(table))
         if params_out is not None:
             atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
         try:

@@ -93,7 +93,10 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     source = load_model(model_path)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
     digest = file_digest(model_path)
-    if table.model_sha256 != digest:
+    if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
+        report.warnings.append(f"{table_name} carries no model digest: it cannot be matched to "
+                               f"model '{Path(model_path).name}' (make sure it was made for it)")
+    elif table.model_sha256 != digest:
         report.warnings.append(f"{table_name} was made for model '{table.model}' "
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")

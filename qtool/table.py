@@ -1,6 +1,8 @@
 """The calibration table: a header and one entry per tensor, as YAML or JSON.
 
 The writer is deterministic (graph order, fixed float repr) so two runs give identical bytes.
+Other tools' formats (TPU-MLIR cali_table, TensorRT cache, onnxruntime calibration.json) are in
+``table_formats``; ``read_table`` and ``write_table`` dispatch to them.
 """
 
 from __future__ import annotations
@@ -48,19 +50,30 @@ class Table:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
 
 
-def write_table(table: Table, path: str | Path) -> None:
-    fmt = "json" if str(path).endswith(".json") else "yaml"
-    atomic_write(path, table.dumps(fmt).encode())
+def write_table(table: Table, path: str | Path, fmt: str | None = None) -> None:
+    """Write ``table`` as ``fmt`` (see ``table_formats.WRITE_FORMATS``), or as the name of
+    ``path`` suggests (.json, .cache, *cali_table; else YAML)."""
+    from .table_formats import dumps_table, output_format  # here: table_formats imports this module
+
+    atomic_write(path, dumps_table(table, output_format(path, fmt)).encode())
 
 
-def read_table(path: str | Path) -> Table:
-    path = Path(path)
-    if not path.is_file():
-        raise QtoolError(f"table file '{path}' not found")
+def read_table(path: str | Path, fmt: str | None = None) -> Table:
+    """Read a table in any of ``table_formats.READ_FORMATS``, detected from the file's name and
+    content unless ``fmt`` says."""
+    from .table_formats import load_table
+
+    return load_table(path, fmt)[0]
+
+
+def parse_table(path: Path, text: str) -> Table:
+    """qtool's own table, YAML or JSON, from the text of ``path``."""
     try:
-        data = yaml.safe_load(path.read_text())  # JSON is YAML too
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise QtoolError(f"table file '{path}' is not valid YAML/JSON ({str(e).splitlines()[0]})") from None
+        data = yaml.safe_load(text)  # JSON is YAML too
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f"line {mark.line + 1}: {problem}" if mark and problem else str(e).splitlines()[0]
+        raise QtoolError(f"table file '{path}' is not valid YAML/JSON ({where})") from None
     if not isinstance(data, dict) or data.get("qtool_table") != FORMAT_VERSION:
         raise QtoolError(f"table file '{path}' is not a qtool calibration table "
                          f"(missing key 'qtool_table: {FORMAT_VERSION}')")
