@@ -142,9 +142,14 @@ class Histogram:
     @classmethod
     def from_state(cls, state: dict[str, np.ndarray]) -> "Histogram":
         bins, n, zeros = (int(v) for v in state["integers"])
+        counts = np.asarray(state["counts"])
+        if bins < 1 or counts.shape != (2 * bins,):
+            raise ValueError(f"{list(counts.shape)} counts for {bins} bins (expected [{2 * bins}])")
         h = cls(bins)
-        h.counts = state["counts"].astype(np.int64)
+        h.counts = counts.astype(np.int64)
         h.range, h.min, h.max, h.total, h.total_sq = (float(v) for v in state["scalars"])
+        if h.range < 0 or not math.isfinite(h.range) or (h.range and math.frexp(h.range)[0] != 0.5):
+            raise ValueError(f"range {h.range} is not 0 or a power of two")
         h.n, h.zeros = n, zeros
         return h
 

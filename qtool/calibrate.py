@@ -30,7 +30,8 @@ from . import __version__, stats_graph
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
-from .model import FloatRunner, file_digest, float_tensors, graph_inputs, input_shape, load_model, prepare
+from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
+                    load_model, prepare)
 from .report import progress_bar
 from .table import Table, TensorEntry
 
@@ -135,12 +136,22 @@ class Statistics:
             version = None
         if version != STATS_VERSION:
             raise QtoolError(f"'{path}' is not a qtool statistics file (from calibrate --stats-out)")
+        for key, kind in (("model", str), ("model_sha256", str), ("method", str), ("params", dict),
+                          ("samples", int), ("input_shapes", dict), ("tensors", list)):
+            if not isinstance(header.get(key), kind):
+                raise QtoolError(f"statistics file '{path}' is damaged: header key '{key}' is "
+                                 f"missing or not a {kind.__name__}")
         stats = cls(header["model"], header["model_sha256"], header["method"], header["params"],
                     header["samples"], header["input_shapes"])
         for i, name in enumerate(header["tensors"]):
             calibrator = make_calibrator(stats.method, stats.params)
-            calibrator.load_state({k.split(".", 1)[1]: v for k, v in arrays.items()
-                                   if k.startswith(f"{i}.")})
+            try:
+                calibrator.load_state({k.split(".", 1)[1]: v for k, v in arrays.items()
+                                       if k.startswith(f"{i}.")})
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                what = f"no '{e.args[0]}'" if isinstance(e, KeyError) else first_line(e)
+                raise QtoolError(f"statistics file '{path}' is damaged: the state of tensor "
+                                 f"'{name}' is incomplete ({what})") from None
             stats.calibrators[name] = calibrator
         return stats
 
@@ -152,7 +163,10 @@ class Statistics:
         if set(self.calibrators) != set(other.calibrators):
             raise QtoolError(f"cannot merge {other_name}: it holds other tensors")
         for name, calibrator in self.calibrators.items():
-            calibrator.merge(other.calibrators[name])
+            try:
+                calibrator.merge(other.calibrators[name])
+            except (TypeError, ValueError) as e:  # states that load but do not fit together
+                raise QtoolError(f"cannot merge {other_name}: tensor '{name}': {first_line(e)}") from None
         self.samples += other.samples
 
 

@@ -192,7 +192,8 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         # numpy says "pickled data" for any file that is neither a zip nor .npy, so look: a pickle
         # starts with its protocol opcode 0x80; object arrays inside an .npz say "Object arrays"
         if str(e).startswith("Object arrays") or _starts_with(path, b"\x80"):
-            raise QtoolError(f"data file '{path}' holds pickled objects; refusing to load it") from None
+            raise QtoolError(f"data file '{path}' holds pickled objects (object arrays); refusing "
+                             "to load it: only plain numeric arrays are read (allow_pickle=False)") from None
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file") from None
     except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file ({e})") from None
@@ -262,6 +263,9 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.ndarr
     if a.dtype.kind not in "biuf":
         raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
                          "expected numbers")
+    if elem in _NP_TYPES and a.dtype.kind != "f":  # integers are most likely unscaled pixels or ids
+        raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
+                         f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
     if a.ndim == 0 or len(a) == 0:
         raise QtoolError(f"data file '{path}' array for input '{name}' is empty")
     expected = input_shape(vi)

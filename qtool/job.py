@@ -178,6 +178,8 @@ def plan_job(path: str | Path) -> JobPlan:
     files = {"model": model, "calibrate.data": resolve(cal["data"]),
              "verify.data": resolve(ver.get("data", cal["data"]))}
     for key, file in files.items():
+        if file.is_dir():
+            raise fail(key, f"'{file}' is a directory, not a file")
         if not file.is_file():
             raise fail(key, f"file '{file}' not found")
     try:
@@ -214,6 +216,9 @@ def plan_job(path: str | Path) -> JobPlan:
             preprocess.check()
         except QtoolError as e:
             raise fail("calibrate.preprocess", str(e)) from None
+    if not all(isinstance(v, str) for v in qz.get("keep_float", [])):
+        raise fail("quantize.keep_float", f"expected a list of op types or node names, "
+                                          f"got {qz['keep_float']}")
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
     plan = JobPlan(model, files["calibrate.data"], files["verify.data"],
                    out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx",
@@ -227,7 +232,29 @@ def plan_job(path: str | Path) -> JobPlan:
 
 
 def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
+    """Run a job; when a stage fails, the artifacts written by the earlier ones are removed (and
+    the folders made for them), so that a failed job leaves nothing, as every command does."""
     plan = plan_job(path)
+    folders = []  # the output folders that do not exist yet, deepest first
+    folder = plan.table.parent
+    while not folder.exists():
+        folders.append(folder)
+        folder = folder.parent
+    written: list[Path] = []
+    try:
+        return _run(plan, progress, log, written)
+    except BaseException:
+        for artifact in written:
+            artifact.unlink(missing_ok=True)
+        for folder in folders:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: something else was put there meanwhile
+                break
+        raise
+
+
+def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     cal, ver = plan.calibrate, plan.verify
     seconds = {}
 
@@ -236,6 +263,7 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
                     cal.get("num_samples"), cal.get("batch_size", 32), progress, plan.preprocess,
                     histogram_samples=cal.get("histogram_samples", DEFAULT_SAMPLES_PER_TENSOR)).table()
     write_table(table, plan.table)
+    written.append(plan.table)
     seconds["calibrate"] = time.perf_counter() - t0
     log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "
         f"({seconds['calibrate']:.1f} s)")
@@ -243,6 +271,7 @@ def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
     t0 = time.perf_counter()
     qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())
+    written.append(plan.qmodel)
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")

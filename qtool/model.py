@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, external_data_helper, numpy_helper
 
 from . import fusion
 from .errors import QtoolError
@@ -29,12 +29,19 @@ def file_digest(path: str | Path) -> str:
 def load_model(path: str | Path) -> onnx.ModelProto:
     """Load and check an ONNX model; problems become one-line ``QtoolError``s naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise QtoolError(f"model file '{path}' is a directory, not an ONNX file")
     if not path.is_file():
         raise QtoolError(f"model file '{path}' not found")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, truncated files raise others
         raise QtoolError(f"model file '{path}' is not a valid ONNX model ({first_line(e)})") from None
+    _check_external_data(model, path)
+    try:
+        external_data_helper.load_external_data_for_model(model, str(path.parent))
+    except Exception as e:  # a missing or short data file
+        raise QtoolError(f"model file '{path}': cannot read its external data ({first_line(e)})") from None
     if not model.graph.node:
         raise QtoolError(f"model file '{path}' is not a valid ONNX model (empty graph)")
     try:
@@ -42,6 +49,38 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     except onnx.checker.ValidationError as e:
         raise QtoolError(f"model file '{path}' fails the ONNX checker: {first_line(e)}") from None
     return model
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Refuse external data outside the model's folder before reading any: a model file must not
+    make qtool read (and embed in its outputs) other files of the machine."""
+    folder = path.parent.resolve()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        where = f"model file '{path}': tensor '{tensor.name}' has external data at '{location}'"
+        if not location:
+            raise QtoolError(f"{where}: no location")
+        if os.path.isabs(location):
+            raise QtoolError(f"{where}, an absolute path; only files inside the model's folder "
+                             "are read")
+        if not (folder / location).resolve().is_relative_to(folder):  # '..' or a symlink out
+            raise QtoolError(f"{where}, outside the model's folder '{folder}'; refusing to read it")
+
+
+def _all_tensors(graph: onnx.GraphProto):
+    """Every TensorProto of a graph: initializers, sparse ones, node attributes, subgraphs."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_tensors(sub)
 
 
 MIN_OPSET = 13  # DequantizeLinear's axis (per-channel weights) needs opset 13

@@ -166,11 +166,18 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel)
+    _check_same_interface(model, qmodel, executor.output_names, float_path, qmodel_path)
     data = load_dataset(data_path, model, preprocess)
     input_names = {vi.name for vi in graph_inputs(model)}
     if labels is not None and labels not in data.extra:
         raise QtoolError(f"data file '{data_path}' has no labels array '{labels}' "
                          f"(arrays: {', '.join(data.keys) or 'none'})")
+    if labels is not None:
+        truth = data.extra[labels]
+        if truth.ndim != 1 or len(truth) != len(data) or truth.dtype.kind not in "iu":
+            raise QtoolError(f"data file '{data_path}' labels array '{labels}' has shape "
+                             f"{list(truth.shape)} and dtype {truth.dtype}; expected one integer "
+                             f"class per sample ([{len(data)}])")
     known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
@@ -217,6 +224,20 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
         if min_sqnr is not None and c.sqnr < min_sqnr:
             report.failures.append(f"output '{c.name}' SQNR {c.sqnr:.2f} dB < {min_sqnr} dB")
     return report
+
+
+def _check_same_interface(model, qmodel, qoutputs, float_path, qmodel_path) -> None:
+    """The quantized model must read the float model's inputs and write outputs it has: else it
+    was made from another model, and nothing can be compared."""
+    inputs = [vi.name for vi in graph_inputs(model)]
+    outputs = [o.name for o in model.graph.output]
+    for kind, names, known in (("input", [vi.name for vi in graph_inputs(qmodel)], inputs),
+                               ("output", qoutputs, outputs)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise QtoolError(f"quantized model '{qmodel_path}' has {kind} '{unknown[0]}', which "
+                             f"float model '{float_path}' lacks ({kind}s: {', '.join(known)}); "
+                             f"was it quantized from another model?")
 
 
 def _ort_session(qmodel, path) -> ort.InferenceSession:

@@ -1,5 +1,7 @@
 """The demo end to end through the library: calibrate -> quantize -> exec / verify."""
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -62,13 +64,38 @@ def test_per_tensor_weights(demo_model, demo_table):
     assert scale.shape == () and np.abs(weight).max() == 127
 
 
-def test_table_and_model_are_deterministic(tmp_path, demo_model, demo_calib, demo_table):
-    write_table(demo_table, tmp_path / "a.yaml")
-    write_table(calibrate(demo_model, demo_calib, progress=False), tmp_path / "b.yaml")
-    assert (tmp_path / "a.yaml").read_bytes() == (tmp_path / "b.yaml").read_bytes()
-    first, _ = quantize(demo_model, read_table(tmp_path / "a.yaml"))
-    second, _ = quantize(demo_model, read_table(tmp_path / "b.yaml"))
-    assert first.SerializeToString() == second.SerializeToString()
+@pytest.mark.parametrize("method, fmt", [("minmax", "qdq"), ("kl", "qoperator")])
+def test_pipeline_is_deterministic(tmp_path, demo_model, demo_calib, demo_heldout, demo_table,
+                                   method, fmt):
+    """calibrate -> quantize -> verify --json through the CLI, twice, each run in its own folder:
+    the table, the quantized model and the report are the same bytes; so is a table written from
+    the session's own calibration (the library path)."""
+    from typer.testing import CliRunner
+
+    from qtool.cli import app
+
+    runner = CliRunner()
+    runs = []
+    for name in ("first", "second"):
+        folder = tmp_path / name
+        folder.mkdir()
+        table, qmodel = folder / "table.yaml", folder / "model.q.onnx"
+        for args in (["calibrate", demo_model, "-d", demo_calib, "-o", table, "-q", "--method", method],
+                     ["quantize", demo_model, "-t", table, "-o", qmodel, "--format", fmt],
+                     ["verify", demo_model, qmodel, "-d", demo_heldout, "--json", "-q"]):
+            result = runner.invoke(app, [str(a) for a in args])
+            assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["passed"] is True
+        runs.append({"table": table.read_bytes(), "model": qmodel.read_bytes(),
+                     "report": result.stdout.encode()})
+    first, second = runs
+    for artifact in ("table", "model", "report"):
+        assert first[artifact] == second[artifact], f"the {artifact} differs between runs"
+    if method == "minmax":
+        write_table(demo_table, tmp_path / "library.yaml")
+        assert (tmp_path / "library.yaml").read_bytes() == first["table"]
+        qmodel, _ = quantize(demo_model, read_table(tmp_path / "library.yaml"))
+        assert qmodel.SerializeToString() == first["model"]
 
 
 def test_table_round_trips_through_json(tmp_path, demo_table):
