@@ -415,12 +415,32 @@ def _check_models(n_rec: int, n_cls: int, n_det: int) -> None:
           f"{np.round((prob > 0.3).mean(axis=(1, 2, 3)), 3).tolist()}")
 
 
+def write_npz(folder: str) -> None:
+    """The calibration and evaluation files that configs/ppocr.yaml reads (disjoint seeds)."""
+    os.makedirs(folder, exist_ok=True)
+    files = {"rec_calib": {"x": text_lines(64, seed=0)[0]}, "rec_eval": {"x": text_lines(32, seed=1)[0]},
+             "det_calib": {"x": det_crops(8, seed=0)}, "det_eval": {"x": det_crops(2, seed=1)}}
+    x, labels = cls_lines(64, seed=0)
+    files["cls_calib"] = {"x": x}
+    x, labels = cls_lines(64, seed=1)
+    files["cls_eval"] = {"x": x, "label": labels.astype(np.int64)}
+    for name, arrays in files.items():
+        path = os.path.join(folder, f"{name}.npz")
+        np.savez(path, **arrays)
+        print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write-npz", metavar="DIR", help="write the data files of configs/ppocr.yaml "
+                                                       "to DIR and stop")
     ap.add_argument("--out", default="/tmp/bench_samples.png")
     ap.add_argument("--no-models", action="store_true", help="skip running the float models")
     ap.add_argument("--n-rec", type=int, default=64, help="lines for the rec accuracy check")
     args = ap.parse_args()
+    if args.write_npz:
+        write_npz(args.write_npz)
+        return
     save_grid(args.out, rec=text_lines(12, seed=0), cls=cls_lines(6, seed=0), det=det_crops(4, seed=0))
     print(f"wrote {args.out}")
     if not args.no_models:

@@ -13,7 +13,7 @@ import numpy as np
 import typer
 
 from . import __version__
-from .errors import EXIT_VERIFY_FAILED, QtoolError
+from .errors import EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
 from .report import float_node_lines
@@ -390,28 +390,69 @@ def scale(
 
 @app.command()
 def run(
-    job: Path = typer.Argument(..., help="YAML job file (see configs/demo.yaml)."),
+    job: Path = typer.Argument(..., help="YAML job file: one job (see configs/demo.yaml) or a batch "
+                                         "with defaults and jobs (see configs/ppocr.yaml)."),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Run up to N jobs at once, each in its "
+                                                           "own process."),
+    force: bool = typer.Option(False, "--force", help="Run jobs whose outputs are up to date too."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the file and print the plan; run "
+                                                          "nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stage logs."),
 ):
-    """Run a YAML job: calibrate -> quantize -> verify, writing every artifact under output_dir.
+    """Run YAML jobs: calibrate -> quantize -> verify, writing every artifact under output_dir.
 
-    Exits 1 when verification or the accuracy check fails.
+    The whole file is checked before any work starts. A job whose inputs (file contents) and
+    settings are unchanged since its last passing run, with its outputs intact, is skipped unless
+    --force. A failing job does not stop the others; a summary table lists every job.
+
+    Exit codes: 0 every job passed (or was up to date), 1 a verification or accuracy check
+    failed, 2 a job could not run (or the file is invalid).
 
     \b
     Examples:
       qtool run configs/demo.yaml
+      qtool run configs/ppocr.yaml --jobs 2
+      qtool run configs/ppocr.yaml --dry-run
+      qtool run configs/ppocr.yaml --force --json > summary.json
     """
-    from .job import run_job
+    from .job import describe_plan, format_summary, plan_jobs, run_batch, up_to_date
     from .verify import format_report
 
+    log = (lambda m: None) if quiet else _log
     try:
-        result = run_job(job, progress=not quiet, log=(lambda m: None) if quiet else _log)
+        plans = plan_jobs(job)
     except QtoolError as e:
         raise _fail(e)
-    typer.echo(format_report(result.verify))
-    for failure in result.failures[len(result.verify.failures):]:
-        typer.echo(f"FAIL: {failure}")
-    if result.failures:
+    if dry_run:
+        for plan in plans:
+            typer.echo("\n".join(describe_plan(plan, not force and up_to_date(plan) is not None)))
+        return
+    single = len(plans) == 1 and not plans[0].where
+    if single and (force or up_to_date(plans[0]) is None) and not as_json:
+        from .job import run_job  # one job: its full verify report, as before batches existed
+
+        try:
+            result = run_job(plans[0], progress=not quiet, log=log)
+        except QtoolError as e:
+            raise _fail(e)
+        typer.echo(format_report(result.verify))
+        for failure in result.failures[len(result.verify.failures):]:
+            typer.echo(f"FAIL: {failure}")
+        if result.failures:
+            raise typer.Exit(EXIT_VERIFY_FAILED)
+        return
+
+    def done(outcome):
+        log(f"job '{outcome.name}': {outcome.status}"
+            + (f" ({outcome.message})" if outcome.message and outcome.status != "ok" else ""))
+
+    outcomes = run_batch(plans, jobs, force, progress=not quiet and jobs == 1, log=log, on_done=done)
+    typer.echo(json.dumps([o.to_dict() for o in outcomes], indent=1) if as_json
+               else format_summary(outcomes))
+    if any(o.status == "error" for o in outcomes):
+        raise typer.Exit(EXIT_USER_ERROR)
+    if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 

@@ -6,6 +6,8 @@ values. Paths in the file are relative to the file's folder.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import time
@@ -16,12 +18,14 @@ import yaml
 
 import calibrators
 
+from . import __version__
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
 from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
-from .quantize import ACTIVATION_TYPES, QuantizeOptions, quantize
+from .model import file_digest
+from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
 from .verify import DEFAULT_BATCH as VERIFY_BATCH
@@ -29,8 +33,9 @@ from .verify import VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)
 SCHEMA = {
+    "name": (str, False),  # names the outputs and the summary row; default: the model's stem
     "model": (str, True),
-    "output_dir": (str, False),
+    "output_dir": (str, False),  # relative to the file; "{name}" stands for the job's name
     "calibrate": ({
         "data": (str, True),
         "method": ("choice:calibrators", False),
@@ -55,6 +60,8 @@ SCHEMA = {
         "multiplier_bits": (("choice", MULTIPLIER_BITS), False),
         "rounding": (("choice", ROUNDING_MODES), False),
         "keep_float": (list, False),
+        "format": (("choice", FORMATS), False),
+        "strict": (bool, False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -69,22 +76,22 @@ _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float:
                list: "a list", dict: "a mapping"}
 
 
-def _check(value, schema: dict, path: str) -> None:
+def _check(value, schema: dict, path: str, required: bool = True) -> None:
     if not isinstance(value, dict):
         raise QtoolError(f"{path or 'job'}: expected a mapping, got {type(value).__name__}")
     for key in value:
         if key not in schema:
             raise QtoolError(f"{path + '.' if path else ''}{key}: unknown key; "
                              f"allowed keys: {', '.join(schema)}")
-    for key, (kind, required) in schema.items():
+    for key, (kind, needed) in schema.items():
         where = f"{path + '.' if path else ''}{key}"
         if key not in value:
-            if required:
+            if needed and required:
                 raise QtoolError(f"{where}: required key is missing")
             continue
         v = value[key]
         if isinstance(kind, dict):
-            _check(v, kind, where)
+            _check(v, kind, where, required)
         elif kind == "choice:calibrators":
             _choice(v, calibrators.names(), where)
         elif isinstance(kind, tuple) and kind[0] == "choice":
@@ -111,14 +118,13 @@ def _type(v, kind, where: str) -> None:
         raise QtoolError(f"{where}: expected {expected}, got {v!r}")
 
 
-def load_job(path: str | Path) -> dict:
-    path = Path(path)
+def _read_yaml(path: Path):
+    if path.is_dir():
+        raise QtoolError(f"job file '{path}' is a directory")
     if not path.is_file():
         raise QtoolError(f"job file '{path}' not found")
     try:
-        job = yaml.safe_load(path.read_text())
-        if job is None:
-            raise QtoolError(f"job file '{path}' is empty; expected a mapping with model, calibrate, ...")
+        doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -126,11 +132,51 @@ def load_job(path: str | Path) -> dict:
                          f"{getattr(e, 'problem', None) or e}") from None
     except UnicodeDecodeError:
         raise QtoolError(f"job file '{path}' is not text") from None
+    if doc is None:
+        raise QtoolError(f"job file '{path}' is empty; expected a mapping with model, calibrate, ... "
+                         f"(one job) or defaults and jobs (a batch)")
+    return doc
+
+
+def _merged(defaults: dict, job: dict) -> dict:
+    """``job`` over ``defaults``: mappings merge key by key, anything else is replaced."""
+    out = dict(defaults)
+    for key, value in job.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def load_jobs(path: str | Path) -> list[tuple[str, dict]]:
+    """The jobs of a file, each as (its YAML path, its settings), validated against the schema.
+
+    A file is one job (model, calibrate, ...) or a batch: ``defaults`` (any job keys) and a list of
+    ``jobs``, each merged over the defaults."""
+    path = Path(path)
+    doc = _read_yaml(path)
     try:
-        _check(job, SCHEMA, "")
+        if not (isinstance(doc, dict) and ("jobs" in doc or "defaults" in doc)):
+            _check(doc, SCHEMA, "")
+            return [("", doc)]
+        for key in doc:
+            if key not in ("defaults", "jobs"):
+                raise QtoolError(f"{key}: unknown key; allowed keys in a batch: defaults, jobs")
+        defaults = doc.get("defaults") or {}
+        _check(defaults, SCHEMA, "defaults", required=False)
+        jobs = doc.get("jobs")
+        if not isinstance(jobs, list) or not jobs:
+            raise QtoolError(f"jobs: expected a non-empty list of jobs, got {jobs!r}")
+        specs = []
+        for i, job in enumerate(jobs):
+            where = f"jobs[{i}]"
+            if not isinstance(job, dict):
+                raise QtoolError(f"{where}: expected a mapping, got {type(job).__name__}")
+            merged = _merged(defaults, job)
+            _check(merged, SCHEMA, where)
+            specs.append((where, merged))
+        return specs
     except QtoolError as e:
         raise QtoolError(f"job file '{path}': {e}") from None
-    return job
 
 
 @dataclass
@@ -148,6 +194,8 @@ class JobResult:
 class JobPlan:
     """A validated job: every path resolved, every setting parsed."""
 
+    name: str
+    where: str  # its YAML path in the file ("" for a one-job file, else "jobs[i]")
     model: Path
     calibrate_data: Path
     verify_data: Path
@@ -159,24 +207,48 @@ class JobPlan:
     options: QuantizeOptions
     tolerance: tuple[float, float | None]
     verify: dict
+    settings: dict  # the job as written (merged over the defaults), for the digest
+
+    def digest(self) -> str:
+        """What the outputs depend on: qtool's version, the settings and the input files' bytes."""
+        inputs = {"qtool": __version__, "settings": self.settings,
+                  "files": {str(p): file_digest(p) for p in (self.model, self.calibrate_data,
+                                                             self.verify_data)}}
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def plan_job(path: str | Path) -> JobPlan:
-    """Load and check a job whole, before any work: schema, files, labels, output folder."""
-    path = Path(path)
-    job = load_job(path)
+def resolve_path(base: Path, value: str) -> Path:
+    """A path in a job file: relative to the file's folder, or ``pkg:PACKAGE/PATH`` for a file
+    inside an installed Python package (the PP-OCR models inside the rapidocr wheel)."""
+    if value.startswith("pkg:"):
+        package, _, rest = value[4:].partition("/")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise QtoolError(f"package '{package}' is not installed")
+        return Path(spec.submodule_search_locations[0]) / rest
+    return Path(os.path.normpath(base / value))
 
-    def resolve(p: str) -> Path:
-        return Path(os.path.normpath(path.parent / p))
+
+def plan_job(path: Path, where: str, job: dict) -> JobPlan:
+    """Check one job before any work: files, labels, settings, output folder."""
+    prefix = f"{where}." if where else ""
+
+    def resolve(key: str, p: str) -> Path:
+        try:
+            return resolve_path(path.parent, p)
+        except QtoolError as e:
+            raise fail(key, str(e)) from None
 
     def fail(key: str, message: str) -> QtoolError:
-        return QtoolError(f"job file '{path}': {key}: {message}")
+        return QtoolError(f"job file '{path}': {prefix}{key}: {message}")
 
     cal, qz, ver = job["calibrate"], job.get("quantize", {}), job.get("verify", {})
-    model = resolve(job["model"])
-    out = resolve(job.get("output_dir", f"build/{model.stem}"))
-    files = {"model": model, "calibrate.data": resolve(cal["data"]),
-             "verify.data": resolve(ver.get("data", cal["data"]))}
+    model = resolve("model", job["model"])
+    name = job.get("name", model.stem)
+    # "{name}" in output_dir is the job's name, so that defaults can place every job's outputs
+    out = resolve("output_dir", job.get("output_dir", "build/{name}").replace("{name}", name))
+    files = {"model": model, "calibrate.data": resolve("calibrate.data", cal["data"]),
+             "verify.data": resolve("verify.data", ver.get("data", cal["data"]))}
     for key, file in files.items():
         if file.is_dir():
             raise fail(key, f"'{file}' is a directory, not a file")
@@ -220,9 +292,9 @@ def plan_job(path: str | Path) -> JobPlan:
         raise fail("quantize.keep_float", f"expected a list of op types or node names, "
                                           f"got {qz['keep_float']}")
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
-    plan = JobPlan(model, files["calibrate.data"], files["verify.data"],
-                   out / f"{model.stem}.table.yaml", out / f"{model.stem}.q.onnx",
-                   out / f"{model.stem}.verify.json", cal, preprocess, options, tolerance, ver)
+    plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
+                   out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
+                   cal, preprocess, options, tolerance, ver, job)
     for target in (plan.table, plan.qmodel, plan.report):
         try:
             check_writable(target)
@@ -231,10 +303,37 @@ def plan_job(path: str | Path) -> JobPlan:
     return plan
 
 
-def run_job(path: str | Path, progress: bool = True, log=print) -> JobResult:
+def plan_jobs(path: str | Path) -> list[JobPlan]:
+    """Every job of the file, checked whole before any work. Outputs are named after the job, so
+    two jobs may share an output_dir but not a name."""
+    path = Path(path)
+    plans = [plan_job(path, where, job) for where, job in load_jobs(path)]
+    names = {}
+    for plan in plans:
+        if plan.name in names:
+            raise QtoolError(f"job file '{path}': {plan.where}.name: '{plan.name}' is the name of "
+                             f"{names[plan.name]} too; give each job its own name")
+        names[plan.name] = plan.where
+    return plans
+
+
+def up_to_date(plan: JobPlan) -> dict | None:
+    """The summary a finished run of this very job left (its report), if its outputs are intact."""
+    try:
+        summary = json.loads(plan.report.read_text())
+        recorded = summary["job"]
+        if summary["job_failures"] or recorded["digest"] != plan.digest():  # failures run again
+            return None
+        if any(file_digest(Path(p)) != d for p, d in recorded["outputs"].items()):
+            return None
+        return summary
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
     """Run a job; when a stage fails, the artifacts written by the earlier ones are removed (and
     the folders made for them), so that a failed job leaves nothing, as every command does."""
-    plan = plan_job(path)
     folders = []  # the output folders that do not exist yet, deepest first
     folder = plan.table.parent
     while not folder.exists():
@@ -286,7 +385,129 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         lost = report.accuracy["float"] - report.accuracy["integer"]
         if lost > drop:
             failures.append(f"accuracy drop {lost:.2f} points > max_accuracy_drop {drop}")
-    summary = report.to_dict() | {"job_failures": failures, "seconds": seconds}
+    # the job's digest and its outputs' digests let a later run skip it while nothing changed
+    job = {"name": plan.name, "digest": plan.digest(),
+           "outputs": {str(p): file_digest(p) for p in (plan.table, plan.qmodel)}}
+    summary = report.to_dict() | {"job_failures": failures, "seconds": seconds, "job": job}
     atomic_write(plan.report, (json.dumps(summary, indent=1) + "\n").encode())
     log(f"verify: {report.samples} samples -> {plan.report} ({seconds['verify']:.1f} s)")
     return JobResult(plan.table, plan.qmodel, plan.report, report, qreport, seconds, failures)
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+@dataclass
+class JobOutcome:
+    """One row of the summary of ``qtool run``."""
+
+    name: str
+    status: str  # "ok", "failed" (verification), "error" (could not run), "skipped" (up to date)
+    seconds: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # table, qmodel, report
+    figures: dict = field(default_factory=dict)  # first output's cosine and SQNR, top-1 accuracy
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "status": self.status, "seconds": self.seconds,
+                "outputs": self.outputs, "figures": self.figures, "message": self.message}
+
+
+def _outcome(plan: JobPlan, summary: dict, status: str) -> JobOutcome:
+    first = (summary.get("outputs") or [{}])[0]
+    figures = {"cosine": first.get("cosine"), "sqnr_db": first.get("sqnr_db")}
+    accuracy = summary.get("accuracy")
+    if accuracy:
+        figures |= {"top1_float": accuracy["float"], "top1_integer": accuracy["integer"]}
+    outputs = {"table": str(plan.table), "qmodel": str(plan.qmodel), "report": str(plan.report)}
+    failures = summary.get("job_failures") or []
+    return JobOutcome(plan.name, status, summary.get("seconds", {}), outputs, figures, "; ".join(failures))
+
+
+def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
+    """Run one job of a batch; its errors become its outcome, so the other jobs go on."""
+    try:
+        result = run_job(plan, progress, log or (lambda message: None))
+    except QtoolError as e:
+        return JobOutcome(plan.name, "error", message=str(e))
+    except Exception as e:  # a bug in one job must not stop the batch; the summary names it
+        return JobOutcome(plan.name, "error", message=f"internal error: {type(e).__name__}: {e}")
+    summary = json.loads(plan.report.read_text())
+    return _outcome(plan, summary, "failed" if result.failures else "ok")
+
+
+def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progress: bool = True,
+              log=print, on_done=None) -> list[JobOutcome]:
+    """Run the jobs that are not up to date (all with ``force``), in order or in ``workers``
+    separate processes; the outcomes come back in the file's order."""
+    outcomes: list[JobOutcome | None] = [None] * len(plans)
+    pending = []
+    for i, plan in enumerate(plans):
+        summary = None if force else up_to_date(plan)
+        if summary is not None:
+            outcomes[i] = _outcome(plan, summary, "skipped")
+            outcomes[i].message = "up to date"
+            if on_done:
+                on_done(outcomes[i])
+        else:
+            pending.append(i)
+    if workers <= 1 or len(pending) <= 1:
+        for i in pending:
+            log(f"job '{plans[i].name}' ({i + 1}/{len(plans)})")
+            outcomes[i] = execute(plans[i], progress, log)
+            if on_done:
+                on_done(outcomes[i])
+        return outcomes
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn, not fork: onnxruntime's thread pools do not survive a fork
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(execute, plans[i]): i for i in pending}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            outcomes[i] = future.result()
+            if on_done:
+                on_done(outcomes[i])
+    return outcomes
+
+
+def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
+    """``--dry-run``: what a job would read, do and write."""
+    cal, opt = plan.calibrate, plan.options
+    quantize = (f"{opt.format}, {'per-channel' if opt.per_channel else 'per-tensor'}, "
+                f"{'symmetric' if opt.symmetric else 'asymmetric'} {opt.activation_type}, "
+                f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}")
+    if opt.keep_float:
+        quantize += f", keep float: {', '.join(opt.keep_float)}"
+    return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
+            f"{'up to date, would be skipped' if skip else 'would run'}",
+            f"  model      {plan.model}",
+            f"  calibrate  {plan.calibrate_data}: {cal.get('method', 'minmax')}"
+            f"{', ' + str(cal['num_samples']) + ' samples' if 'num_samples' in cal else ''}",
+            f"  quantize   {quantize}",
+            f"  verify     {plan.verify_data}: tolerance {plan.tolerance[0]}"
+            f"{', ' + str(plan.tolerance[1]) + ' dB' if plan.tolerance[1] is not None else ''}"
+            f"{', labels ' + plan.verify['labels'] if 'labels' in plan.verify else ''}",
+            f"  outputs    {plan.table}, {plan.qmodel}, {plan.report}"]
+
+
+def format_summary(outcomes: list[JobOutcome]) -> str:
+    def num(value, spec):
+        return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+    lines = [f"{'job':<22} {'status':<8} {'calibrate':>9} {'quantize':>8} {'verify':>7} "
+             f"{'cosine':>9} {'SQNR dB':>8} {'top-1 float/int':>16}  outputs"]
+    for o in outcomes:
+        s, f = o.seconds, o.figures
+        top1 = (f"{num(f.get('top1_float'), '.2f')}/{num(f.get('top1_integer'), '.2f')}"
+                if "top1_float" in f else "-")
+        where = str(Path(o.outputs["report"]).parent) if o.outputs else "-"
+        lines.append(f"{o.name:<22} {o.status:<8} {num(s.get('calibrate'), '8.1f')}s "
+                     f"{num(s.get('quantize'), '7.1f')}s {num(s.get('verify'), '6.1f')}s "
+                     f"{num(f.get('cosine'), '9.6f')} {num(f.get('sqnr_db'), '8.2f')} {top1:>16}  {where}")
+        if o.message and o.status != "skipped":
+            lines.append(f"{'':<22} {o.message}")
+    counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "failed", "error", "skipped")}
+    lines.append(", ".join(f"{n} {status}" for status, n in counts.items() if n) or "no jobs")
+    return "\n".join(lines)

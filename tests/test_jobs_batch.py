@@ -1,0 +1,172 @@
+"""``qtool run`` on batch files: defaults and jobs, up-to-date skipping, failures, --jobs, --dry-run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from test_cli import assert_no_crash, assert_user_error, invoke, snapshot
+
+
+@pytest.fixture
+def inputs(tmp_path, demo_model, demo_calib, demo_heldout):
+    """Copies of the demo files (tests change them) and a batch of two jobs over them."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for source in (demo_model, demo_calib, demo_heldout):
+        shutil.copy(source, folder / source.name)
+    return folder
+
+
+def batch(inputs: Path, **job_overrides) -> dict:
+    jobs = [{"name": "asym"},
+            {"name": "sym8", "calibrate": {"method": "percentile"},
+             "quantize": {"symmetric": True, "multiplier_bits": 8}}]
+    for i, override in job_overrides.items():
+        jobs[int(i[1:])].update(override)
+    return {"defaults": {"model": str(inputs / "digits_cnn.onnx"),
+                         "output_dir": str(inputs.parent / "out" / "{name}"),
+                         "calibrate": {"data": str(inputs / "digits_calib.npz"), "batch_size": 64},
+                         "verify": {"data": str(inputs / "digits_heldout.npz"), "labels": "label",
+                                    "num_samples": 128}},
+            "jobs": jobs}
+
+
+def write(tmp_path: Path, content) -> Path:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+def statuses(result) -> dict[str, str]:
+    assert_no_crash(result)
+    return {o["name"]: o["status"] for o in json.loads(result.stdout)}
+
+
+def test_batch_runs_every_job_with_its_settings_and_a_summary(tmp_path, inputs):
+    result = invoke("run", write(tmp_path, batch(inputs)), "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:-1]}
+    assert rows["asym"][1] == "ok" and rows["sym8"][1] == "ok"
+    assert result.stdout.splitlines()[-1] == "2 ok"
+    out = tmp_path / "out"
+    for name in ("asym", "sym8"):
+        assert sorted(p.name for p in (out / name).iterdir()) == sorted(
+            [f"{name}.table.yaml", f"{name}.q.onnx", f"{name}.verify.json"])
+    # each job got its own settings over the defaults
+    assert yaml.safe_load((out / "sym8" / "sym8.table.yaml").read_text())["method"] == "percentile"
+    assert yaml.safe_load((out / "asym" / "asym.table.yaml").read_text())["method"] == "minmax"
+    report = json.loads((out / "sym8" / "sym8.verify.json").read_text())
+    assert report["samples"] == 128 and report["job"]["name"] == "sym8"
+
+
+def test_up_to_date_jobs_are_skipped_until_an_input_or_setting_changes(tmp_path, inputs):
+    path = write(tmp_path, batch(inputs))
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "ok", "sym8": "ok"}
+    model_bytes = (tmp_path / "out" / "asym" / "asym.q.onnx").read_bytes()
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "skipped", "sym8": "skipped"}
+    assert statuses(invoke("run", path, "-q", "--json", "--force")) == {"asym": "ok", "sym8": "ok"}
+    assert (tmp_path / "out" / "asym" / "asym.q.onnx").read_bytes() == model_bytes  # deterministic
+
+    # a setting of one job: only that job runs again
+    write(tmp_path, batch(inputs, j1={"quantize": {"symmetric": True, "multiplier_bits": 32}}))
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "skipped", "sym8": "ok"}
+    # the content of an input file shared by both (same name, other bytes): both run again
+    data = dict(np.load(inputs / "digits_calib.npz"))
+    data["input"] = data["input"][:200]
+    np.savez(inputs / "digits_calib.npz", **data)
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "ok", "sym8": "ok"}
+    # an output changed by hand: that job runs again
+    (tmp_path / "out" / "sym8" / "sym8.table.yaml").write_text("edited")
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "skipped", "sym8": "ok"}
+
+
+def test_a_failing_job_does_not_stop_the_others(tmp_path, inputs):
+    bad = inputs / "nan.npz"
+    data = dict(np.load(inputs / "digits_heldout.npz"))
+    data["input"] = data["input"].copy()
+    data["input"][3, 0, 0, 0] = np.nan
+    np.savez(bad, **data)
+    spec = batch(inputs, j0={"verify": {"data": str(bad)}})
+    result = invoke("run", write(tmp_path, spec), "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 2
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:2] == ["asym", "error"] and "nan.npz" in lines[2]
+    assert any(line.split()[:2] == ["sym8", "ok"] for line in lines)
+    assert lines[-1] == "1 ok, 1 error"
+    assert not (tmp_path / "out" / "asym").exists()  # the failed job left nothing
+    assert (tmp_path / "out" / "sym8" / "sym8.q.onnx").is_file()
+
+
+def test_a_failed_verification_exits_1_and_runs_again_next_time(tmp_path, inputs):
+    spec = batch(inputs, j1={"verify": {"max_accuracy_drop": -100.0}})  # impossible to meet
+    path = write(tmp_path, spec)
+    result = invoke("run", path, "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 1
+    assert "accuracy drop" in result.stdout
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "skipped", "sym8": "failed"}
+
+
+def test_parallel_jobs_write_the_same_bytes_as_sequential(tmp_path, inputs):
+    path = write(tmp_path, batch(inputs))
+    assert invoke("run", path, "-q").exit_code == 0
+    out = tmp_path / "out"
+    first = {p: p.read_bytes() for p in out.rglob("*") if p.suffix in (".yaml", ".onnx")}
+    shutil.rmtree(out)
+    result = invoke("run", path, "-q", "--jobs", "2")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.suffix in (".yaml", ".onnx")} == first
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, inputs):
+    path = write(tmp_path, batch(inputs))
+    before = snapshot(tmp_path)
+    result = invoke("run", path, "--dry-run")
+    assert_no_crash(result)
+    assert result.exit_code == 0
+    assert "job 'asym' (jobs[0]): would run" in result.stdout
+    assert "symmetric int8, 8-bit multipliers" in result.stdout
+    assert str(tmp_path / "out" / "sym8" / "sym8.q.onnx") in result.stdout
+    assert snapshot(tmp_path) == before
+
+
+def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
+    spec = batch(inputs)
+    spec["defaults"]["model"] = "pkg:qtool/demo/digits_cnn.onnx"
+    result = invoke("run", write(tmp_path, spec), "--dry-run")
+    assert_no_crash(result)
+    assert str(Path("qtool") / "demo" / "digits_cnn.onnx") in result.stdout
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda s: s["jobs"][1]["calibrate"].update(method="kll"),
+     ["jobs[1].calibrate.method: unknown 'kll'; choose one of", "minmax"]),
+    (lambda s: s["defaults"]["calibrate"].update(methd="kl"), ["defaults.calibrate.methd: unknown key"]),
+    (lambda s: s.update(job=[]), ["job: unknown key; allowed keys in a batch: defaults, jobs"]),
+    (lambda s: s.update(jobs={"a": 1}), ["jobs: expected a non-empty list"]),
+    (lambda s: s["jobs"].append("x"), ["jobs[2]: expected a mapping"]),
+    (lambda s: s["jobs"][1].update(name="asym"), ["jobs[1].name: 'asym' is the name of jobs[0] too"]),
+    (lambda s: s["jobs"][0].update(model="pkg:no_such_package/m.onnx"),
+     ["jobs[0].model: package 'no_such_package' is not installed"]),
+    (lambda s: s["jobs"][1].update(verify={"num_samples": "many"}),
+     ["jobs[1].verify.num_samples: expected an integer, got 'many'"]),
+    (lambda s: s["jobs"][0].update(quantize={"format": "qlinear"}),
+     ["jobs[0].quantize.format: unknown 'qlinear'; choose one of qdq, qoperator"]),
+], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
+        "pkg", "type", "format"])
+def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
+    spec = batch(inputs)
+    edit(spec)
+    path = write(tmp_path, spec)
+    before = snapshot(tmp_path)
+    assert_user_error(invoke("run", path), f"job file '{path}'", *fragments)
+    assert snapshot(tmp_path) == before
