@@ -58,13 +58,14 @@ def _preprocess(resize, mean, std, scale, channels, layout, input_name):
                       input_name)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def calibrate(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name (samples "
                                                         "first), or a folder of .npy/.npz or images."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml, "
-                                                                       ".json; see --format)."),
+                                                                       ".json; see --format); - for "
+                                                                       "standard output."),
     table_format: Optional[str] = typer.Option(None, "--format", help="Table format: yaml, json, "
                                                "cali_table (TPU-MLIR) or trt (TensorRT cache). "
                                                "Default from the -o name: .json, .cache, "
@@ -87,6 +88,8 @@ def calibrate(
     layout: str = typer.Option("nchw", help="Images: nchw or nhwc."),
     input_name: Optional[str] = typer.Option(None, "--input", help="Images: the model input they "
                                                                    "feed."),
+    as_json: bool = typer.Option(False, "--json", help="Print a summary (tensors, samples, method, "
+                                                       "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or log."),
 ):
     """Run the float model over DATA and write per-tensor ranges and thresholds.
@@ -100,18 +103,22 @@ def calibrate(
       qtool calibrate model.onnx --data calib.npz -o t.yaml --method percentile --param percentile=99.9
       qtool calibrate model.onnx --data images/ -o t.yaml --resize 224x224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225
       qtool calibrate model.onnx --data shard1.npz --stats-out part1.npz   # then: qtool merge part*.npz -o t.yaml
+      qtool calibrate model.onnx -d calib.npz -o - | qtool quantize model.onnx -t - -o model.q.onnx
     """
     from .calibrate import collect, parse_params
     from .table import write_table
-    from .table_formats import output_format
+    from .table_formats import STDIO, check_table_target, output_format
 
     try:
         if output is None and stats_out is None:
             raise QtoolError("give -o TABLE, --stats-out STATS, or both")
+        if as_json and str(output) == STDIO:
+            raise QtoolError("--json and -o - would both write to standard output; choose one")
         fmt = output_format(output or "", table_format)
-        for target in (output, stats_out):
-            if target is not None:
-                check_writable(target)
+        if output is not None:
+            check_table_target(output)
+        if stats_out is not None:
+            check_writable(stats_out)
         pre = _preprocess(resize, mean, std, scale, channels, layout, input_name)
         if histogram_samples < 0:
             raise QtoolError(f"--histogram-samples must be >= 0, got {histogram_samples}")
@@ -125,15 +132,22 @@ def calibrate(
             write_table(table, output, fmt)
     except QtoolError as e:
         raise _fail(e)
+    if as_json:
+        typer.echo(json.dumps({"tensors": len(table.tensors), "samples": table.samples, "method": method,
+                               "params": table.params, "input_shapes": table.input_shapes,
+                               "output": None if output is None else str(output),
+                               "stats_out": None if stats_out is None else str(stats_out)}, indent=1))
     if not quiet:
-        written = " and ".join(str(p) for p in (output, stats_out) if p is not None)
+        written = " and ".join("standard output" if str(p) == STDIO else str(p)
+                               for p in (output, stats_out) if p is not None)
         _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples ({method}) -> {written}")
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def merge(
     stats: List[Path] = typer.Argument(..., help="Statistics files from calibrate --stats-out."),
-    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml or .json)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml, .json, "
+                                "*cali_table, .cache); - for standard output (YAML)."),
 ):
     """Merge statistics of disjoint shards into one table, as if calibrated in a single pass.
 
@@ -147,9 +161,10 @@ def merge(
     """
     from .calibrate import merge as run
     from .table import write_table
+    from .table_formats import check_table_target
 
     try:
-        check_writable(output)
+        check_table_target(output)
         table = run(stats)
         write_table(table, output)
     except QtoolError as e:
@@ -157,10 +172,12 @@ def merge(
     _log(f"merged {len(stats)} files: {len(table.tensors)} tensors on {table.samples} samples -> {output}")
 
 
-@app.command("convert-table")
+@app.command("convert-table", epilog=EXIT_CODES)
 def convert_table(
-    table: Path = typer.Argument(..., help="Calibration table in any format qtool reads."),
-    output: Path = typer.Option(..., "--output", "-o", help="The converted table."),
+    table: Path = typer.Argument(..., help="Calibration table in any format qtool reads; - for "
+                                            "standard input."),
+    output: Path = typer.Option(..., "--output", "-o", help="The converted table; - for standard "
+                                                            "output."),
     to: Optional[str] = typer.Option(None, "--to", help="yaml, json, cali_table (TPU-MLIR) or trt "
                                      "(TensorRT cache). Default from the -o name: .json, .cache, "
                                      "*cali_table, else yaml."),
@@ -191,11 +208,12 @@ def convert_table(
          f"-> {output}")
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def quantize(
     model: Path = typer.Argument(..., help="Float ONNX model (the one the table was made for)."),
     table: Path = typer.Option(..., "--table", "-t", help="Calibration table: qtool's (YAML/JSON), "
-                               "TPU-MLIR cali_table, TensorRT cache or onnxruntime calibration.json."),
+                               "TPU-MLIR cali_table, TensorRT cache or onnxruntime calibration.json; "
+                               "- for standard input."),
     table_format: Optional[str] = typer.Option(None, "--table-format", help="Format of TABLE: yaml, "
                                                "json, cali_table, trt or ort (detected when "
                                                "omitted)."),
@@ -273,7 +291,7 @@ def quantize(
                f"-> {output}")
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
@@ -319,7 +337,7 @@ def verify(
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
-@app.command("exec")
+@app.command("exec", epilog=EXIT_CODES)
 def exec_(
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
     inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name."),
@@ -356,7 +374,8 @@ def exec_(
             _log(line)
 
 
-@app.command(context_settings={"ignore_unknown_options": True})  # so that "-1" is a value
+# ignore_unknown_options: so that "-1" is a value
+@app.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES)
 def scale(
     value: str = typer.Argument(..., help="A positive float scale, e.g. 0.1234."),
     bits: int = typer.Option(32, help="Multiplier width: 32 or 8."),
@@ -388,7 +407,7 @@ def scale(
                f"approx          {approx!r}\nrelative_error  {info['relative_error']:.3g}")
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def run(
     job: Path = typer.Argument(..., help="YAML job file: one job (see configs/demo.yaml) or a batch "
                                          "with defaults and jobs (see configs/ppocr.yaml)."),

@@ -15,7 +15,6 @@ from pathlib import Path
 import yaml
 
 from .errors import QtoolError
-from .fileio import atomic_write
 
 FORMAT_VERSION = 1
 
@@ -52,10 +51,10 @@ class Table:
 
 def write_table(table: Table, path: str | Path, fmt: str | None = None) -> None:
     """Write ``table`` as ``fmt`` (see ``table_formats.WRITE_FORMATS``), or as the name of
-    ``path`` suggests (.json, .cache, *cali_table; else YAML)."""
-    from .table_formats import dumps_table, output_format  # here: table_formats imports this module
+    ``path`` suggests (.json, .cache, *cali_table; else YAML); ``-`` is standard output."""
+    from .table_formats import dumps_table, output_format, write_text  # table_formats imports this module
 
-    atomic_write(path, dumps_table(table, output_format(path, fmt)).encode())
+    write_text(path, dumps_table(table, output_format(path, fmt)))
 
 
 def read_table(path: str | Path, fmt: str | None = None) -> Table:

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import struct
+import sys
 from pathlib import Path
 
 from .errors import QtoolError
@@ -96,11 +97,16 @@ def detect_format(path: Path, text: str) -> str:
 
 # -- reading ------------------------------------------------------------------------------------
 
+STDIO = "-"  # a table path that means standard input or output: calibrate -o - | quantize -t -
+
+
 def load_table(path: str | Path, fmt: str | None = None) -> tuple[Table, str]:
-    """The table in ``path`` and its format (``fmt``, or detected)."""
-    path = Path(path)
+    """The table in ``path`` (``-``: standard input) and its format (``fmt``, or detected)."""
     if fmt is not None:
         _choice(fmt, READ_FORMATS, "input")
+    if str(path) == STDIO:
+        return _parse(Path("<stdin>"), sys.stdin.read(), fmt)
+    path = Path(path)
     if not path.is_file():
         raise QtoolError(f"table file '{path}' not found")
     try:
@@ -109,6 +115,12 @@ def load_table(path: str | Path, fmt: str | None = None) -> tuple[Table, str]:
         raise QtoolError(f"table file '{path}' is not a text file (byte {e.start} is not UTF-8)") from None
     except OSError as e:
         raise QtoolError(f"cannot read table file '{path}': {e.strerror or e}") from None
+    return _parse(path, text, fmt)
+
+
+def _parse(path: Path, text: str, fmt: str | None) -> tuple[Table, str]:
+    if not text.strip():
+        raise QtoolError(f"table file '{path}' is empty")
     fmt = fmt or detect_format(path, text)
     if fmt == "json" and text.lstrip().startswith("{"):
         _json(path, text)  # JSON's own error, with the line; YAML would accept some broken JSON
@@ -330,7 +342,22 @@ def convert_table(source: str | Path, target: str | Path, to: str | None = None,
     """Read ``source`` and write it to ``target`` as ``to`` (or as its name suggests); returns the
     table and the two formats."""
     fmt = output_format(target, to)
-    check_writable(target)
+    check_table_target(target)
     table, origin = load_table(source, source_format)
-    atomic_write(target, dumps_table(table, fmt).encode())
+    write_text(target, dumps_table(table, fmt))
     return table, origin, fmt
+
+
+def check_table_target(path: str | Path) -> None:
+    """``check_writable``, where ``-`` (standard output) is always writable."""
+    if str(path) != STDIO:
+        check_writable(path)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """To standard output for ``-``, else atomically to the file."""
+    if str(path) == STDIO:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        atomic_write(path, text.encode())

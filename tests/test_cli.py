@@ -36,7 +36,7 @@ from qtool.cli import app
 
 runner = CliRunner()
 
-COMMANDS = ["calibrate", "quantize", "verify", "exec", "scale", "run", "version"]
+COMMANDS = ["calibrate", "merge", "convert-table", "quantize", "verify", "exec", "scale", "run", "version"]
 HELDOUT_SAMPLES = 540  # images in qtool/demo/digits_heldout.npz
 NUM_CLASSES = 10
 
