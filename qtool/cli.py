@@ -37,6 +37,12 @@ def _log(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def _one_stdout_writer(as_json: bool, output) -> None:
+    """A table piped to standard output leaves no room for a JSON report there."""
+    if as_json and str(output) == "-":
+        raise QtoolError("--json and -o - would both write to standard output; choose one")
+
+
 def _preprocess(resize, mean, std, scale, channels, layout, input_name):
     """Image preprocessing from command-line flags (used only when DATA is a folder of images)."""
     from .data import Preprocess
@@ -112,8 +118,7 @@ def calibrate(
     try:
         if output is None and stats_out is None:
             raise QtoolError("give -o TABLE, --stats-out STATS, or both")
-        if as_json and str(output) == STDIO:
-            raise QtoolError("--json and -o - would both write to standard output; choose one")
+        _one_stdout_writer(as_json, output)
         fmt = output_format(output or "", table_format)
         if output is not None:
             check_table_target(output)
@@ -148,6 +153,7 @@ def merge(
     stats: List[Path] = typer.Argument(..., help="Statistics files from calibrate --stats-out."),
     output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml, .json, "
                                 "*cali_table, .cache); - for standard output (YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON on stdout."),
 ):
     """Merge statistics of disjoint shards into one table, as if calibrated in a single pass.
 
@@ -164,11 +170,16 @@ def merge(
     from .table_formats import check_table_target
 
     try:
+        _one_stdout_writer(as_json, output)
         check_table_target(output)
         table = run(stats)
         write_table(table, output)
     except QtoolError as e:
         raise _fail(e)
+    if as_json:
+        typer.echo(json.dumps({"files": [str(p) for p in stats], "tensors": len(table.tensors),
+                               "samples": table.samples, "method": table.method,
+                               "output": str(output)}, indent=1))
     _log(f"merged {len(stats)} files: {len(table.tensors)} tensors on {table.samples} samples -> {output}")
 
 
@@ -342,6 +353,8 @@ def exec_(
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
     inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name."),
     output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
+                                                       "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
 ):
     """Run QMODEL on the integer-only executor and save its outputs.
@@ -367,8 +380,14 @@ def exec_(
         raise _fail(e)
     if not any(step.kind == "integer" for step in executor.steps):
         _log(f"warning: no op of '{qmodel}' ran integer; is it a float model? (see qtool quantize)")
-    if not quiet:
-        floats = executor.float_nodes()
+    floats = executor.float_nodes()
+    if as_json:
+        typer.echo(json.dumps({
+            "steps": len(executor.steps), "integer_steps": sum(s.kind == "integer" for s in executor.steps),
+            "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in floats],
+            "outputs": {name: list(value.shape) for name, value in result.outputs.items()},
+            "output": str(output)}, indent=1))
+    elif not quiet:
         _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")
         for line in float_node_lines(floats):
             _log(line)

@@ -88,3 +88,26 @@ def test_every_command_documents_its_exit_codes(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0
     assert "Exit codes: 0 ok, 1 verification failed, 2 user error" in " ".join(result.stdout.split())
+
+
+def test_exec_json_report(tmp_path, demo_model, demo_table, demo_heldout):
+    from qtool.quantize import quantize
+
+    qmodel, _ = quantize(demo_model, demo_table)
+    path = tmp_path / "q.onnx"
+    path.write_bytes(qmodel.SerializeToString())
+    result = invoke("exec", path, "-i", demo_heldout, "-o", tmp_path / "y.npz", "--json")
+    assert_no_crash(result)
+    report = json.loads(result.stdout)
+    assert report["integer_steps"] == 13 and report["float_nodes"] == []
+    assert report["outputs"] == {"logits": [540, 10]}
+
+
+def test_merge_json_summary_and_stdout_conflict(tmp_path, demo_model, demo_calib):
+    part = tmp_path / "part.npz"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", part, "-q").exit_code == 0
+    result = invoke("merge", part, "-o", tmp_path / "t.yaml", "--json")
+    assert_no_crash(result)
+    assert json.loads(result.stdout) == {"files": [str(part)], "tensors": 14, "samples": 256,
+                                         "method": "minmax", "output": str(tmp_path / "t.yaml")}
+    assert_user_error(invoke("merge", part, "-o", "-", "--json"), "--json and -o -")
