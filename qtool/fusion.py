@@ -131,33 +131,19 @@ def _per_channel(value: np.ndarray, channels: int) -> np.ndarray | None:
 def fold_affine_into_conv(model: onnx.ModelProto) -> int:
     """In place: ``Conv -> Mul(c) -> Add(b)`` with per-channel or scalar constants becomes one Conv
     with ``W' = W * c`` and ``B' = B * c + b`` (PP-LCNet's learnable affine blocks). Exact up to
-    float rounding, and one requantization instead of three. Returns the number of folds."""
-    folds = 0
-    while True:
-        g = _Graph(model)
-        match = None
-        for node in model.graph.node:
-            if node.op_type not in ("Mul", "Add"):
-                continue
-            operand = g.constant_operand_any(node)
-            if operand is None:
-                continue
-            x, const_name = operand
-            conv = g.private(x)
-            if conv is None or conv.op_type != "Conv" or conv.input[1] not in g.inits:
-                continue
-            if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in g.inits:
-                continue
-            weight = onnx.numpy_helper.to_array(g.inits[conv.input[1]])
-            if weight.ndim != 4:
-                continue
-            values = _per_channel(onnx.numpy_helper.to_array(g.inits[const_name]), weight.shape[0])
-            if values is not None:
-                match = (node, conv, weight, values)
-                break
+    float rounding, and one requantization instead of three. Returns the number of folds.
+
+    One pass in graph order: a fold only changes what nodes after the folded one see (the Conv now
+    writes the folded node's output), so the indices are updated in place, not rebuilt.
+    """
+    g = _Graph(model)
+    nodes = list(model.graph.node)
+    folded = set()  # positions in nodes
+    for i, node in enumerate(nodes):
+        match = _affine_after_conv(g, node)
         if match is None:
-            return folds
-        node, conv, weight, values = match
+            continue
+        conv, weight, values = match
         bias = np.zeros(weight.shape[0], np.float64)
         if len(conv.input) > 2 and conv.input[2]:
             bias = onnx.numpy_helper.to_array(g.inits[conv.input[2]]).astype(np.float64)
@@ -166,20 +152,49 @@ def fold_affine_into_conv(model: onnx.ModelProto) -> int:
             bias = bias * values
         else:
             bias = bias + values
-        w_name = _fresh_init(model, f"{conv.name}_w_folded", weight.astype(np.float32))
-        b_name = _fresh_init(model, f"{conv.name}_b_folded", bias.astype(np.float32))
+        w_name = _fresh_init(model, g.inits, f"{conv.name}_w_folded", weight.astype(np.float32))
+        b_name = _fresh_init(model, g.inits, f"{conv.name}_b_folded", bias.astype(np.float32))
         new_inputs = [conv.input[0], w_name, b_name]
         del conv.input[:]
         conv.input.extend(new_inputs)
         conv.output[0] = node.output[0]
-        model.graph.node.remove(node)
-        folds += 1
+        g.producer[node.output[0]] = conv
+        folded.add(i)
+    if folded:
+        kept = [n for i, n in enumerate(nodes) if i not in folded]
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return len(folded)
 
 
-def _fresh_init(model: onnx.ModelProto, base: str, array: np.ndarray) -> str:
-    taken = {t.name for t in model.graph.initializer}
+def _affine_after_conv(g: _Graph, node: onnx.NodeProto):
+    """(the Conv, its weight, one value per channel) when ``node`` is a Mul or Add of a constant
+    that broadcasts per channel over the output of a Conv with constant weights, read only by it."""
+    if node.op_type not in ("Mul", "Add"):
+        return None
+    operand = g.constant_operand_any(node)
+    if operand is None:
+        return None
+    x, const_name = operand
+    conv = g.private(x)
+    if conv is None or conv.op_type != "Conv" or conv.input[1] not in g.inits:
+        return None
+    if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in g.inits:
+        return None
+    weight = onnx.numpy_helper.to_array(g.inits[conv.input[1]])
+    if weight.ndim != 4:
+        return None
+    values = _per_channel(onnx.numpy_helper.to_array(g.inits[const_name]), weight.shape[0])
+    return None if values is None else (conv, weight, values)
+
+
+def _fresh_init(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], base: str,
+                array: np.ndarray) -> str:
+    """Add ``array`` as an initializer named ``base`` (or ``base_1``, ...: the first name not in
+    ``inits``, the graph's initializers, which it joins)."""
     name, k = base, 1
-    while name in taken:
+    while name in inits:
         name, k = f"{base}_{k}", k + 1
     model.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
+    inits[name] = model.graph.initializer[-1]
     return name

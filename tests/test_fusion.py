@@ -4,6 +4,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.fusion import fold_affine_into_conv
 from qtool.model import default_opset, prepare
 
 
@@ -86,3 +87,29 @@ def test_constant_mul_and_add_after_conv_fold_into_it():
 def test_no_fold_when_the_conv_output_is_read_elsewhere():
     prepared = prepare(_affine_model(conv_output_also_graph_output=True))
     assert [n.op_type for n in prepared.graph.node] == ["Conv", "Mul", "Add", "Relu"]
+
+
+def test_chained_affine_blocks_fold_in_one_pass():
+    """Two Conv -> Mul -> Add blocks in a row: every Mul and Add folds, each into its own Conv,
+    and the tensors between the blocks keep their names."""
+    rng = np.random.default_rng(3)
+    nodes, inits, x = [], [], "in"
+    for k in range(2):
+        nodes += [helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], name=f"conv{k}"),
+                  helper.make_node("Mul", [f"c{k}", f"scale{k}"], [f"m{k}"], name=f"mul{k}"),
+                  helper.make_node("Add", [f"shift{k}", f"m{k}"], [f"a{k}"], name=f"add{k}")]
+        inits += [numpy_helper.from_array(rng.normal(0, 1, (3, 3, 1, 1)).astype(np.float32), f"w{k}"),
+                  numpy_helper.from_array(rng.normal(0, 1, (1, 3, 1, 1)).astype(np.float32), f"scale{k}"),
+                  _const(f"shift{k}", 0.25 * (k + 1))]
+        x = f"a{k}"
+    nodes.append(helper.make_node("Relu", [x], ["out"], name="relu"))
+    graph = helper.make_graph(nodes, "affine2", [helper.make_tensor_value_info("in", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    folded = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    assert fold_affine_into_conv(folded) == 4
+    assert [(n.op_type, n.output[0]) for n in folded.graph.node] == [("Conv", "a0"), ("Conv", "a1"),
+                                                                      ("Relu", "out")]
+    assert list(folded.graph.node[1].input) == ["a0", "conv1_w_folded_1", "conv1_b_folded_1"]
+    x = np.random.default_rng(1).normal(0, 1, (1, 3, 4, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run(folded, x), _run(model, x), rtol=1e-5, atol=1e-5)
