@@ -388,7 +388,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     # the job's digest and its outputs' digests let a later run skip it while nothing changed
     job = {"name": plan.name, "digest": plan.digest(),
            "outputs": {str(p): file_digest(p) for p in (plan.table, plan.qmodel)}}
-    summary = report.to_dict() | {"job_failures": failures, "seconds": seconds, "job": job}
+    # no timings in the file: the same job gives the same bytes (they are in run's summary)
+    summary = report.to_dict() | {"job_failures": failures, "job": job}
     atomic_write(plan.report, (json.dumps(summary, indent=1) + "\n").encode())
     log(f"verify: {report.samples} samples -> {plan.report} ({seconds['verify']:.1f} s)")
     return JobResult(plan.table, plan.qmodel, plan.report, report, qreport, seconds, failures)
@@ -412,7 +413,7 @@ class JobOutcome:
                 "outputs": self.outputs, "figures": self.figures, "message": self.message}
 
 
-def _outcome(plan: JobPlan, summary: dict, status: str) -> JobOutcome:
+def _outcome(plan: JobPlan, summary: dict, status: str, seconds: dict | None = None) -> JobOutcome:
     first = (summary.get("outputs") or [{}])[0]
     figures = {"cosine": first.get("cosine"), "sqnr_db": first.get("sqnr_db")}
     accuracy = summary.get("accuracy")
@@ -420,7 +421,7 @@ def _outcome(plan: JobPlan, summary: dict, status: str) -> JobOutcome:
         figures |= {"top1_float": accuracy["float"], "top1_integer": accuracy["integer"]}
     outputs = {"table": str(plan.table), "qmodel": str(plan.qmodel), "report": str(plan.report)}
     failures = summary.get("job_failures") or []
-    return JobOutcome(plan.name, status, summary.get("seconds", {}), outputs, figures, "; ".join(failures))
+    return JobOutcome(plan.name, status, seconds or {}, outputs, figures, "; ".join(failures))
 
 
 def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
@@ -432,7 +433,7 @@ def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
     except Exception as e:  # a bug in one job must not stop the batch; the summary names it
         return JobOutcome(plan.name, "error", message=f"internal error: {type(e).__name__}: {e}")
     summary = json.loads(plan.report.read_text())
-    return _outcome(plan, summary, "failed" if result.failures else "ok")
+    return _outcome(plan, summary, "failed" if result.failures else "ok", result.seconds)
 
 
 def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progress: bool = True,

@@ -170,3 +170,13 @@ def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, 
     before = snapshot(tmp_path)
     assert_user_error(invoke("run", path), f"job file '{path}'", *fragments)
     assert snapshot(tmp_path) == before
+
+
+def test_forced_reruns_write_the_same_bytes_reports_included(tmp_path, inputs):
+    path = write(tmp_path, batch(inputs))
+    assert invoke("run", path, "-q").exit_code == 0
+    out = tmp_path / "out"
+    first = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert any(p.suffix == ".json" for p in first)
+    assert invoke("run", path, "-q", "--force").exit_code == 0
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == first
