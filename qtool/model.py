@@ -101,7 +101,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     opset = default_opset(model)
     if opset < MIN_OPSET:
         try:
-            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+            model = _convert_version(model, MIN_OPSET)
         except Exception as e:
             raise QtoolError(f"cannot upgrade {source} from opset {opset} to {MIN_OPSET} "
                              f"(needed for per-channel QDQ): {first_line(e)}") from None
@@ -117,7 +117,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
         prepared = onnx.load(options.optimized_model_filepath)
     normalize(prepared)
     prepared = _fuse(prepared, source)
-    return onnx.shape_inference.infer_shapes(prepared)
+    return without_weights(onnx.shape_inference.infer_shapes, prepared)
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
@@ -131,7 +131,7 @@ def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     opset = default_opset(model)
     if opset < fusion.HARDSWISH_OPSET:
         try:
-            model = onnx.version_converter.convert_version(model, fusion.HARDSWISH_OPSET)
+            model = _convert_version(model, fusion.HARDSWISH_OPSET)
         except Exception:
             return model  # the decomposition stays; it still runs, with more requantizations
         normalize(model)
@@ -139,6 +139,69 @@ def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     fusion.fuse_hardswish(model, matches)
     _drop_unused_initializers(model)
     return model
+
+
+def _convert_version(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    return without_weights(lambda m: onnx.version_converter.convert_version(m, opset), model)
+
+
+LARGE_TENSOR = 1024  # elements; far more than any shape-like input whose values onnx reads
+
+
+def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``transform(model)`` for onnx's version converter and shape inference, run with the bytes of
+    the large float tensors (initializers and Constant nodes) taken out and put back after.
+
+    Both copy every tensor through their C++ IR (most of their time on PP-OCR) but read only the
+    dims of float weights: values are read for shape-like inputs (Reshape's shape, Slice's starts,
+    Resize's scales), all small. The result gets the bytes back by tensor name; when the transform
+    failed, or renamed or reshaped a weight, it runs again on the whole model.
+    """
+    held, emptied = {}, []
+    for name, tensor in _named_tensors(model):
+        if (name not in held and tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data")
+                and int(np.prod(tensor.dims)) > LARGE_TENSOR):
+            raw = tensor.raw_data
+            held[name] = (list(tensor.dims), tensor.data_type, raw)
+            emptied.append((tensor, raw))
+            tensor.raw_data = b""
+    if not held:
+        return transform(model)
+    try:
+        result = transform(model)
+    except Exception:  # perhaps for want of the bytes: the whole model decides, below
+        result = None
+    finally:
+        for tensor, raw in emptied:
+            tensor.raw_data = raw
+    if result is None or not _put_back(result, held):
+        result = transform(model)
+    return result
+
+
+def _named_tensors(model: onnx.ModelProto):
+    """(name, tensor) for the initializers and the values of Constant nodes (by their output)."""
+    for tensor in model.graph.initializer:
+        yield tensor.name, tensor
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    yield node.output[0], attr.t
+
+
+def _put_back(model: onnx.ModelProto, held: dict) -> bool:
+    """Give the emptied tensors of ``model`` their bytes; False unless each found its own tensor."""
+    found = 0
+    for name, tensor in _named_tensors(model):
+        if name not in held or tensor.raw_data:
+            continue
+        dims, data_type, raw = held[name]
+        if list(tensor.dims) != dims or tensor.data_type != data_type:
+            return False
+        tensor.raw_data = raw
+        found += 1
+    return found == len(held)
 
 
 def normalize(model: onnx.ModelProto) -> None:
