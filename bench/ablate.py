@@ -7,10 +7,12 @@ The model is calibrated (minmax) and quantized with qtool's defaults; evaluation
 from calibration (bench/datasets.py, seed 1). Rows:
 - full: the QDQ model as written;
 - weights only: every activation Q/DQ pair removed (activations stay float);
-- activations only: every weight dequantized back to float (weights stay float);
+- activations only: every quantized weight, bias and constant replaced by its float original;
 - with --tensor T: only T quantized (its Q/DQ pair on the float model, with the table's range),
   and Gaussian noise of the same RMS as T's rounding error (step^2 / 12) instead.
-Metrics: output SQNR against float; rec word accuracy; det IoU of the p > 0.3 masks.
+Metrics: output SQNR against float; rec word accuracy; det IoU of the p > 0.3 masks. onnxruntime
+runs with graph optimizations off (as in qtool analyze): its optimizers change the arithmetic of
+the mixed variants.
 
 Needs: pip install -e '.[bench]' and rapidocr-onnxruntime --no-deps.
 """
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 import datasets  # noqa: E402
 
+from qtool.analyze import QdqModel  # noqa: E402
 from qtool.calibrate import calibrate  # noqa: E402
 from qtool.model import load_model, prepare  # noqa: E402
 from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
@@ -47,58 +50,10 @@ def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
 def run(model: onnx.ModelProto, x: np.ndarray, batch: int) -> np.ndarray:
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as qtool analyze
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return np.concatenate([session.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
-
-
-def _rewired(model: onnx.ModelProto, keep, rename: dict) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = [n for n in out.graph.node if keep(n)]
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            node.input[i] = rename.get(name, name)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
-def weights_only(q: onnx.ModelProto) -> onnx.ModelProto:
-    """Every activation QuantizeLinear -> DequantizeLinear pair bypassed (graph outputs kept)."""
-    inits = {i.name for i in q.graph.initializer}
-    outputs = {o.name for o in q.graph.output}
-    producer = {o: n for n in q.graph.node for o in n.output}
-    rename, dropped = {}, set()
-    for node in q.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] not in inits and node.output[0] not in outputs:
-            rename[node.output[0]] = producer[node.input[0]].input[0]
-            dropped.add(node.name)
-    model = _rewired(q, lambda n: n.name not in dropped, rename)
-    used = {i for n in model.graph.node for i in n.input} | outputs
-    return _rewired(model, lambda n: n.op_type != "QuantizeLinear" or n.output[0] in used, {})
-
-
-def activations_only(q: onnx.ModelProto) -> onnx.ModelProto:
-    """Every int8 weight's DequantizeLinear replaced by the dequantized float initializer."""
-    inits = {i.name: i for i in q.graph.initializer}
-    out = onnx.ModelProto()
-    out.CopyFrom(q)
-    dropped = set()
-    for node in q.graph.node:
-        source = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
-        if source is None or source.data_type != TensorProto.INT8:
-            continue
-        w = numpy_helper.to_array(source).astype(np.float32)
-        scale = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
-        if scale.ndim == 1 and scale.size > 1:
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-            shape = [1] * w.ndim
-            shape[axis] = -1
-            scale = scale.reshape(shape)
-        out.graph.initializer.append(numpy_helper.from_array(w * scale, node.output[0]))
-        dropped.add(node.name)
-    return _rewired(out, lambda n: n.name not in dropped, {})
 
 
 def one_tensor(model: onnx.ModelProto, name: str, lo: float, hi: float, noise: bool) -> onnx.ModelProto:
@@ -159,8 +114,9 @@ def main(argv=None) -> None:
         a, b = ref > 0.3, y > 0.3
         return f"IoU {(a & b).sum() / max(1, (a | b).sum()):.3f}"
 
-    rows = [("full", qmodel), ("weights only", weights_only(qmodel)),
-            ("activations only", activations_only(qmodel))]
+    qdq = QdqModel(qmodel, float_model)
+    rows = [("full", qmodel), ("weights only", qdq.ablated(qdq.all_tensors(), ())),
+            ("activations only", qdq.ablated((), qdq.all_weights()))]
     if args.tensor:
         e = table.tensors[args.tensor]
         rows += [(f"only {args.tensor}", one_tensor(float_model, args.tensor, e.min, e.max, False)),

@@ -303,6 +303,55 @@ def quantize(
 
 
 @app.command(epilog=EXIT_CODES)
+def analyze(
+    model: Path = typer.Argument(..., help="Float ONNX model."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name: the samples "
+                                                        "every variant is scored on."),
+    table: Optional[Path] = typer.Option(None, "--table", "-t", help="Calibration table (any format "
+                                         "quantize reads); default: calibrate on DATA with --method."),
+    method: str = typer.Option("minmax", help="Calibration method when there is no --table."),
+    per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
+    symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
+    activation_type: str = typer.Option("int8", help="int8 or uint8."),
+    keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
+    num_samples: Optional[int] = typer.Option(16, help="Samples to score on (each op costs two runs "
+                                                       "over them)."),
+    batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
+    top: int = typer.Option(20, help="Ops to list (0: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Rank the quantized ops by what they cost: the output SQNR against float with only that op
+    quantized, and with only that op left float.
+
+    The ops at the top of the ranking are the ones to keep float (quantize --keep-float) or give
+    finer steps.
+
+    \b
+    Examples:
+      qtool analyze model.onnx --data calib.npz
+      qtool analyze model.onnx --data heldout.npz --table table.yaml --top 10 --json
+    """
+    from .analyze import analyze as run, format_analysis
+    from .calibrate import calibrate as calibrate_table
+    from .data import check_sampling
+    from .quantize import QuantizeOptions, quantize as quantize_model
+    from .table import read_table
+
+    options = QuantizeOptions(per_channel, symmetric, activation_type, keep_float=tuple(keep_float))
+    try:
+        check_sampling(num_samples, batch_size)
+        table_ = (read_table(table) if table is not None
+                  else calibrate_table(model, data, method, progress=not quiet))
+        qmodel, _ = quantize_model(model, table_, options, str(table or "calibration"))
+        result = run(model, qmodel, data, num_samples, batch_size, progress=not quiet)
+    except QtoolError as e:
+        raise _fail(e)
+    typer.echo(json.dumps(result.to_dict(), indent=1) if as_json
+               else format_analysis(result, top or None))
+
+
+@app.command(epilog=EXIT_CODES)
 def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
