@@ -12,6 +12,7 @@ float regions (LayerNorm's ReduceMean/Pow/Sqrt, Shape arithmetic) get no statist
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import json
@@ -31,7 +32,7 @@ from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
-                    load_model, prepare)
+                    load_model, prepare, without_weights)
 from .report import progress_bar
 from .table import Table, TensorEntry
 
@@ -48,6 +49,12 @@ def fixed_batch(model) -> int | None:
 def make_calibrator(method: str, params: dict | None = None):
     """A calibrator of ``method`` with ``params``; string values (from the command line) are
     converted to the type of the parameter's default."""
+    return calibrator_factory(method, params)()
+
+
+def calibrator_factory(method: str, params: dict | None = None):
+    """A function making calibrators of ``method`` with ``params`` (see ``make_calibrator``): the
+    parameters are checked once, not once per tensor."""
     try:
         cls = calibrators.get(method)
     except KeyError as e:
@@ -67,10 +74,14 @@ def make_calibrator(method: str, params: dict | None = None):
                 raise QtoolError(f"parameter '{name}' of method '{method}' must be "
                                  f"{type(default).__name__}, got '{value}'") from None
         kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise QtoolError(f"method '{method}': {e}") from None
+
+    def make():
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise QtoolError(f"method '{method}': {e}") from None
+
+    return make
 
 
 def parse_params(items: list[str]) -> dict[str, str]:
@@ -143,8 +154,9 @@ class Statistics:
                                  f"missing or not a {kind.__name__}")
         stats = cls(header["model"], header["model_sha256"], header["method"], header["params"],
                     header["samples"], header["input_shapes"])
+        new_calibrator = calibrator_factory(stats.method, stats.params)
         for i, name in enumerate(header["tensors"]):
-            calibrator = make_calibrator(stats.method, stats.params)
+            calibrator = new_calibrator()
             try:
                 calibrator.load_state({k.split(".", 1)[1]: v for k, v in arrays.items()
                                        if k.startswith(f"{i}.")})
@@ -194,7 +206,8 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
         shapes[vi.name] = ["N", *sample_shape]
     for data_prop in ((True, False) if batch else (False,)):
         try:
-            return onnx.shape_inference.infer_shapes(fixed, data_prop=data_prop), shapes
+            infer = functools.partial(onnx.shape_inference.infer_shapes, data_prop=data_prop)
+            return without_weights(infer, fixed), shapes
         except Exception:  # shape inference is a help here, not a requirement
             pass
     return (fixed if batch is None else model), shapes
@@ -249,7 +262,8 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             params: dict | None = None, num_samples: int | None = None, batch_size: int = 32,
             progress: bool = True, preprocess=None, log=None,
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR) -> Statistics:
-    make_calibrator(method, params)  # validate before any work
+    new_calibrator = calibrator_factory(method, params)
+    new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
     model, data = _model_and_data(model_path, data_path, preprocess)
     batch_size = fixed_batch(model) or batch_size
@@ -262,7 +276,7 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     names = needed_tensors(model, float_tensors(typed))
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
-                       0, shapes, {name: make_calibrator(method, params) for name in names})
+                       0, shapes, {name: new_calibrator() for name in names})
     update = _updater(model, typed, names, stats.calibrators, histogram_samples)
     with progress_bar(total, "calibrate", progress) as bar:
         try:

@@ -237,9 +237,10 @@ def _name_nodes(model: onnx.ModelProto) -> None:
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:
     used = {name for node in model.graph.node for name in node.input}
     used.update(o.name for o in model.graph.output)
-    keep = [init for init in model.graph.initializer if init.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(keep)
+    initializers = model.graph.initializer
+    for i in reversed(range(len(initializers))):  # deleted where they are: the others are not copied
+        if initializers[i].name not in used:
+            del initializers[i]
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -269,12 +270,17 @@ class FloatRunner:
     def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0):
         """A session on ``model`` (prepared already, so onnxruntime's default optimizations apply
         on top) returning its outputs plus ``extra_outputs``."""
-        model = onnx.ModelProto.FromString(model.SerializeToString())
         known = {o.name for o in model.graph.output}
         value_info = {vi.name: vi for vi in model.graph.value_info}
-        for name in extra_outputs:
-            if name not in known:
-                model.graph.output.append(value_info.get(name) or onnx.ValueInfoProto(name=name))
+        added = [value_info.get(name) or onnx.ValueInfoProto(name=name)
+                 for name in extra_outputs if name not in known]
+        # appended to the caller's model for the serialization only: a copy would copy the weights
+        outputs = len(model.graph.output)
+        model.graph.output.extend(added)
+        try:
+            serialized = model.SerializeToString()
+        finally:
+            del model.graph.output[outputs:]
         options = ort.SessionOptions()
         options.log_severity_level = 3
         # run each node's consumers soon after it, so tensors are freed early: with every tensor
@@ -282,8 +288,7 @@ class FloatRunner:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(model.SerializeToString(), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
