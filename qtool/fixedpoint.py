@@ -157,6 +157,79 @@ def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndar
     return rounding_rshift(acc * multiplier, rshift, mode)
 
 
+@dataclass(frozen=True)
+class OffsetRequant:
+    """``saturate(requantize(x + bias) + Z_y)`` (half_up) as one multiply, one add and one shift.
+
+    ``floor(((x + b) * M + 2**(r-1)) / 2**r) + Z_y == floor((x * M + offset) / 2**r)`` with
+    ``offset = b * M + 2**(r-1) + Z_y * 2**r``: a multiple of ``2**r`` added before an arithmetic
+    shift comes out as that multiple over ``2**r`` after it. Where ``Z_y * 2**r`` would leave
+    int64, ``Z_y`` is added after the shift instead (``zero_out``). A channel whose ``x`` is
+    always 0 (all its weights 0) is the constant it requantizes to: ``M = 0, r = 0``.
+    ``offset_requant`` builds one where a bound on ``|x|`` proves it equal to ``requantize``.
+    Fields are int64 arrays broadcastable against ``x``, one entry per channel.
+    """
+
+    multiplier: np.ndarray
+    offset: np.ndarray
+    rshift: np.ndarray
+    zero_out: int  # added after the shift; 0 when folded into ``offset``
+    dtype: str
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """``x`` integer-valued (a float32 BLAS sum is fine: converting it is exact)."""
+        y = x.astype(np.int64)
+        y *= self.multiplier
+        y += self.offset
+        y >>= self.rshift
+        if self.zero_out:
+            y += self.zero_out
+        lo, hi = int_range(self.dtype)
+        np.clip(y, lo, hi, out=y)
+        return y.astype(self.dtype)
+
+
+def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,
+                   x_bound) -> tuple[OffsetRequant, np.ndarray] | None:
+    """``OffsetRequant`` equal to ``saturate(requantize(x + bias, M, r, mode) + zero_out, dtype)``
+    for every ``|x| <= x_bound``, and the channels whose ``x + bias`` may leave int32: the caller
+    must scan those (``requantize`` raises there). None where no such form is proven.
+
+    ``bias``, ``M``, ``r`` and ``x_bound`` broadcast to one entry per channel. Checked per channel
+    in Python integers: the mode is half_up; ``1 <= r <= 63`` (``x`` not always 0);
+    ``|x * M| + |offset| < 2**63``, so no int64 step overflows.
+    """
+    if mode != "half_up":
+        return None
+    arrays = [np.asarray(v, dtype=np.int64) for v in (bias, requant.multiplier, requant.rshift, x_bound)]
+    shape = np.broadcast(*arrays).shape
+    channels = [np.broadcast_to(a, shape).reshape(-1).tolist() for a in arrays]
+    unproven = []
+    for c, (b, m, r, xb) in enumerate(zip(*channels)):
+        if b - xb < INT32_MIN or b + xb > INT32_MAX:
+            unproven.append(c)
+        if xb and not 1 <= r <= 63:
+            return None
+
+    def fits(b, m, r, xb, zero):
+        return xb == 0 or xb * abs(m) + abs(b * m + 2 ** (r - 1) + zero * 2**r) < 2**63
+
+    fold = all(fits(*ch, zero_out) for ch in zip(*channels))
+    if not fold and not all(fits(*ch, 0) for ch in zip(*channels)):
+        return None
+    zero = zero_out if fold else 0
+    multiplier, offset, rshift = [], [], []
+    for b, m, r, xb in zip(*channels):
+        if xb == 0:  # x is 0: the channel's output is its bias requantized
+            constant = 0 if not INT32_MIN <= b <= INT32_MAX else int(requantize(np.array([b]), m, r, mode)[0])
+            multiplier.append(0), offset.append(constant + zero), rshift.append(0)
+        else:
+            multiplier.append(m), offset.append(b * m + 2 ** (r - 1) + zero * 2**r), rshift.append(r)
+    fields = (np.array(v, dtype=np.int64).reshape(shape) for v in (multiplier, offset, rshift))
+    return (OffsetRequant(*fields, zero_out=0 if fold else zero_out, dtype=str(np.dtype(dtype))),
+            np.array(unproven, dtype=np.int64))
+
+
 def saturate(x, dtype: str) -> np.ndarray:
     """Clamp to the range of integer ``dtype`` and cast."""
     lo, hi = int_range(dtype)

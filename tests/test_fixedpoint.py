@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtool.fixedpoint import (ROUNDING_MODES, quantize_multiplier, quantize_multipliers, requantize,
-                              rounding_rshift, saturate)
+from qtool.fixedpoint import (INT32_MAX, INT32_MIN, ROUNDING_MODES, Requant, offset_requant,
+                              quantize_multiplier, quantize_multipliers, requantize, rounding_rshift,
+                              saturate)
 
 # (scale, multiplier, rshift); each row checked by hand: multiplier / 2**rshift vs scale.
 TABLE_32 = [
@@ -172,3 +173,65 @@ def test_requantize_extremes(mode):
         for rshift in (1, 31, 62, 63, 64):
             got = requantize(accs, multiplier, rshift, mode)
             assert got.tolist() == [_exact(Fraction(int(a) * multiplier, 2**rshift), mode) for a in accs]
+
+
+# -- the folded tail: requantize(x + bias) + Z_y as one multiply, add and shift -----------------------
+
+def _reference_tail(x, bias, multiplier, rshift, zero_out, dtype):
+    return saturate(requantize(x + bias, multiplier, rshift, "half_up") + zero_out, dtype)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(int32, st.integers(1, 2**31 - 1), st.integers(1, 63), st.integers(0, 2**24)),
+                min_size=1, max_size=4),
+       st.integers(-128, 255), st.sampled_from(["int8", "uint8", "int16", "int32"]), st.integers(0, 2**32 - 1))
+def test_offset_requant_equals_requantize_within_its_bound(channels, zero_out, dtype, seed):
+    bias, multiplier, rshift, bound = (np.array(v, dtype=np.int64) for v in zip(*channels))
+    column = (slice(None), None)  # one row of x per channel
+    built = offset_requant(bias[column], Requant(multiplier[column], rshift[column]), zero_out, dtype,
+                           "half_up", bound[column])
+    if built is None:  # only where x * M + b * M + 2**(r-1) may leave int64
+        assert any(xb * m + abs(b * m + 2 ** (r - 1)) >= 2**63 for b, m, r, xb in channels if xb)
+        return
+    tail, unproven = built
+    # every |x| <= bound: the extremes and random values, one row per channel
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([-bound[:, None], bound[:, None], np.zeros((len(bound), 1), np.int64),
+                        rng.integers(-bound[:, None], bound[:, None] + 1, size=(len(bound), 50))], axis=1)
+    fits = ((x + bias[:, None] >= INT32_MIN) & (x + bias[:, None] <= INT32_MAX)).all(axis=1)
+    assert set(np.nonzero(~fits)[0].tolist()) <= set(unproven.tolist())
+    rows = np.nonzero(fits)[0]
+    got = tail(x)[rows]
+    want = _reference_tail(x[rows], bias[rows, None], multiplier[rows, None], rshift[rows, None], zero_out,
+                           dtype)
+    assert got.dtype == np.dtype(dtype) and got.tolist() == want.tolist()
+
+
+def test_offset_requant_worst_cases():
+    # a product at 2**62 (int32 accumulator times a 31-bit multiplier), the largest shift, a zero
+    # point that cannot be folded at that shift, and a channel whose weights are all 0 (bound 0)
+    # with a bias at each end of int32
+    bias = np.array([0, INT32_MIN, INT32_MAX, -5])
+    multiplier = np.array([2**31 - 1, 2**31 - 1, 12345, 2**30])
+    rshift = np.array([63, 40, 63, 3])
+    bound = np.array([2**31 - 1, 0, 0, 2**20])
+    tail, unproven = offset_requant(bias[:, None], Requant(multiplier[:, None], rshift[:, None]), -100,
+                                    "int32", "half_up", bound[:, None])
+    assert unproven.tolist() == [] and tail.zero_out == -100  # added after the shift
+    x = np.array([[-(2**31) + 1, 2**31 - 1, 0], [0, 0, 0], [0, 0, 0], [-(2**20), 2**20, 7]])
+    want = _reference_tail(x, bias[:, None], multiplier[:, None], rshift[:, None], -100, "int32")
+    assert tail(x).tolist() == want.tolist()
+
+
+def test_offset_requant_flags_channels_that_may_leave_int32():
+    bias = np.array([INT32_MAX - 100, 100, INT32_MIN])
+    tail, unproven = offset_requant(bias, Requant(np.array([2**30] * 3), np.array([31] * 3)), 0, "int8",
+                                    "half_up", np.array([127 * 128, 127 * 128, 0]))
+    assert unproven.tolist() == [0]
+
+
+@pytest.mark.parametrize("mode, rshift", [("half_to_even", 31), ("half_away_from_zero", 31),
+                                          ("toward_zero", 31), ("half_up", 0), ("half_up", 64)])
+def test_offset_requant_only_for_half_up_and_right_shifts(mode, rshift):
+    assert offset_requant(np.array([0]), Requant(np.array([2**30]), np.array([rshift])), 0, "int8", mode,
+                          np.array([100])) is None

@@ -233,3 +233,99 @@ def test_conv_accumulate_against_direct_loops(c_in, c_out, group, kernel, stride
     expected = _naive_conv(x, w, group, strides, dilations)
     assert acc.shape == expected.shape and acc.shape[2] == out_h * out_w
     assert (acc == expected.astype(np.int64)).all()
+
+
+# -- Conv on float32 where the weights bound the sums (ConvPlan) -------------------------------------
+
+def _conv_params(weight, bias, multiplier, rshift, zero_in=0, zero_out=0, pads=(0, 0, 0, 0), strides=(1, 1),
+                 dilations=(1, 1), group=1, dtype="int8"):
+    c_out = weight.shape[0]
+    return ConvParams(weight=weight, bias=np.broadcast_to(np.asarray(bias, np.int64), (c_out,)).copy(),
+                      requant=Requant(np.broadcast_to(np.asarray(multiplier, np.int64), (c_out,)).copy(),
+                                      np.broadcast_to(np.asarray(rshift, np.int64), (c_out,)).copy()),
+                      zero_in=zero_in, zero_out=zero_out, pads=pads, strides=strides, dilations=dilations,
+                      group=group, rounding="half_up", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, x_value, k, fast", [
+    # sum of |products| = k * 127 * max|x| against float32's 2**24: 1032 * 127 * 128 = 16,776,192
+    ("int8", -128, 1032, True), ("int8", -128, 1033, False),
+    ("uint8", 255, 518, True), ("uint8", 255, 519, False),  # 518 * 127 * 255 = 16,774,930
+])
+def test_conv_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast):
+    from qtool.ops.conv import ConvPlan
+
+    # a 1x1 conv over k channels with every product at its largest: int32 output at scale 1 shows the
+    # accumulator itself (M / 2**r = 2**30 / 2**30)
+    weight = np.full((2, k, 1, 1), 127, dtype=np.int8)
+    weight[1, ::2] = -127  # the second channel's partial sums swing, the total is small
+    p = _conv_params(weight, [5, -5], 2**30, 30, dtype="int32")
+    plan = REGISTRY["Conv"].specialize(p, [(1, k, 2, 3)])
+    assert (dtype in plan.tails) == fast
+    x = np.full((1, k, 2, 3), x_value, dtype=dtype)
+    want = [x_value * 127 * k + 5, x_value * 127 * (k // 2) - x_value * 127 * (k - k // 2) - 5]
+    got = REGISTRY["Conv"].run(plan, x)
+    assert got.dtype == np.int32 and got[0, :, 0, 0].tolist() == want
+    assert isinstance(plan, ConvPlan)
+
+
+def test_depthwise_float32_taps_are_exact_at_their_bound():
+    # 32x32 taps of 127 on -128: 1024 * 16256 = 16,646,144, just below 2**24 (a 33x33 kernel is not)
+    for size, fast in ((32, True), (33, False)):
+        weight = np.full((2, 1, size, size), 127, dtype=np.int8)
+        p = _conv_params(weight, 0, 2**30, 30, group=2, pads=(1, 1, 1, 1), zero_in=-128, dtype="int32")
+        plan = REGISTRY["Conv"].specialize(p, [(1, 2, size, size)])
+        assert ("int8" in plan.tails) == fast
+        got = REGISTRY["Conv"].run(plan, np.full((1, 2, size, size), -128, dtype=np.int8))
+        assert got[0, :, 1, 1].tolist() == [-128 * 127 * size * size] * 2
+
+
+@pytest.mark.parametrize("c_in, c_out, group, kernel, strides, dilations, pads, method", [
+    (4, 4, 4, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), "depthwise"),
+    (3, 6, 3, (3, 2), (2, 1), (1, 2), (0, 1, 2, 0), "depthwise"),  # channel multiplier 2
+    (1, 3, 1, (2, 2), (1, 1), (1, 1), (1, 0, 0, 1), "depthwise"),  # one input channel, multiplier 3
+    (4, 6, 2, (2, 2), (1, 2), (2, 1), (1, 1, 0, 0), "im2col"),  # two groups of two input channels
+    (5, 3, 1, (1, 1), (1, 1), (1, 1), (0, 0, 0, 0), "pointwise"),
+    (5, 3, 1, (1, 1), (2, 1), (1, 1), (1, 0, 1, 0), "im2col"),  # 1x1 with stride and pads
+    (6, 2, 1, (3, 2), (1, 1), (2, 1), (2, 1, 0, 1), "taps"),  # fewer outputs than inputs, stride 1
+    (2, 5, 1, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), "im2col"),  # more outputs than inputs
+    (6, 2, 1, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), "im2col"),  # strided
+])
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads, method,
+                                                   dtype, channels_last, monkeypatch):
+    from qtool.ops import conv
+
+    monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if channels_last else 10**9)
+    rng = np.random.default_rng(c_in * 100 + c_out * 10 + kernel[0])
+    lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+    weight = rng.integers(-127, 128, size=(c_out, c_in // group, *kernel)).astype(np.int8)
+    x = rng.integers(lo, hi + 1, size=(2, c_in, 7, 8)).astype(dtype)
+    x[0, :, :2] = lo  # extremes
+    x[1, :, -2:] = hi
+    p = _conv_params(weight, rng.integers(-5000, 5000, c_out), rng.integers(2**30, 2**31, c_out),
+                     rng.integers(8, 20, c_out), zero_in=int(rng.integers(lo, hi + 1)), zero_out=3, pads=pads,
+                     strides=strides, dilations=dilations, group=group)
+    plan = REGISTRY["Conv"].specialize(p, [x.shape])
+    assert plan.method == method and dtype in plan.tails
+    got = REGISTRY["Conv"].run(plan, x)
+    want = conv._run_scanned(p, x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got == want).all()
+
+
+def test_conv_scans_only_channels_whose_bias_may_overflow():
+    # channel 0's bias is 100 below int32's top: positive sums above 100 overflow, the executor must
+    # still say so; channel 1 has all-zero weights and a saturated bias, its output is constant
+    weight = np.zeros((2, 3, 1, 1), dtype=np.int8)
+    weight[0] = 1
+    p = _conv_params(weight, [2**31 - 1 - 100, -(2**31)], 2**30, 60)
+    plan = REGISTRY["Conv"].specialize(p, [(1, 3, 2, 2)])
+    assert plan.tails["int8"].unproven.tolist() == [0]
+    ok = np.full((1, 3, 2, 2), 33, dtype=np.int8)  # sum 99
+    from qtool.ops.conv import _run_scanned
+
+    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    with pytest.raises(OverflowError, match="accumulator"):
+        REGISTRY["Conv"].run(plan, np.full((1, 3, 2, 2), 34, dtype=np.int8))  # sum 102
