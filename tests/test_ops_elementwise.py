@@ -349,3 +349,41 @@ def test_elementwise_kernels_refuse_float_data():
                                       QParams(1.0, 0)))
     with pytest.raises(TypeError, match="float"):
         REGISTRY["Mul"].run(pm, i8([1]), np.ones(1, np.float32))
+
+
+# -- Add and Mul of 8-bit inputs through the table of their own arithmetic -----------------------------
+
+@pytest.mark.parametrize("op_type", ["Add", "Mul"])
+@pytest.mark.parametrize("dtype_a, dtype_b", [("int8", "int8"), ("uint8", "int8"), ("int8", "uint8"),
+                                              ("uint8", "uint8")])
+@pytest.mark.parametrize("rounding", ["half_up", "half_to_even"])
+def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, rounding):
+    from qtool.ops import add, mul
+    from qtool.ops.bytetable import byte_values
+
+    arithmetic = {"Add": add._add, "Mul": mul._mul}[op_type]
+    node = helper.make_node(op_type, ["a", "b"], ["y"])
+    zero = {"int8": -3, "uint8": 130}
+    op = REGISTRY[op_type]
+    p = op.derive(_view(node, [Operand(QParams(0.043, zero[dtype_a], dtype_a)),
+                               Operand(QParams(0.011, zero[dtype_b], dtype_b))], QParams(0.05, 7), rounding=rounding))
+    every_a = byte_values(dtype_a).reshape(16, 16)
+    rng = np.random.default_rng(0)
+    b_values = byte_values(dtype_b)
+    # all pairs, a one-element operand on either side, a per-channel operand, and broadcasting both ways
+    cases = [(every_a[:, :, None], b_values.reshape(1, 1, 256)),
+             (every_a, b_values[5:6]), (every_a[:1, :1], b_values.reshape(2, 128)),
+             (every_a.reshape(1, 4, 8, 8), rng.choice(b_values, (1, 4, 1, 1))),
+             (rng.choice(b_values, (2, 1, 3)).astype(dtype_a), rng.choice(b_values, (1, 5, 1)))]
+    for a, b in cases:
+        got = op.run(p, a, b)
+        want = arithmetic(p, a, b)
+        assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
+
+
+def test_add_of_wider_inputs_takes_the_arithmetic():
+    node = helper.make_node("Add", ["a", "b"], ["y"])
+    p = REGISTRY["Add"].derive(_view(node, [Operand(QParams(1.0, 0, "int16")), Operand(QParams(1.0, 0, "int16"))],
+                                     QParams(1.0, 0, "int16")))
+    a = np.array([30000, -30000, 5], dtype=np.int16)
+    assert REGISTRY["Add"].run(p, a, np.array([3000, -3000, 5], dtype=np.int16)).tolist() == [32767, -32768, 10]

@@ -3,7 +3,8 @@
 This is seed 003's symmetric form (``M_a / 2**rshift = S_a / S_y``) with the zero points
 subtracted first, which also covers the asymmetric case without going through float. The larger
 ratio sets the shift so that its multiplier has full precision (32-bit or 8-bit); the products
-stay below 2**40 in int64.
+stay below 2**40 in int64. Two 8-bit inputs are looked up in the table of this arithmetic on every
+pair (qtool/ops/bytetable.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..fixedpoint import quantize_multiplier, rounding_rshift, saturate
 from . import IntegerOp, NodeView, check_integer, per_tensor, register
+from .bytetable import has_pair_table, lookup_pair, pair_table
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,12 @@ class Add(IntegerOp):
 
     def run(self, p: AddParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
-        acc = ((a.astype(np.int64) - p.zero_a) * p.multiplier_a
-               + (b.astype(np.int64) - p.zero_b) * p.multiplier_b)
-        return saturate(rounding_rshift(acc, p.rshift, p.rounding) + p.zero_out, p.dtype)
+        if has_pair_table(a, b):
+            return lookup_pair(pair_table(_add, p, a.dtype.name, b.dtype.name), a, b)
+        return _add(p, a, b)
+
+
+def _add(p: AddParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    acc = ((a.astype(np.int64) - p.zero_a) * p.multiplier_a
+           + (b.astype(np.int64) - p.zero_b) * p.multiplier_b)
+    return saturate(rounding_rshift(acc, p.rshift, p.rounding) + p.zero_out, p.dtype)

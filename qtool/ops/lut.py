@@ -68,9 +68,9 @@ class LookupTable(IntegerOp):
         if x.dtype != np.dtype(p.in_dtype):
             raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
         # q - qmin without a wider copy: uint8 is q itself; for int8, flipping the sign bit of the
-        # byte gives q + 128
+        # byte gives q + 128 (np.take: faster than indexing)
         index = x.view(np.uint8) if p.in_dtype == "uint8" else x.view(np.uint8) ^ np.uint8(0x80)
-        return p.table[index]
+        return np.take(p.table, index)
 
 
 _erf = np.frompyfunc(math.erf, 1, 1)

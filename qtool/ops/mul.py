@@ -3,7 +3,8 @@
 Mul: ``q_y = ((q_a - Z_a) * (q_b - Z_b) * M >> rshift) + Z_y`` with ``M / 2**rshift = S_a S_b / S_y``,
 numpy broadcasting (the SE block's ``x[N,C,H,W] * s[N,C,1,1]``). A float constant operand is
 quantized per tensor like an activation (``accepts_constants``). The product of two 8-bit
-differences is below 2**16, times a multiplier below 2**31 it stays inside int64.
+differences is below 2**16, times a multiplier below 2**31 it stays inside int64. Two 8-bit inputs
+are looked up in the table of this arithmetic on every pair (qtool/ops/bytetable.py).
 
 Div(x, c), c a constant: a multiply by 1/c, ``q_y = ((q_x - Z_x) * M_c >> rshift_c) + Z_y`` with
 ``M_c / 2**rshift_c = S_x / (c S_y)`` per element of c. ``c`` is the *dequantized* int8 constant,
@@ -20,6 +21,7 @@ import numpy as np
 from ..fixedpoint import Requant, quantize_multiplier, requantize, saturate
 from ..qparams import dequantize_array
 from . import IntegerOp, NodeView, Unsupported, Weight, check_integer, per_tensor, register
+from .bytetable import has_pair_table, lookup_pair, pair_table
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,14 @@ class Mul(IntegerOp):
 
     def run(self, p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
-        acc = (a.astype(np.int64) - p.zero_a) * (b.astype(np.int64) - p.zero_b)
-        return saturate(requantize(acc, p.multiplier, p.rshift, p.rounding) + p.zero_out, p.dtype)
+        if has_pair_table(a, b):
+            return lookup_pair(pair_table(_mul, p, a.dtype.name, b.dtype.name), a, b)
+        return _mul(p, a, b)
+
+
+def _mul(p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    acc = (a.astype(np.int64) - p.zero_a) * (b.astype(np.int64) - p.zero_b)
+    return saturate(requantize(acc, p.multiplier, p.rshift, p.rounding) + p.zero_out, p.dtype)
 
 
 @dataclass(frozen=True)
