@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -149,31 +150,28 @@ LARGE_TENSOR = 1024  # elements; far more than any shape-like input whose values
 
 
 def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
-    """``transform(model)`` for onnx's version converter and shape inference, run with the bytes of
-    the large float tensors (initializers and Constant nodes) taken out and put back after.
+    """``transform(model)`` for onnx's version converter and shape inference, run on a copy without
+    the bytes of the large float tensors (initializers and Constant nodes), put back after.
 
     Both copy every tensor through their C++ IR (most of their time on PP-OCR) but read only the
     dims of float weights: values are read for shape-like inputs (Reshape's shape, Slice's starts,
     Resize's scales), all small. The result gets the bytes back by tensor name; when the transform
-    failed, or renamed or reshaped a weight, it runs again on the whole model.
+    failed, or changed a weight, it runs again on the whole model.
     """
-    held, emptied = {}, []
-    for name, tensor in _named_tensors(model):
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    held = {}  # name -> (the emptied tensor given to the transform, the original)
+    for (name, tensor), (_, original) in zip(_named_tensors(light), _named_tensors(model)):
         if (name not in held and tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data")
-                and int(np.prod(tensor.dims)) > LARGE_TENSOR):
-            raw = tensor.raw_data
-            held[name] = (list(tensor.dims), tensor.data_type, raw)
-            emptied.append((tensor, raw))
+                and math.prod(tensor.dims) > LARGE_TENSOR):
             tensor.raw_data = b""
+            held[name] = (tensor, original)
     if not held:
         return transform(model)
     try:
-        result = transform(model)
+        result = transform(light)
     except Exception:  # perhaps for want of the bytes: the whole model decides, below
         result = None
-    finally:
-        for tensor, raw in emptied:
-            tensor.raw_data = raw
     if result is None or not _put_back(result, held):
         result = transform(model)
     return result
@@ -191,16 +189,15 @@ def _named_tensors(model: onnx.ModelProto):
 
 
 def _put_back(model: onnx.ModelProto, held: dict) -> bool:
-    """Give the emptied tensors of ``model`` their bytes; False unless each found its own tensor."""
+    """Give the emptied tensors of ``model`` their bytes; False unless each came back unchanged."""
     found = 0
     for name, tensor in _named_tensors(model):
-        if name not in held or tensor.raw_data:
-            continue
-        dims, data_type, raw = held[name]
-        if list(tensor.dims) != dims or tensor.data_type != data_type:
-            return False
-        tensor.raw_data = raw
-        found += 1
+        if name in held:
+            given, original = held[name]
+            if tensor != given:
+                return False
+            tensor.CopyFrom(original)
+            found += 1
     return found == len(held)
 
 
