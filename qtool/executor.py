@@ -7,6 +7,10 @@ integer tensors (MaxPool, Reshape, Clip, a table Gather, ...) are lowered to the
 qtool/qoperator_exec.py. At run time a kernel sees only integer arrays. Everything else runs as
 what it is: QuantizeLinear and DequantizeLinear at the float boundaries, and fenced float ops one
 node at a time in onnxruntime.
+
+Unless the integer tensors are kept, a run of elementwise steps on an 8-bit tensor (HardSwish's
+table, then Mul and Add by constants) is one lookup: the steps themselves, evaluated once on all
+256 input values, give the composed table (``Chain``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import onnxruntime as ort
 from .errors import QtoolError
 from .model import graph_inputs, initializers
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
+from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .qparams import QParams, dequantize_array, quantize_array
 
@@ -29,7 +34,7 @@ FOREIGN_ROUNDING = "half_to_even"
 
 @dataclass
 class Step:
-    kind: str  # "integer", "float", "quantize" or "dequantize"
+    kind: str  # "integer", "float", "quantize", "dequantize" or "chain"
     node: onnx.NodeProto
     inputs: list[str]
     outputs: list[str]
@@ -46,6 +51,19 @@ class Step:
     specialized: dict = field(default_factory=dict)
     # a QOperator step that clamps at real zero (the integer Clip a Relu becomes)
     clamps_below_zero: bool = False
+
+
+@dataclass
+class Chain:
+    """Integer steps each elementwise in one input, the next reading only the previous one's output,
+    run as one lookup: ``tables[dtype]`` is the steps' output on every value of an 8-bit input,
+    computed at the first run with that input type (None where the steps could not run on every
+    value, e.g. an integer Add that would leave its type: the steps then run one by one)."""
+
+    steps: list[Step]
+    # the most dimensions of a constant operand: an input with fewer would broadcast to a new shape
+    ndim: int = 0
+    tables: dict[str, np.ndarray | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,6 +97,7 @@ class IntegerExecutor:
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
         self.steps = self._prune(self._lower())
+        self._chained_steps = self._chain(self.steps)
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
     # -- lowering ----------------------------------------------------------------------------------
@@ -217,6 +236,51 @@ class IntegerExecutor:
                 needed.update(step.inputs)
         return kept[::-1]
 
+    def _chain(self, steps: list[Step]) -> list[Step]:
+        """``steps`` with each run of two or more chainable steps replaced by one "chain" step, placed
+        where its last step was (every input of the run exists by then)."""
+        readers: dict[str, int] = {name: 1 for name in self.output_names}
+        for step in steps:
+            for name in step.inputs:
+                readers[name] = readers.get(name, 0) + 1
+        runs: list[list[Step]] = []
+        open_runs: dict[str, list[Step]] = {}  # output of a run's last step -> the run
+        for step in steps:
+            source = self._chain_input(step)
+            if source is None:
+                continue
+            run = open_runs.pop(source, None) if readers.get(source) == 1 else None
+            if run is None:
+                run = [step]
+                runs.append(run)
+            else:
+                run.append(step)
+            open_runs[step.outputs[0]] = run
+        last = {id(run[-1]): run for run in runs if len(run) > 1}
+        members = {id(s) for run in last.values() for s in run}
+        chained = []
+        for step in steps:
+            if id(step) in last:
+                run = last[id(step)]
+                ndim = max((self.constants[n].ndim for s in run for n in s.inputs if n in self.constants), default=0)
+                chained.append(Step("chain", step.node, [self._chain_input(run[0])], list(step.outputs),
+                                    params=Chain(run, ndim)))
+            elif id(step) not in members:
+                chained.append(step)
+        return chained
+
+    def _chain_input(self, step: Step) -> str | None:
+        """The one input a chainable step maps elementwise; None if the step is not chainable: not an
+        integer step with one output, not elementwise, or reading more than one non-constant or a
+        constant of more than one element."""
+        if step.kind != "integer" or len(step.outputs) != 1 or not step.op.elementwise(step.params):
+            return None
+        varying = [name for name in step.inputs if name not in self.constants]
+        if len(varying) != 1 or any(self.constants[name].size != 1 for name in step.inputs
+                                    if name in self.constants):
+            return None
+        return varying[0]
+
     # -- running -----------------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False) -> Result:
         env = dict(self.constants)
@@ -225,7 +289,7 @@ class IntegerExecutor:
                 raise QtoolError(f"missing input '{name}' (inputs: {', '.join(self.input_names)})")
             env[name] = feeds[name]
         result = Result({})
-        for step in self.steps:
+        for step in self.steps if keep_integer else self._chained_steps:
             values = [env[n] for n in step.inputs]
             outputs = self._run_step(step, values)
             for name, value in zip(step.outputs, outputs):
@@ -236,6 +300,8 @@ class IntegerExecutor:
         return result
 
     def _run_step(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
+        if step.kind == "chain":
+            return [self._run_chain(step.params, values[0])]
         if step.kind == "integer":
             shapes = tuple(v.shape for v in values)
             params = step.specialized.get(shapes)
@@ -253,6 +319,29 @@ class IntegerExecutor:
             out = dequantize_array(values[0], step.qparams[0])
             return [out if step.params in (None, "float32") else out.astype(step.params)]
         return self._run_float(step, values)
+
+    def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
+        dtype = x.dtype.name
+        if dtype not in chain.tables:
+            chain.tables[dtype] = self._chain_table(chain, dtype) if dtype in BYTE_TYPES else None
+        table = chain.tables[dtype]
+        if table is not None and x.ndim >= chain.ndim:
+            return lookup(table, x)
+        for step in chain.steps:
+            x = self._run_step(step, [x if name not in self.constants else self.constants[name]
+                                      for name in step.inputs])[0]
+        return x
+
+    def _chain_table(self, chain: Chain, dtype: str) -> np.ndarray | None:
+        """The chain's steps run on every byte read as ``dtype``: its output for each input byte."""
+        values = byte_values(dtype)
+        try:
+            for step in chain.steps:
+                values = self._run_step(step, [values if name not in self.constants else self.constants[name]
+                                               for name in step.inputs])[0]
+        except (QtoolError, OverflowError, IndexError, ValueError):
+            return None  # a value the data may never hold: run the steps themselves
+        return values if values.shape == (256,) else None
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
         """A fenced float op, run alone in onnxruntime (session built once per input types)."""

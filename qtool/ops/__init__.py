@@ -108,6 +108,12 @@ class IntegerOp:
     def derive(self, view: NodeView):
         raise NotImplementedError
 
+    def elementwise(self, params) -> bool:
+        """True when every output element is a function of the input elements at its position
+        alone (numpy broadcasting, one-element operands), whatever the shape: the executor may then
+        evaluate a run of such steps on all 256 values of an 8-bit input and look them up."""
+        return False
+
     def specialize(self, params, shapes: list[tuple[int, ...]]):
         """Finish ``derive`` for concrete input shapes (setup, cached per shape by the executor)."""
         return params

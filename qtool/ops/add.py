@@ -53,6 +53,9 @@ class Add(IntegerOp):
             dtype=y.dtype,
         )
 
+    def elementwise(self, p: AddParams) -> bool:
+        return True
+
     def run(self, p: AddParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
         if has_pair_table(a, b):

@@ -43,6 +43,9 @@ class Clip(IntegerOp):
         low, high = (int(q) for q in quantize_real(bounds, y, view.rounding))
         return ClipParams(rescale(x, y, view), low, high)
 
+    def elementwise(self, p: ClipParams) -> bool:
+        return True
+
     def run(self, p: ClipParams, x: np.ndarray, *bounds: np.ndarray) -> np.ndarray:
         # bounds: the float min/max constants the executor passes along; derive already folded them
         check_integer(x)

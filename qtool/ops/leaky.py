@@ -59,6 +59,9 @@ class LeakyRelu(IntegerOp):
         alpha = view.attr("alpha", np.float32(0.01))  # a float32 attribute, as onnxruntime uses it
         return _derive(view, np.array(alpha))
 
+    def elementwise(self, p: LeakyParams) -> bool:
+        return True
+
     def run(self, p: LeakyParams, x: np.ndarray) -> np.ndarray:
         return _run(p, x)
 
@@ -70,6 +73,9 @@ class PRelu(IntegerOp):
 
     def constants(self, node):
         return {1: Weight(axis=0)}  # [C, 1, 1] slopes: per channel; [1] or scalar: per tensor
+
+    def elementwise(self, p: LeakyParams) -> bool:
+        return np.size(p.multiplier) == 1  # else one slope per channel
 
     def derive(self, view: NodeView) -> LeakyParams:
         slope = view.inputs[1]

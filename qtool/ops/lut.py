@@ -63,6 +63,9 @@ class LookupTable(IntegerOp):
         real = dequantize_array(q, x).astype(np.float64)  # float32, as DequantizeLinear computes
         return LutParams(quantize_real(self.f(real, view), y, view.rounding), x.dtype)
 
+    def elementwise(self, p: LutParams) -> bool:
+        return True
+
     def run(self, p: LutParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         if x.dtype != np.dtype(p.in_dtype):

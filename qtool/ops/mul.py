@@ -48,6 +48,9 @@ class Mul(IntegerOp):
         return MulParams(multiplier, rshift, a.zero_point, b.zero_point, y.zero_point, view.rounding,
                          y.dtype)
 
+    def elementwise(self, p: MulParams) -> bool:
+        return True
+
     def run(self, p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
         if has_pair_table(a, b):
@@ -97,6 +100,9 @@ class Div(IntegerOp):
             raise Unsupported("Div by a constant that quantizes to 0")
         return DivParams(signed_multipliers(x.scale / (c * y.scale), view.multiplier_bits),
                          x.zero_point, y.zero_point, view.rounding, y.dtype)
+
+    def elementwise(self, p: DivParams) -> bool:
+        return np.size(p.requant.multiplier) == 1  # else one multiplier per element of the divisor
 
     def run(self, p: DivParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)

@@ -38,6 +38,9 @@ class GatherTable(IntegerOp):
             raise Unsupported(f"Gather table is {table.dtype}, not an integer type")
         return GatherParams(table, int(view.attr("axis", 0)))
 
+    def elementwise(self, p: GatherParams) -> bool:
+        return p.values.ndim == 1  # each index picks one value
+
     def run(self, p: GatherParams, index: np.ndarray) -> np.ndarray:
         check_integer(index)
         axis = p.axis + p.values.ndim if p.axis < 0 else p.axis
@@ -64,6 +67,9 @@ class IntCast(IntegerOp):
             raise Unsupported(f"Cast from {source} to {target} may not hold every value")
         return CastParams(target)
 
+    def elementwise(self, p: CastParams) -> bool:
+        return True
+
     def run(self, p: CastParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         return x.astype(p.dtype)
@@ -86,6 +92,9 @@ class IntArith(IntegerOp):
             raise Unsupported(f"{view.node.op_type} is not an integer elementwise op")
         int_range(view.output.dtype)  # a type the executor knows
         return ArithParams(view.node.op_type, str(view.output.dtype))
+
+    def elementwise(self, p: ArithParams) -> bool:
+        return True
 
     def run(self, p: ArithParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)

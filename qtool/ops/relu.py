@@ -26,6 +26,9 @@ class Relu(IntegerOp):
         y = per_tensor(view.output, "Relu output")
         return ReluParams(x.zero_point, rescale(x, y, view))
 
+    def elementwise(self, p: ReluParams) -> bool:
+        return True
+
     def run(self, p: ReluParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         return p.rescale(np.maximum(x, np.asarray(p.zero_in, dtype=x.dtype)))

@@ -1,0 +1,92 @@
+"""Runs of elementwise integer steps looked up in one composed table (``Chain`` in the executor):
+the same outputs as the steps one by one, on every input value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.errors import QtoolError
+from qtool.executor import IntegerExecutor
+
+
+def _scalar(name, value, dtype):
+    return numpy_helper.from_array(np.array(value, dtype=dtype), name)
+
+
+def _qdq_chain_model(extra_reader: bool):
+    """x -> Q -> DQ -> HardSwish -> Q/DQ -> Mul(constant) -> Q/DQ -> Add(constant) -> Q/DQ -> y,
+    optionally with the HardSwish output also a graph output (so it must be kept)."""
+    def qdq(src, name, scale, zero):
+        return [helper.make_node("QuantizeLinear", [src, f"{name}_s", f"{name}_z"], [f"{name}_q"]),
+                helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_d"])]
+
+    nodes = (qdq("x", "x", 0.05, -3)
+             + [helper.make_node("HardSwish", ["x_d"], ["h"])] + qdq("h", "h", 0.03, -40)
+             + [helper.make_node("DequantizeLinear", ["c_q", "c_s", "c_z"], ["c_d"]),
+                helper.make_node("Mul", ["h_d", "c_d"], ["m"])] + qdq("m", "m", 0.02, 5)
+             + [helper.make_node("DequantizeLinear", ["b_q", "b_s", "b_z"], ["b_d"]),
+                helper.make_node("Add", ["m_d", "b_d"], ["a"])] + qdq("a", "a", 0.04, 0))
+    inits = [_scalar(f"{n}_s", s, np.float32) for n, s in
+             (("x", 0.05), ("h", 0.03), ("m", 0.02), ("a", 0.04), ("c", 0.01), ("b", 0.02))]
+    inits += [_scalar(f"{n}_z", z, np.int8) for n, z in
+              (("x", -3), ("h", -40), ("m", 5), ("a", 0), ("c", 0), ("b", 0))]
+    inits += [numpy_helper.from_array(np.array([-77], np.int8), "c_q"),
+              numpy_helper.from_array(np.array([55], np.int8), "b_q")]
+    outputs = [helper.make_tensor_value_info("a_d", TensorProto.FLOAT, None)]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("h_d", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 256))],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+
+
+def _chains(executor):
+    return [[s.node.op_type for s in step.params.steps] for step in executor._chained_steps if step.kind == "chain"]
+
+
+@pytest.mark.parametrize("extra_reader, chains", [(False, [["HardSwish", "Mul", "Add"]]),
+                                                  (True, [["Mul", "Add"]])])
+def test_chained_steps_equal_the_steps_one_by_one(extra_reader, chains):
+    executor = IntegerExecutor(_qdq_chain_model(extra_reader))
+    assert _chains(executor) == chains
+    x = (np.arange(-128, 128, dtype=np.float32) + 3) * 0.05  # every int8 input value
+    x = np.stack([x, x[::-1]])
+    chained = executor.run({"x": x}).outputs
+    one_by_one = executor.run({"x": x}, keep_integer=True).outputs
+    assert chained.keys() == one_by_one.keys()
+    for name in chained:
+        assert chained[name].dtype == one_by_one[name].dtype and (chained[name] == one_by_one[name]).all()
+
+
+def test_chain_that_cannot_take_every_value_runs_its_steps():
+    # integer Adds of constants: x + 100 leaves int8 for x > 27, so no table exists; data that
+    # stays inside runs step by step, and data that leaves raises as it would unchained
+    nodes = [helper.make_node("Add", ["x", "up"], ["t"], name="add_up"),
+             helper.make_node("Add", ["t", "down"], ["y"], name="add_down")]
+    graph = helper.make_graph(nodes, "ints", [helper.make_tensor_value_info("x", TensorProto.INT8, (4,))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, (4,))],
+                              [numpy_helper.from_array(np.array([100], np.int8), "up"),
+                               numpy_helper.from_array(np.array([-100], np.int8), "down")],
+                              value_info=[helper.make_tensor_value_info("t", TensorProto.INT8, (4,))])
+    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    assert _chains(executor) == [["Add", "Add"]]
+    x = np.array([-128, 0, 5, 27], np.int8)
+    assert executor.run({"x": x}).outputs["y"].tolist() == x.tolist()
+    with pytest.raises(QtoolError, match="overflow .* in Add node 'add_up'"):
+        executor.run({"x": np.array([28, 0, 0, 0], np.int8)})
+
+
+def test_chain_on_an_input_with_fewer_dimensions_than_a_constant():
+    # Add(x[4], c[1, 1]) broadcasts to [1, 4]: the lookup, shaped like x, must not be used
+    nodes = [helper.make_node("Add", ["x", "c"], ["t"]), helper.make_node("Add", ["t", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "ints", [helper.make_tensor_value_info("x", TensorProto.INT8, (4,))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)],
+                              [numpy_helper.from_array(np.array([[1]], np.int8), "c")],
+                              value_info=[helper.make_tensor_value_info("t", TensorProto.INT8, None)])
+    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    assert _chains(executor) == [["Add", "Add"]]
+    x = np.array([1, 2, 3, 4], np.int8)
+    assert executor.run({"x": x}).outputs["y"].tolist() == [[3, 4, 5, 6]]
+    assert executor.run({"x": x[None]}).outputs["y"].tolist() == [[3, 4, 5, 6]]
