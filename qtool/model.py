@@ -38,11 +38,11 @@ def load_model(path: str | Path) -> onnx.ModelProto:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, truncated files raise others
         raise QtoolError(f"model file '{path}' is not a valid ONNX model ({first_line(e)})") from None
-    _check_external_data(model, path)
-    try:
-        external_data_helper.load_external_data_for_model(model, str(path.parent))
-    except Exception as e:  # a missing or short data file
-        raise QtoolError(f"model file '{path}': cannot read its external data ({first_line(e)})") from None
+    if _check_external_data(model, path):
+        try:
+            external_data_helper.load_external_data_for_model(model, str(path.parent))
+        except Exception as e:  # a missing or short data file
+            raise QtoolError(f"model file '{path}': cannot read its external data ({first_line(e)})") from None
     if not model.graph.node:
         raise QtoolError(f"model file '{path}' is not a valid ONNX model (empty graph)")
     try:
@@ -52,13 +52,16 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     return model
 
 
-def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+def _check_external_data(model: onnx.ModelProto, path: Path) -> bool:
     """Refuse external data outside the model's folder before reading any: a model file must not
-    make qtool read (and embed in its outputs) other files of the machine."""
+    make qtool read (and embed in its outputs) other files of the machine. True when some tensor
+    has external data."""
     folder = path.parent.resolve()
+    external = False
     for tensor in _all_tensors(model.graph):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
+        external = True
         location = next((e.value for e in tensor.external_data if e.key == "location"), "")
         where = f"model file '{path}': tensor '{tensor.name}' has external data at '{location}'"
         if not location:
@@ -68,6 +71,7 @@ def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
                              "are read")
         if not (folder / location).resolve().is_relative_to(folder):  # '..' or a symlink out
             raise QtoolError(f"{where}, outside the model's folder '{folder}'; refusing to read it")
+    return external
 
 
 def _all_tensors(graph: onnx.GraphProto):
