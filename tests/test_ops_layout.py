@@ -371,3 +371,44 @@ def test_act_matmul_derivation_by_hand():
         op.derive(_view(node, [Operand(QParams(0.5, 3)),
                                Operand(QParams(np.float32([0.1, 0.2]), np.zeros(2), "int8", 1))],
                         QParams(0.0625, 7)))
+
+
+@pytest.mark.parametrize("c_in, per_group, group, kernel, strides, dilations, pads, output_padding, shuffle", [
+    (3, 2, 1, (2, 2), (2, 2), (1, 1), (0, 0, 0, 0), (0, 0), True),  # PP-OCR's upsampling
+    (4, 1, 2, (2, 3), (2, 3), (1, 1), (0, 0, 0, 0), (0, 0), True),
+    (3, 2, 1, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (1, 0), False),  # overlapping taps, cropped
+    (4, 3, 2, (2, 2), (1, 2), (2, 1), (0, 1, 1, 0), (0, 1), False),
+    (2, 2, 1, (2, 2), (2, 2), (1, 1), (1, 0, 0, 1), (0, 0), False),  # stride = kernel but padded
+])
+@pytest.mark.parametrize("dtype, zero_in", [("int8", -128), ("int8", 37), ("uint8", 0), ("uint8", 200)])
+def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, group, kernel, strides, dilations,
+                                                            pads, output_padding, shuffle, dtype, zero_in):
+    from qtool.ops.convtranspose import _run_scanned
+
+    rng = np.random.default_rng(c_in * 7 + per_group + kernel[1])
+    lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+    weight = rng.integers(-127, 128, (c_in, per_group, *kernel))
+    c_out = per_group * group
+    p = _ct_params(weight, zero_in=zero_in, bias=rng.integers(-9000, 9000, c_out), pads=pads, strides=strides,
+                   dilations=dilations, output_padding=output_padding, group=group,
+                   requant=Requant(rng.integers(2**30, 2**31, c_out), rng.integers(10, 20, c_out)))
+    x = rng.integers(lo, hi + 1, (2, c_in, 4, 5)).astype(dtype)
+    x[0, :, 0] = lo
+    x[1, :, -1] = hi
+    plan = REGISTRY["ConvTranspose"].specialize(p, [x.shape])
+    assert plan.shuffle == shuffle and dtype in plan.tails
+    got = REGISTRY["ConvTranspose"].run(plan, x)
+    want = _run_scanned(p, x)
+    assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
+
+
+@pytest.mark.parametrize("c_in, fast", [(518, True), (519, False)])
+def test_convtranspose_float32_path_is_exact_at_its_bound(c_in, fast):
+    # int8 with Z_x = -128: q_x - Z_x reaches 255; 1x1 taps of 127 over c_in channels sum to
+    # c_in * 32385, inside float32's 2**24 for 518 channels (16,775,430), not for 519
+    p = _ct_params(np.full((c_in, 1, 1, 1), 127), zero_in=-128)
+    p = type(p)(**{**p.__dict__, "dtype": "int32"})  # scale 1, int32 out: the accumulator itself
+    plan = REGISTRY["ConvTranspose"].specialize(p, [(1, c_in, 1, 2)])
+    assert ("int8" in plan.tails) == fast
+    y = REGISTRY["ConvTranspose"].run(plan, np.full((1, c_in, 1, 2), 127, np.int8))
+    assert y.tolist() == [[[[255 * 127 * c_in] * 2]]]

@@ -12,6 +12,11 @@ sum runs over the taps that reach the output pixel. Unlike Conv, that set varies
 compensation is ``Z_x`` times ConvTranspose of an all-ones input, an integer map built by the same
 scatter from the per-tap channel sums of the weight. The bias itself is ``round(B / (S_x * S_w))``
 (``accumulator_bias`` without the uniform term).
+
+Where the weights prove it (``ConvTransposePlan``, per input shape), the kernel instead multiplies
+``q_x - Z_x`` on float32, so the input's real zeros need no compensation, adds the taps in
+float32, and requantizes with ``OffsetRequant``; a stride equal to the kernel (PP-OCR's 2x2,
+stride 2) places each tap's product without any addition.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from ..fixedpoint import (Requant, int_range, offset_requant, quantize_multipliers, requantize,
+                          saturate)
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, per_tensor,
                register)
-from .conv import accumulator_bias, weight_scales
-from .intmatmul import int_matmul
+from .conv import Tail, accumulator_bias, check_int32, weight_scales
+from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
 @dataclass(frozen=True)
@@ -103,37 +109,134 @@ class ConvTranspose(IntegerOp):
             dtype=y.dtype,
         )
 
-    def run(self, p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
-        check_integer(x, p.weight)
-        n, c_in, h, w = x.shape
+    def specialize(self, p: ConvTransposeParams, shapes) -> "ConvTransposePlan":
+        return ConvTransposePlan.of(p, tuple(shapes[0]))
+
+    def run(self, p: "ConvTransposeParams | ConvTransposePlan", x: np.ndarray) -> np.ndarray:
+        params = p.params if isinstance(p, ConvTransposePlan) else p
+        check_integer(x, params.weight)
+        plan = p if isinstance(p, ConvTransposePlan) and p.in_shape == x.shape else \
+            ConvTransposePlan.of(params, x.shape)
+        tail = plan.tails.get(x.dtype.name)
+        if tail is None:
+            return _run_scanned(params, x)
+        acc = plan.accumulate(x)
+        if tail.unproven.size:
+            check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2)))
+        y = tail.requant(acc)
+        return y.reshape(y.shape[0], y.shape[1], *plan.out_hw)
+
+
+def _run_scanned(p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
+    """Exact int64 sums with the zero-point map, and ``requantize``, which scans for overflow."""
+    n, c_in, h, w = x.shape
+    _, per_group, kh, kw = p.weight.shape
+    c_per_group = c_in // p.group
+    sh, sw = p.strides
+    dh, dw = p.dilations
+    full_h = (h - 1) * sh + dh * (kh - 1) + 1 + p.output_padding[0]
+    full_w = (w - 1) * sw + dw * (kw - 1) + 1 + p.output_padding[1]
+    acc = np.zeros((n, per_group * p.group, full_h, full_w), dtype=np.int64)
+
+    def tap(i, j):  # the output pixels that tap (i, j) of the input pixels reaches
+        return (slice(i * dh, i * dh + (h - 1) * sh + 1, sh),
+                slice(j * dw, j * dw + (w - 1) * sw + 1, sw))
+
+    for g in range(p.group):
+        xg = x[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group, h * w)
+        wg = p.weight[g * c_per_group:(g + 1) * c_per_group].reshape(c_per_group, -1).T
+        contrib = int_matmul(wg[None], xg).reshape(n, per_group, kh, kw, h, w)
+        out = acc[:, g * per_group:(g + 1) * per_group]
+        for i in range(kh):
+            for j in range(kw):
+                out[(slice(None), slice(None), *tap(i, j))] += contrib[:, :, i, j]
+    if p.zero_in:
+        reached = np.zeros(acc.shape[1:], dtype=np.int64)  # ConvTranspose of an all-ones input
+        for i in range(kh):
+            for j in range(kw):
+                reached[(slice(None), *tap(i, j))] += p.tap_sums[:, i, j, None, None]
+        acc -= p.zero_in * reached[None]
+    top, left, bottom, right = p.pads
+    acc = acc[:, :, top:full_h - bottom, left:full_w - right] + p.bias[None, :, None, None]
+    y = requantize(acc, p.requant.multiplier[None, :, None, None],
+                   p.requant.rshift[None, :, None, None], p.rounding)
+    return saturate(y + p.zero_out, p.dtype)
+
+
+@dataclass(frozen=True)
+class ConvTransposePlan:
+    """A ConvTranspose specialized for one input shape: float32 weights, and per input type the
+    tail where the weights prove float32 exact and the accumulator in range.
+
+    The kernel multiplies ``d = q_x - Z_x`` (``|d| <= max(qmax - Z_x, Z_x - qmin)``, a bound of
+    the input type). Output channel o of a pixel sums ``d * q_w`` over input channels and the taps
+    that reach it, at most once per weight, so every partial sum of the BLAS and of the tap
+    additions is at most ``l1_o * max|d|`` (``l1_o = sum |q_w|`` of the channel); below 2**24 it
+    is exact in float32. ``offset_requant`` then proves the int32 range with the bias (as Conv).
+    """
+
+    params: ConvTransposeParams
+    in_shape: tuple[int, ...]
+    out_hw: tuple[int, int]
+    weight: np.ndarray  # float32 [group, C_out/group * kh * kw, C_in/group]
+    shuffle: bool  # stride == kernel, no dilation, pads or output padding: each output pixel one tap
+    tails: dict  # input dtype name -> conv.Tail
+
+    @classmethod
+    def of(cls, p: ConvTransposeParams, shape: tuple[int, ...]) -> "ConvTransposePlan":
+        if len(shape) != 4:
+            raise ValueError(f"ConvTranspose is 2-D: got input shape {shape}")
+        _, c_in, h, w = shape
         _, per_group, kh, kw = p.weight.shape
+        if c_in != p.weight.shape[0]:
+            raise ValueError(f"ConvTranspose input {shape} does not match weight {p.weight.shape}")
+        (sh, sw), (dh, dw) = p.strides, p.dilations
+        top, left, bottom, right = p.pads
+        out_hw = ((h - 1) * sh + dh * (kh - 1) + 1 + p.output_padding[0] - top - bottom,
+                  (w - 1) * sw + dw * (kw - 1) + 1 + p.output_padding[1] - left - right)
+        shuffle = ((sh, sw) == (kh, kw) and (dh, dw) == (1, 1) and not any(p.pads)
+                   and not any(p.output_padding))
         c_per_group = c_in // p.group
-        sh, sw = p.strides
-        dh, dw = p.dilations
+        weight = (p.weight.astype(np.float32).reshape(p.group, c_per_group, per_group * kh * kw)
+                  .transpose(0, 2, 1).copy())
+        c_out = per_group * p.group
+        # the group's weights of output channel g * per_group + o: weight[g, o*kh*kw:(o+1)*kh*kw]
+        l1 = np.abs(weight.astype(np.int64)).reshape(c_out, -1).sum(axis=1)
+        column = (-1,) + (1,) * (4 if shuffle else 2)  # broadcast over [h, kh, w, kw] or [H, W]
+        tails = {}
+        for dtype in ("int8", "uint8"):
+            lo, hi = int_range(dtype)
+            if not lo <= p.zero_in <= hi:
+                continue
+            d_max = max(hi - p.zero_in, p.zero_in - lo)
+            if int(l1.max(initial=0)) * d_max >= FLOAT32_EXACT:
+                continue
+            fused = offset_requant(p.bias.reshape(column), Requant(p.requant.multiplier.reshape(column),
+                                                                   p.requant.rshift.reshape(column)),
+                                   p.zero_out, p.dtype, p.rounding, (l1 * d_max).reshape(column))
+            if fused is not None:
+                tails[dtype] = Tail(*fused)
+        return cls(p, tuple(shape), out_hw, weight, shuffle, tails)
+
+    def accumulate(self, x: np.ndarray) -> np.ndarray:
+        """float32 sums: [n, C_out, out_h, out_w], or [n, C_out, h, kh, w, kw] when ``shuffle``
+        (output pixel (r*kh + i, c*kw + j) is tap (i, j) of input pixel (r, c))."""
+        p = self.params
+        n, c_in, h, w = x.shape
+        group, taps, c_per_group = self.weight.shape
+        _, per_group, kh, kw = p.weight.shape
+        shifted = x.astype(np.float32).reshape(n, group, c_per_group, h * w)
+        shifted -= p.zero_in  # real zero is 0: taps outside the input need no compensation
+        contrib = np.matmul(self.weight, shifted).reshape(n, group * per_group, kh, kw, h, w)
+        if self.shuffle:
+            return contrib.transpose(0, 1, 4, 2, 5, 3)
+        (sh, sw), (dh, dw) = p.strides, p.dilations
+        top, left, bottom, right = p.pads
         full_h = (h - 1) * sh + dh * (kh - 1) + 1 + p.output_padding[0]
         full_w = (w - 1) * sw + dw * (kw - 1) + 1 + p.output_padding[1]
-        acc = np.zeros((n, per_group * p.group, full_h, full_w), dtype=np.int64)
-
-        def tap(i, j):  # the output pixels that tap (i, j) of the input pixels reaches
-            return (slice(i * dh, i * dh + (h - 1) * sh + 1, sh),
-                    slice(j * dw, j * dw + (w - 1) * sw + 1, sw))
-
-        for g in range(p.group):
-            xg = x[:, g * c_per_group:(g + 1) * c_per_group].reshape(n, c_per_group, h * w)
-            wg = p.weight[g * c_per_group:(g + 1) * c_per_group].reshape(c_per_group, -1).T
-            contrib = int_matmul(wg[None], xg).reshape(n, per_group, kh, kw, h, w)
-            out = acc[:, g * per_group:(g + 1) * per_group]
-            for i in range(kh):
-                for j in range(kw):
-                    out[(slice(None), slice(None), *tap(i, j))] += contrib[:, :, i, j]
-        if p.zero_in:
-            reached = np.zeros(acc.shape[1:], dtype=np.int64)  # ConvTranspose of an all-ones input
-            for i in range(kh):
-                for j in range(kw):
-                    reached[(slice(None), *tap(i, j))] += p.tap_sums[:, i, j, None, None]
-            acc -= p.zero_in * reached[None]
-        top, left, bottom, right = p.pads
-        acc = acc[:, :, top:full_h - bottom, left:full_w - right] + p.bias[None, :, None, None]
-        y = requantize(acc, p.requant.multiplier[None, :, None, None],
-                       p.requant.rshift[None, :, None, None], p.rounding)
-        return saturate(y + p.zero_out, p.dtype)
+        acc = np.zeros((n, group * per_group, full_h, full_w), dtype=np.float32)
+        for i in range(kh):
+            for j in range(kw):
+                acc[:, :, i * dh:i * dh + (h - 1) * sh + 1:sh, j * dw:j * dw + (w - 1) * sw + 1:sw] += \
+                    contrib[:, :, i, j]
+        return acc[:, :, top:full_h - bottom, left:full_w - right]
