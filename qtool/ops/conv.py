@@ -177,8 +177,14 @@ class ConvPlan:
                   (w + left + right - dw * (kw - 1) - 1) // sw + 1)
         weight = p.weight.astype(np.float32)
         if c_per_group == 1:
-            method = "depthwise"
-            weight = np.ascontiguousarray(weight.reshape(c_out, kh * kw).T)  # [tap, C_out]
+            taps = np.ascontiguousarray(weight.reshape(c_out, kh * kw).T)  # [tap, C_out]
+            if (sh, sw) != (1, 1):
+                method, weight = "depthwise", taps
+            elif c_out >= CHANNELS_LAST_FROM:
+                # each tap's weights repeated along a padded row: one product per row of W_p * C
+                method, weight = "depthwise_rows_last", np.tile(taps, (1, left + w + right))
+            else:
+                method, weight = "depthwise_rows_first", taps[:, :, None]
         elif p.group == 1 and (kh, kw, sh, sw) == (1, 1, 1, 1) and not any(p.pads):
             method, weight = "pointwise", weight.reshape(c_out, c_in)
         elif p.group == 1 and (sh, sw) == (1, 1) and c_out < c_in:
@@ -252,8 +258,64 @@ def _fill_border(out: np.ndarray, pads, fill: int, axes) -> None:
 CHANNELS_LAST_FROM = 128
 
 
+def _flat_padded(x: np.ndarray, pads, fill: int, repeat: int, channels_last: bool) -> np.ndarray:
+    """``x`` padded with ``fill`` and one more row at the bottom, in float32, each channel repeated
+    ``repeat`` times, flattened row by row: [n, C, (H_p + 1) * W_p], or channels last
+    [n, (H_p + 1) * W_p * C]. For stride 1, output row r of tap (i, j) reads padded row
+    ``r + i * dh`` from column ``j * dw``: the ``out_h`` rows of every tap are one contiguous run of
+    ``out_h * W_p`` pixels starting at ``(i * dh) * W_p + j * dw``, whose last row's overhang
+    (columns past ``out_w``, dropped) the extra row keeps inside the array."""
+    top, left, bottom, right = pads
+    n, c, h, w = x.shape
+    shape = (n, top + h + bottom + 1, left + w + right, c) if channels_last else \
+        (n, c, top + h + bottom + 1, left + w + right)
+    padded = np.empty(shape, dtype=np.float32)
+    axes = (1, 2) if channels_last else (2, 3)
+    _fill_border(padded, (top, left, bottom + 1, right), fill, axes)
+    if channels_last:
+        padded[:, top:top + h, left:left + w] = x.transpose(0, 2, 3, 1)
+    else:
+        padded[:, :, top:top + h, left:left + w] = x
+    if repeat > 1:  # a channel multiplier: output channel o reads input channel o // repeat
+        padded = np.repeat(padded, repeat, axis=3 if channels_last else 1)
+    return padded.reshape(n, -1) if channels_last else padded.reshape(n, c * repeat, -1)
+
+
+def _depthwise_rows(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+    """Stride 1, tap by tap on whole runs of padded rows (``_flat_padded``), so every product and
+    sum is one long contiguous loop: channels first, one weight per channel row; channels last,
+    rows of ``W_p * C`` values times the tap's weights repeated along a row (``plan.weight``)."""
+    p = plan.params
+    c_out, _, kh, kw = p.weight.shape
+    (dh, dw), (out_h, out_w) = p.dilations, plan.out_hw
+    n, c = x.shape[:2]
+    last = plan.method == "depthwise_rows_last"
+    flat = _flat_padded(x, p.pads, p.zero_in, c_out // c, last)
+    width = p.pads[1] + x.shape[3] + p.pads[3]
+    run = out_h * width
+    if last:
+        flat = flat.reshape(n, -1, c_out)
+        acc = np.empty((n, out_h, width * c_out), dtype=np.float32)
+    else:
+        acc = np.empty((n, c_out, run), dtype=np.float32)
+    product = np.empty_like(acc)
+    for i in range(kh):
+        for j in range(kw):
+            start = i * dh * width + j * dw
+            window = flat[:, start:start + run].reshape(acc.shape) if last else flat[:, :, start:start + run]
+            if i == j == 0:
+                np.multiply(window, plan.weight[0], out=acc)
+            else:
+                np.multiply(window, plan.weight[i * kw + j], out=product)
+                acc += product
+    if last:
+        return acc.reshape(n, out_h, width, c_out)[:, :, :out_w].transpose(0, 3, 1, 2)
+    return acc.reshape(n, c_out, out_h, width)[:, :, :, :out_w]
+
+
 def _depthwise_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
-    """Tap by tap, in float32; returns [n, C_out, out_h, out_w], possibly a transposed view."""
+    """Tap by tap, in float32 (any stride); returns [n, C_out, out_h, out_w], possibly a transposed
+    view."""
     p = plan.params
     c_out, _, kh, kw = p.weight.shape
     (sh, sw), (dh, dw), (out_h, out_w) = p.strides, p.dilations, plan.out_hw
@@ -325,8 +387,9 @@ def _im2col_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
     return acc.reshape(n, c_out, out_h, out_w)
 
 
-_FLOAT32_ACCUMULATE = {"depthwise": _depthwise_f32, "pointwise": _pointwise_f32, "taps": _taps_f32,
-                       "im2col": _im2col_f32}
+_FLOAT32_ACCUMULATE = {"depthwise": _depthwise_f32, "depthwise_rows_first": _depthwise_rows,
+                       "depthwise_rows_last": _depthwise_rows, "pointwise": _pointwise_f32,
+                       "taps": _taps_f32, "im2col": _im2col_f32}
 
 
 def conv_accumulate(x: np.ndarray, weight: np.ndarray, group: int, strides, dilations):
