@@ -24,6 +24,7 @@ import onnxruntime as ort
 from .errors import QtoolError
 from .model import graph_inputs, initializers
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
+from .ops import blas
 from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .qparams import QParams, dequantize_array, quantize_array
@@ -283,6 +284,10 @@ class IntegerExecutor:
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False) -> Result:
+        with blas.single_threaded():  # see qtool/ops/blas.py: polling BLAS workers take the cores
+            return self._run(feeds, keep_integer)
+
+    def _run(self, feeds: dict[str, np.ndarray], keep_integer: bool) -> Result:
         env = dict(self.constants)
         for name in self.input_names:
             if name not in feeds:

@@ -1,5 +1,6 @@
-"""Runs of elementwise integer steps looked up in one composed table (``Chain`` in the executor):
-the same outputs as the steps one by one, on every input value."""
+"""The executor's fast paths: runs of elementwise integer steps looked up in one composed table
+(``Chain``), the same outputs as the steps one by one on every input value; one BLAS thread while
+it runs (qtool/ops/blas.py)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,37 @@ def test_chain_on_an_input_with_fewer_dimensions_than_a_constant():
     x = np.array([1, 2, 3, 4], np.int8)
     assert executor.run({"x": x}).outputs["y"].tolist() == [[3, 4, 5, 6]]
     assert executor.run({"x": x[None]}).outputs["y"].tolist() == [[3, 4, 5, 6]]
+
+
+def test_blas_is_single_threaded_inside_a_run_and_restored_after():
+    import threading
+
+    from qtool.ops import blas
+
+    functions = blas._functions()
+    if not functions:
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    get, set_ = functions
+    before = get()
+    set_(2)
+    try:
+        inside = []
+        release = threading.Event()
+
+        def hold():
+            with blas.single_threaded():
+                inside.append(get())
+                release.wait(5)
+
+        other = threading.Thread(target=hold)
+        other.start()
+        while not inside:
+            pass
+        with blas.single_threaded():  # overlapping blocks: the first one's count comes back at the end
+            inside.append(get())
+        assert get() == 1  # the other thread's block is still open
+        release.set()
+        other.join()
+        assert inside == [1, 1] and get() == 2
+    finally:
+        set_(before)
