@@ -40,7 +40,7 @@ def test_same_bytes_as_with_the_weights(transform):
     before = model.SerializeToString()
     result = without_weights(transform, model)
     assert result.SerializeToString() == transform(_model()).SerializeToString()
-    assert model.SerializeToString() == before  # the input got its bytes back
+    assert model.SerializeToString() == before  # the input is left as it was
     assert any(o.output[0] == "r" for o in result.graph.node)
 
 
