@@ -64,7 +64,7 @@ class Chain:
     steps: list[Step]
     # the most dimensions of a constant operand: an input with fewer would broadcast to a new shape
     ndim: int = 0
-    tables: dict[str, np.ndarray | None] = field(default_factory=dict)
+    tables: dict[np.dtype, np.ndarray | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -326,7 +326,7 @@ class IntegerExecutor:
         return self._run_float(step, values)
 
     def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
-        dtype = x.dtype.name
+        dtype = x.dtype
         if dtype not in chain.tables:
             chain.tables[dtype] = self._chain_table(chain, dtype) if dtype in BYTE_TYPES else None
         table = chain.tables[dtype]
@@ -337,7 +337,7 @@ class IntegerExecutor:
                                       for name in step.inputs])[0]
         return x
 
-    def _chain_table(self, chain: Chain, dtype: str) -> np.ndarray | None:
+    def _chain_table(self, chain: Chain, dtype: np.dtype) -> np.ndarray | None:
         """The chain's steps run on every byte read as ``dtype``: its output for each input byte."""
         values = byte_values(dtype)
         try:

@@ -184,8 +184,7 @@ class OffsetRequant:
         y >>= self.rshift
         if self.zero_out:
             y += self.zero_out
-        lo, hi = int_range(self.dtype)
-        np.clip(y, lo, hi, out=y)
+        np.clip(y, *_INT_RANGES[self.dtype], out=y)  # dtype: a normalized name
         return y.astype(self.dtype)
 
 

@@ -59,7 +59,7 @@ class Add(IntegerOp):
     def run(self, p: AddParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
         if has_pair_table(a, b):
-            return lookup_pair(pair_table(_add, p, a.dtype.name, b.dtype.name), a, b)
+            return lookup_pair(pair_table(_add, p, a.dtype, b.dtype), a, b)
         return _add(p, a, b)
 
 

@@ -13,10 +13,10 @@ import functools
 
 import numpy as np
 
-BYTE_TYPES = ("int8", "uint8")
+BYTE_TYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})  # dtype objects: fast to look up
 
 
-def byte_values(dtype: str) -> np.ndarray:
+def byte_values(dtype) -> np.ndarray:
     """Each byte 0..255 read as ``dtype``: the input that table index stands for."""
     return np.arange(256, dtype=np.uint8).view(dtype)
 
@@ -27,7 +27,7 @@ def lookup(table: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=512)
-def pair_table(kernel, params, dtype_a: str, dtype_b: str) -> np.ndarray:
+def pair_table(kernel, params, dtype_a: np.dtype, dtype_b: np.dtype) -> np.ndarray:
     """``kernel(params, a, b)`` for every byte pair, [256, 256] (read-only; cached per ``params``,
     a hashable frozen dataclass)."""
     table = kernel(params, byte_values(dtype_a)[:, None], byte_values(dtype_b)[None, :])
@@ -36,7 +36,7 @@ def pair_table(kernel, params, dtype_a: str, dtype_b: str) -> np.ndarray:
 
 
 def has_pair_table(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype.name in BYTE_TYPES and b.dtype.name in BYTE_TYPES
+    return a.dtype in BYTE_TYPES and b.dtype in BYTE_TYPES
 
 
 def lookup_pair(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -114,7 +114,7 @@ class Conv(IntegerOp):
         params = p.params if isinstance(p, ConvPlan) else p
         check_integer(x, params.weight)
         plan = p if isinstance(p, ConvPlan) and p.in_shape == x.shape else ConvPlan.of(params, x.shape)
-        tail = plan.tails.get(x.dtype.name)
+        tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)
         acc = _FLOAT32_ACCUMULATE[plan.method](plan, x)
@@ -136,7 +136,7 @@ def _run_scanned(p: ConvParams, x: np.ndarray) -> np.ndarray:
 
 
 # the largest |q| of an input type: a bound that holds for every input of that type
-_INPUT_MAX = {"int8": 128, "uint8": 255}
+_INPUT_MAX = {np.dtype(np.int8): 128, np.dtype(np.uint8): 255}
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class ConvPlan:
     out_hw: tuple[int, int]
     method: str  # a key of _FLOAT32_ACCUMULATE
     weight: np.ndarray  # float32, laid out for ``method``
-    tails: dict  # input dtype name -> Tail
+    tails: dict  # input np.dtype -> Tail
 
     @classmethod
     def of(cls, p: ConvParams, shape: tuple[int, ...]) -> "ConvPlan":

@@ -117,7 +117,7 @@ class ConvTranspose(IntegerOp):
         check_integer(x, params.weight)
         plan = p if isinstance(p, ConvTransposePlan) and p.in_shape == x.shape else \
             ConvTransposePlan.of(params, x.shape)
-        tail = plan.tails.get(x.dtype.name)
+        tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)
         acc = plan.accumulate(x)
@@ -180,7 +180,7 @@ class ConvTransposePlan:
     out_hw: tuple[int, int]
     weight: np.ndarray  # float32 [group, C_out/group * kh * kw, C_in/group]
     shuffle: bool  # stride == kernel, no dilation, pads or output padding: each output pixel one tap
-    tails: dict  # input dtype name -> conv.Tail
+    tails: dict  # input np.dtype -> conv.Tail
 
     @classmethod
     def of(cls, p: ConvTransposeParams, shape: tuple[int, ...]) -> "ConvTransposePlan":
@@ -204,7 +204,7 @@ class ConvTransposePlan:
         l1 = np.abs(weight.astype(np.int64)).reshape(c_out, -1).sum(axis=1)
         column = (-1,) + (1,) * (4 if shuffle else 2)  # broadcast over [h, kh, w, kw] or [H, W]
         tails = {}
-        for dtype in ("int8", "uint8"):
+        for dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
             lo, hi = int_range(dtype)
             if not lo <= p.zero_in <= hi:
                 continue

@@ -54,7 +54,7 @@ class Mul(IntegerOp):
     def run(self, p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         check_integer(a, b)
         if has_pair_table(a, b):
-            return lookup_pair(pair_table(_mul, p, a.dtype.name, b.dtype.name), a, b)
+            return lookup_pair(pair_table(_mul, p, a.dtype, b.dtype), a, b)
         return _mul(p, a, b)
 
 
