@@ -494,8 +494,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
 
 
 def format_summary(outcomes: list[JobOutcome]) -> str:
-    def num(value, spec):
-        return format(value, spec) if isinstance(value, (int, float)) else "-"
+    def num(value, spec: str, unit: str = "") -> str:
+        return format(value, spec) + unit if isinstance(value, (int, float)) else "-"
 
     lines = [f"{'job':<22} {'status':<8} {'calibrate':>9} {'quantize':>8} {'verify':>7} "
              f"{'cosine':>9} {'SQNR dB':>8} {'top-1 float/int':>16}  outputs"]
@@ -504,9 +504,9 @@ def format_summary(outcomes: list[JobOutcome]) -> str:
         top1 = (f"{num(f.get('top1_float'), '.2f')}/{num(f.get('top1_integer'), '.2f')}"
                 if "top1_float" in f else "-")
         where = str(Path(o.outputs["report"]).parent) if o.outputs else "-"
-        lines.append(f"{o.name:<22} {o.status:<8} {num(s.get('calibrate'), '8.1f')}s "
-                     f"{num(s.get('quantize'), '7.1f')}s {num(s.get('verify'), '6.1f')}s "
-                     f"{num(f.get('cosine'), '9.6f')} {num(f.get('sqnr_db'), '8.2f')} {top1:>16}  {where}")
+        lines.append(f"{o.name:<22} {o.status:<8} {num(s.get('calibrate'), '.1f', ' s'):>9} "
+                     f"{num(s.get('quantize'), '.1f', ' s'):>8} {num(s.get('verify'), '.1f', ' s'):>7} "
+                     f"{num(f.get('cosine'), '.6f'):>9} {num(f.get('sqnr_db'), '.2f'):>8} {top1:>16}  {where}")
         if o.message and o.status != "skipped":
             lines.append(f"{'':<22} {o.message}")
     counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "failed", "error", "skipped")}
