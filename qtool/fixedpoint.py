@@ -176,8 +176,9 @@ class OffsetRequant:
     zero_out: int  # added after the shift; 0 when folded into ``offset``
     dtype: str
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """``x`` integer-valued (a float32 BLAS sum is fine: converting it is exact)."""
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x`` integer-valued (a float32 BLAS sum is fine: converting it is exact); the result
+        goes to ``out`` if given (a ``dtype`` array shaped like ``x``)."""
         y = x.astype(np.int64)
         y *= self.multiplier
         y += self.offset
@@ -185,7 +186,10 @@ class OffsetRequant:
         if self.zero_out:
             y += self.zero_out
         np.clip(y, *_INT_RANGES[self.dtype], out=y)  # dtype: a normalized name
-        return y.astype(self.dtype)
+        if out is None:
+            return y.astype(self.dtype)
+        np.copyto(out, y, casting="unsafe")  # values inside the type: the cast is exact
+        return out
 
 
 def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,

@@ -125,3 +125,22 @@ def test_blas_is_single_threaded_inside_a_run_and_restored_after():
         assert inside == [1, 1] and get() == 2
     finally:
         set_(before)
+
+
+def test_parallel_ranges_and_errors(monkeypatch):
+    from qtool.ops import parallel
+
+    monkeypatch.setattr(parallel, "WORKERS", 3)
+    assert parallel.ranges(10, parallel.SPLIT_FROM) == ((0, 3), (3, 6), (6, 10))
+    assert parallel.ranges(2, parallel.SPLIT_FROM) == ((0, 1), (1, 2))
+    assert parallel.ranges(10, parallel.SPLIT_FROM - 1) == ((0, 10),)
+    done = []
+
+    def work(start, stop):
+        done.append((start, stop))
+        if start == 6:
+            raise OverflowError("accumulator exceeds int32")
+
+    with pytest.raises(OverflowError):
+        parallel.run_parts(work, parallel.ranges(10, parallel.SPLIT_FROM))
+    assert sorted(done) == [(0, 3), (3, 6), (6, 10)]  # every part ran before the error came back

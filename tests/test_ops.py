@@ -295,11 +295,14 @@ def test_depthwise_float32_taps_are_exact_at_their_bound():
 ])
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
 @pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads, method,
-                                                   dtype, channels_last, monkeypatch):
-    from qtool.ops import conv
+                                                   dtype, channels_last, threads, monkeypatch):
+    from qtool.ops import conv, parallel
 
     monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if channels_last else 10**9)
+    monkeypatch.setattr(parallel, "WORKERS", threads)  # output rows in 3 ranges, on the pool
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
     rng = np.random.default_rng(c_in * 100 + c_out * 10 + kernel[0])
     lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
     weight = rng.integers(-127, 128, size=(c_out, c_in // group, *kernel)).astype(np.int8)
@@ -311,15 +314,19 @@ def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, s
                      strides=strides, dilations=dilations, group=group)
     plan = REGISTRY["Conv"].specialize(p, [x.shape])
     assert plan.method.startswith(method) and np.dtype(dtype) in plan.tails
+    assert len(plan.row_parts) == min(threads, plan.out_hw[0])
     got = REGISTRY["Conv"].run(plan, x)
     want = conv._run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got == want).all()
 
 
-def test_conv_scans_only_channels_whose_bias_may_overflow():
+def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):
     # channel 0's bias is 100 below int32's top: positive sums above 100 overflow, the executor must
     # still say so; channel 1 has all-zero weights and a saturated bias, its output is constant
+    from qtool.ops import parallel
+
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)  # the overflow is in the second row range
     weight = np.zeros((2, 3, 1, 1), dtype=np.int8)
     weight[0] = 1
     p = _conv_params(weight, [2**31 - 1 - 100, -(2**31)], 2**30, 60)
@@ -329,5 +336,7 @@ def test_conv_scans_only_channels_whose_bias_may_overflow():
     from qtool.ops.conv import _run_scanned
 
     assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    over = ok.copy()
+    over[0, :, 1, 1] = 34  # sum 102
     with pytest.raises(OverflowError, match="accumulator"):
-        REGISTRY["Conv"].run(plan, np.full((1, 3, 2, 2), 34, dtype=np.int8))  # sum 102
+        REGISTRY["Conv"].run(plan, over)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_requant, quantize_multipliers,
                           requantize, saturate)
-from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, per_tensor, register
+from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, parallel, per_tensor, register
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -117,10 +117,18 @@ class Conv(IntegerOp):
         tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)
-        acc = _FLOAT32_ACCUMULATE[plan.method](plan, x)
-        if tail.unproven.size:
-            check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
-        return tail.requant(acc)
+        prepare, accumulate = _FLOAT32[plan.method]
+        prepared = prepare(plan, x)
+        out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
+
+        def rows(start: int, stop: int) -> None:
+            acc = accumulate(plan, prepared, start, stop)
+            if tail.unproven.size:
+                check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
+            tail.requant(acc, out=out[:, :, start:stop])
+
+        parallel.run_parts(rows, plan.row_parts)
+        return out
 
 
 def _run_scanned(p: ConvParams, x: np.ndarray) -> np.ndarray:
@@ -154,14 +162,18 @@ class ConvPlan:
     Channels where the second bound fails (a saturated bias) are scanned alone, ``unproven``. Where
     the first fails, or for other input types, ``tails`` has no entry and the kernel takes the
     scanned path.
+
+    The float32 path prepares its input once (padded, im2col, as float32), then computes output
+    rows ``row_parts`` on the cores (qtool/ops/parallel.py), each from products to int8.
     """
 
     params: ConvParams
     in_shape: tuple[int, ...]
     out_hw: tuple[int, int]
-    method: str  # a key of _FLOAT32_ACCUMULATE
+    method: str  # a key of _FLOAT32
     weight: np.ndarray  # float32, laid out for ``method``
     tails: dict  # input np.dtype -> Tail
+    row_parts: tuple[tuple[int, int], ...]  # output row ranges, one per thread
 
     @classmethod
     def of(cls, p: ConvParams, shape: tuple[int, ...]) -> "ConvPlan":
@@ -205,7 +217,8 @@ class ConvPlan:
                                    (l1 * x_max).reshape(-1, 1, 1))
             if fused is not None:
                 tails[dtype] = Tail(*fused)
-        return cls(p, tuple(shape), out_hw, method, weight, tails)
+        row_parts = parallel.ranges(out_hw[0], shape[0] * c_out * out_hw[0] * out_hw[1])
+        return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts)
 
 
 @dataclass(frozen=True)
@@ -261,10 +274,10 @@ CHANNELS_LAST_FROM = 128
 def _flat_padded(x: np.ndarray, pads, fill: int, repeat: int, channels_last: bool) -> np.ndarray:
     """``x`` padded with ``fill`` and one more row at the bottom, in float32, each channel repeated
     ``repeat`` times, flattened row by row: [n, C, (H_p + 1) * W_p], or channels last
-    [n, (H_p + 1) * W_p * C]. For stride 1, output row r of tap (i, j) reads padded row
-    ``r + i * dh`` from column ``j * dw``: the ``out_h`` rows of every tap are one contiguous run of
-    ``out_h * W_p`` pixels starting at ``(i * dh) * W_p + j * dw``, whose last row's overhang
-    (columns past ``out_w``, dropped) the extra row keeps inside the array."""
+    [n, (H_p + 1) * W_p, C]. For stride 1, output row r of tap (i, j) reads padded row
+    ``r + i * dh`` from column ``j * dw``: output rows ``[start, stop)`` of every tap are one
+    contiguous run of ``(stop - start) * W_p`` pixels from ``(start + i * dh) * W_p + j * dw``,
+    whose last row's overhang (columns past ``out_w``, dropped) the extra row keeps inside."""
     top, left, bottom, right = pads
     n, c, h, w = x.shape
     shape = (n, top + h + bottom + 1, left + w + right, c) if channels_last else \
@@ -278,64 +291,78 @@ def _flat_padded(x: np.ndarray, pads, fill: int, repeat: int, channels_last: boo
         padded[:, :, top:top + h, left:left + w] = x
     if repeat > 1:  # a channel multiplier: output channel o reads input channel o // repeat
         padded = np.repeat(padded, repeat, axis=3 if channels_last else 1)
-    return padded.reshape(n, -1) if channels_last else padded.reshape(n, c * repeat, -1)
+    return padded.reshape(n, -1, c * repeat) if channels_last else padded.reshape(n, c * repeat, -1)
 
 
-def _depthwise_rows(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+# Each method: prepare(plan, x) once, then accumulate(plan, prepared, start, stop) gives the float32
+# sums of output rows [start, stop) as [n, C_out, stop - start, out_w] (possibly a view).
+
+def _depthwise_rows_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+    c_out = plan.params.weight.shape[0]
+    return _flat_padded(x, plan.params.pads, plan.params.zero_in, c_out // x.shape[1],
+                        plan.method == "depthwise_rows_last")
+
+
+def _depthwise_rows(plan: ConvPlan, flat: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Stride 1, tap by tap on whole runs of padded rows (``_flat_padded``), so every product and
     sum is one long contiguous loop: channels first, one weight per channel row; channels last,
     rows of ``W_p * C`` values times the tap's weights repeated along a row (``plan.weight``)."""
     p = plan.params
     c_out, _, kh, kw = p.weight.shape
-    (dh, dw), (out_h, out_w) = p.dilations, plan.out_hw
-    n, c = x.shape[:2]
+    (dh, dw), out_w = p.dilations, plan.out_hw[1]
+    n, rows = flat.shape[0], stop - start
+    width = p.pads[1] + plan.in_shape[3] + p.pads[3]
+    run = rows * width
     last = plan.method == "depthwise_rows_last"
-    flat = _flat_padded(x, p.pads, p.zero_in, c_out // c, last)
-    width = p.pads[1] + x.shape[3] + p.pads[3]
-    run = out_h * width
-    if last:
-        flat = flat.reshape(n, -1, c_out)
-        acc = np.empty((n, out_h, width * c_out), dtype=np.float32)
-    else:
-        acc = np.empty((n, c_out, run), dtype=np.float32)
+    acc = np.empty((n, rows, width * c_out) if last else (n, c_out, run), dtype=np.float32)
     product = np.empty_like(acc)
     for i in range(kh):
         for j in range(kw):
-            start = i * dh * width + j * dw
-            window = flat[:, start:start + run].reshape(acc.shape) if last else flat[:, :, start:start + run]
+            first = (start + i * dh) * width + j * dw
+            window = flat[:, first:first + run].reshape(acc.shape) if last else flat[:, :, first:first + run]
             if i == j == 0:
                 np.multiply(window, plan.weight[0], out=acc)
             else:
                 np.multiply(window, plan.weight[i * kw + j], out=product)
                 acc += product
     if last:
-        return acc.reshape(n, out_h, width, c_out)[:, :, :out_w].transpose(0, 3, 1, 2)
-    return acc.reshape(n, c_out, out_h, width)[:, :, :, :out_w]
+        return acc.reshape(n, rows, width, c_out)[:, :, :out_w].transpose(0, 3, 1, 2)
+    return acc.reshape(n, c_out, rows, width)[:, :, :, :out_w]
 
 
-def _depthwise_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
-    """Tap by tap, in float32 (any stride); returns [n, C_out, out_h, out_w], possibly a transposed
-    view."""
+def _depthwise_strided_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+    """Padded float32 input as [n, H_p, W_p, C_out] (channels repeated for a multiplier): channels
+    last in memory from ``CHANNELS_LAST_FROM`` channels, else a view of channels first."""
     p = plan.params
-    c_out, _, kh, kw = p.weight.shape
-    (sh, sw), (dh, dw), (out_h, out_w) = p.strides, p.dilations, plan.out_hw
+    c_out = p.weight.shape[0]
     n, c, h, w = x.shape
     if c_out >= CHANNELS_LAST_FROM:
         top, left, bottom, right = p.pads
         padded = np.empty((n, top + h + bottom, left + w + right, c), dtype=np.float32)
         _fill_border(padded, p.pads, p.zero_in, axes=(1, 2))
         padded[:, top:top + h, left:left + w] = x.transpose(0, 2, 3, 1)
-        acc = np.empty((n, out_h, out_w, c_out), dtype=np.float32)
     else:
         padded = _padded(x, p.pads, p.zero_in, np.float32).transpose(0, 2, 3, 1)
-        acc = np.empty((n, c_out, out_h, out_w), dtype=np.float32).transpose(0, 2, 3, 1)
-    # from here on both are [n, rows, cols, C] (views), numpy iterates in memory order
     if c_out > c:  # a channel multiplier: output channel o reads input channel o // per_group
         padded = np.repeat(padded, c_out // c, axis=3)
+    return padded
+
+
+def _depthwise_strided(plan: ConvPlan, padded: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Tap by tap, in float32 (any stride), in the memory order of ``_depthwise_strided_prepare``."""
+    p = plan.params
+    c_out, _, kh, kw = p.weight.shape
+    (sh, sw), (dh, dw), out_w = p.strides, p.dilations, plan.out_hw[1]
+    n, rows = padded.shape[0], stop - start
+    if c_out >= CHANNELS_LAST_FROM:
+        acc = np.empty((n, rows, out_w, c_out), dtype=np.float32)
+    else:
+        acc = np.empty((n, c_out, rows, out_w), dtype=np.float32).transpose(0, 2, 3, 1)
     product = np.empty_like(acc)
     for i in range(kh):
         for j in range(kw):
-            window = padded[:, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+            top = start * sh + i * dh
+            window = padded[:, top:top + sh * (rows - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
             if i == j == 0:
                 np.multiply(window, plan.weight[0], out=acc)
             else:
@@ -344,52 +371,65 @@ def _depthwise_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
     return acc.transpose(0, 3, 1, 2)
 
 
-def _pointwise_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+def _pointwise_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
     n, c_in, h, w = x.shape
-    acc = np.matmul(plan.weight, x.reshape(n, c_in, h * w).astype(np.float32))
-    return acc.reshape(n, -1, h, w)
+    return x.reshape(n, c_in, h * w).astype(np.float32)
 
 
-def _taps_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
-    """Stride 1: output pixel (r, c) of tap (i, j) reads padded pixel (r + i*dh, c + j*dw), so in the
-    padded image flattened row by row, every tap is one product with a contiguous slice, shifted
-    by ``i*dh*W_p + j*dw``. Columns ``c >= out_w`` of each output row wrap around and are dropped
-    (their sums are of the same weights times input values, inside the same float32 bound)."""
+def _pointwise(plan: ConvPlan, x: np.ndarray, start: int, stop: int) -> np.ndarray:
+    n, width = x.shape[0], plan.out_hw[1]
+    acc = np.matmul(plan.weight, x[:, :, start * width:stop * width])
+    return acc.reshape(n, -1, stop - start, width)
+
+
+def _taps_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+    return _flat_padded(x, plan.params.pads, plan.params.zero_in, 1, channels_last=False)
+
+
+def _taps(plan: ConvPlan, flat: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Stride 1: as ``_depthwise_rows``, every tap is one product of its [C_out, C_in] weights with
+    a contiguous run of the flattened padded input. Columns past ``out_w`` of each output row wrap
+    around and are dropped (their sums are of the same weights times input values, inside the same
+    float32 bound)."""
     p = plan.params
-    n, c_in = x.shape[:2]
     kh, kw, c_out, _ = plan.weight.shape
-    (dh, dw), (out_h, out_w) = p.dilations, plan.out_hw
-    padded = _padded(x, p.pads, p.zero_in, np.float32)
-    width = padded.shape[3]
-    flat = padded.reshape(n, c_in, -1)
-    span = (out_h - 1) * width + out_w
-    acc = np.empty((n, c_out, out_h * width), dtype=np.float32)
-    product = np.empty((n, c_out, span), dtype=np.float32)
+    (dh, dw), out_w = p.dilations, plan.out_hw[1]
+    n, rows = flat.shape[0], stop - start
+    width = p.pads[1] + plan.in_shape[3] + p.pads[3]
+    run = rows * width
+    acc = np.empty((n, c_out, run), dtype=np.float32)
+    product = np.empty_like(acc)
     for i in range(kh):
         for j in range(kw):
-            shift = i * dh * width + j * dw
+            first = (start + i * dh) * width + j * dw
             if i == j == 0:
-                np.matmul(plan.weight[0, 0], flat[:, :, :span], out=acc[:, :, :span])
+                np.matmul(plan.weight[0, 0], flat[:, :, first:first + run], out=acc)
             else:
-                np.matmul(plan.weight[i, j], flat[:, :, shift:shift + span], out=product)
-                acc[:, :, :span] += product
-    return acc.reshape(n, c_out, out_h, width)[:, :, :, :out_w]
+                np.matmul(plan.weight[i, j], flat[:, :, first:first + run], out=product)
+                acc += product
+    return acc.reshape(n, c_out, rows, width)[:, :, :, :out_w]
 
 
-def _im2col_f32(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+def _im2col_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
     p = plan.params
-    n = x.shape[0]
     _, group, _, k = plan.weight.shape
-    c_out, _, kh, kw = p.weight.shape
-    padded = _padded(x, p.pads, p.zero_in)
-    cols, out_h, out_w = _im2col(padded, kh, kw, p.strides, p.dilations, np.float32)
-    acc = np.matmul(plan.weight, cols.reshape(n, group, k, out_h * out_w))
-    return acc.reshape(n, c_out, out_h, out_w)
+    kh, kw = p.weight.shape[2:]
+    cols, out_h, out_w = _im2col(_padded(x, p.pads, p.zero_in), kh, kw, p.strides, p.dilations, np.float32)
+    return cols.reshape(x.shape[0], group, k, out_h * out_w)
 
 
-_FLOAT32_ACCUMULATE = {"depthwise": _depthwise_f32, "depthwise_rows_first": _depthwise_rows,
-                       "depthwise_rows_last": _depthwise_rows, "pointwise": _pointwise_f32,
-                       "taps": _taps_f32, "im2col": _im2col_f32}
+def _im2col_rows(plan: ConvPlan, cols: np.ndarray, start: int, stop: int) -> np.ndarray:
+    n, out_w = cols.shape[0], plan.out_hw[1]
+    acc = np.matmul(plan.weight, cols[..., start * out_w:stop * out_w])  # [n, group, per_group, L]
+    return acc.reshape(n, -1, stop - start, out_w)
+
+
+_FLOAT32 = {"depthwise": (_depthwise_strided_prepare, _depthwise_strided),
+            "depthwise_rows_first": (_depthwise_rows_prepare, _depthwise_rows),
+            "depthwise_rows_last": (_depthwise_rows_prepare, _depthwise_rows),
+            "pointwise": (_pointwise_prepare, _pointwise),
+            "taps": (_taps_prepare, _taps),
+            "im2col": (_im2col_prepare, _im2col_rows)}
 
 
 def conv_accumulate(x: np.ndarray, weight: np.ndarray, group: int, strides, dilations):
