@@ -49,7 +49,12 @@ def _chains(executor):
 
 @pytest.mark.parametrize("extra_reader, chains", [(False, [["HardSwish", "Mul", "Add"]]),
                                                   (True, [["Mul", "Add"]])])
-def test_chained_steps_equal_the_steps_one_by_one(extra_reader, chains):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chained_steps_equal_the_steps_one_by_one(extra_reader, chains, threads, monkeypatch):
+    from qtool.ops import parallel
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
     executor = IntegerExecutor(_qdq_chain_model(extra_reader))
     assert _chains(executor) == chains
     x = (np.arange(-128, 128, dtype=np.float32) + 3) * 0.05  # every int8 input value

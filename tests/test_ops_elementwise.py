@@ -357,9 +357,13 @@ def test_elementwise_kernels_refuse_float_data():
 @pytest.mark.parametrize("dtype_a, dtype_b", [("int8", "int8"), ("uint8", "int8"), ("int8", "uint8"),
                                               ("uint8", "uint8")])
 @pytest.mark.parametrize("rounding", ["half_up", "half_to_even"])
-def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, rounding):
-    from qtool.ops import add, mul
+@pytest.mark.parametrize("threads", [1, 3])
+def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, rounding, threads, monkeypatch):
+    from qtool.ops import add, mul, parallel
     from qtool.ops.bytetable import byte_values
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)  # lookups in 3 ranges, on the pool
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
 
     arithmetic = {"Add": add._add, "Mul": mul._mul}[op_type]
     node = helper.make_node(op_type, ["a", "b"], ["y"])
@@ -372,6 +376,7 @@ def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, ro
     b_values = byte_values(dtype_b)
     # all pairs, a one-element operand on either side, a per-channel operand, and broadcasting both ways
     cases = [(every_a[:, :, None], b_values.reshape(1, 1, 256)),
+             (np.repeat(every_a.reshape(-1), 256), np.tile(b_values, 256)),  # same shapes
              (every_a, b_values[5:6]), (every_a[:1, :1], b_values.reshape(2, 128)),
              (every_a.reshape(1, 4, 8, 8), rng.choice(b_values, (1, 4, 1, 1))),
              (rng.choice(b_values, (2, 1, 3)).astype(dtype_a), rng.choice(b_values, (1, 5, 1)))]

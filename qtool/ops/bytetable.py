@@ -13,6 +13,8 @@ import functools
 
 import numpy as np
 
+from . import parallel
+
 BYTE_TYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})  # dtype objects: fast to look up
 
 
@@ -22,8 +24,25 @@ def byte_values(dtype) -> np.ndarray:
 
 
 def lookup(table: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``table[x.view(uint8)]`` for an 8-bit ``x``, shaped like ``x``."""
-    return np.take(table, x.view(np.uint8))
+    """``table[x.view(uint8)]`` for an 8-bit ``x``, shaped like ``x`` (a large ``x`` in ranges on
+    the cores)."""
+    return _take(table, x.view(np.uint8))
+
+
+def by_byte(table: np.ndarray, dtype) -> np.ndarray:
+    """A table indexed by ``q - qmin`` of ``dtype`` reordered to be indexed by ``q``'s byte: for
+    int8, byte ``b`` holds ``q = b - 256 * (b >= 128)``, ``q + 128 = b ^ 0x80``."""
+    return table if np.dtype(dtype) == np.uint8 else table[np.arange(256) ^ 0x80]
+
+
+def _take(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    parts = parallel.ranges(index.size, index.size)
+    if len(parts) == 1:
+        return np.take(table, index)
+    flat = np.ascontiguousarray(index).reshape(-1)
+    out = np.empty(flat.size, dtype=table.dtype)
+    parallel.run_parts(lambda start, stop: np.take(table, flat[start:stop], out=out[start:stop]), parts)
+    return out.reshape(index.shape)
 
 
 @functools.lru_cache(maxsize=512)
@@ -46,5 +65,19 @@ def lookup_pair(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return lookup(np.ascontiguousarray(table[:, b.view(np.uint8).reshape(-1)[0]]), a)
     if a.size == 1 and b.shape == shape:
         return lookup(table[a.view(np.uint8).reshape(-1)[0]], b)
-    index = np.bitwise_or(np.left_shift(a.view(np.uint8), 8, dtype=np.uint16), b.view(np.uint8))
-    return np.take(table.reshape(-1), index)
+    flat_table = table.reshape(-1)
+    if a.shape != b.shape:  # broadcasting: the index once, the gathers on the cores
+        return _take(flat_table, np.bitwise_or(np.left_shift(a.view(np.uint8), 8, dtype=np.uint16),
+                                               b.view(np.uint8)))
+    parts = parallel.ranges(a.size, a.size)
+    a_bytes = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    b_bytes = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+    out = np.empty(a.size, dtype=table.dtype)
+
+    def pairs(start: int, stop: int) -> None:
+        index = np.left_shift(a_bytes[start:stop], 8, dtype=np.uint16)
+        index |= b_bytes[start:stop]
+        np.take(flat_table, index, out=out[start:stop])
+
+    parallel.run_parts(pairs, parts)
+    return out.reshape(shape)
