@@ -24,7 +24,7 @@ import onnxruntime as ort
 from .errors import QtoolError
 from .model import graph_inputs, initializers
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
-from .ops import blas
+from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .qparams import QParams, dequantize_array, quantize_array
@@ -319,11 +319,41 @@ class IntegerExecutor:
                 raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
             return list(out) if isinstance(out, (list, tuple)) else [out]
         if step.kind == "quantize":
-            return [quantize_array(values[0], step.qparams[0])]
+            return [self._quantize(values[0], step.qparams[0])]
         if step.kind == "dequantize":
-            out = dequantize_array(values[0], step.qparams[0])
-            return [out if step.params in (None, "float32") else out.astype(step.params)]
+            return [self._dequantize(step, values[0])]
         return self._run_float(step, values)
+
+    @staticmethod
+    def _quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
+        """``quantize_array``, elementwise: a large per-tensor input in ranges on the cores."""
+        parts = parallel.ranges(np.size(x), np.size(x))
+        if qp.axis is not None or len(parts) == 1:
+            return quantize_array(x, qp)
+        flat = np.ascontiguousarray(x).reshape(-1)
+        out = np.empty(flat.size, dtype=qp.dtype)
+
+        def quantize(start: int, stop: int) -> None:
+            out[start:stop] = quantize_array(flat[start:stop], qp)
+
+        parallel.run_parts(quantize, parts)
+        return out.reshape(np.shape(x))
+
+    @staticmethod
+    def _dequantized(q: np.ndarray, qp: QParams, dtype: str | None) -> np.ndarray:
+        out = dequantize_array(q, qp)
+        return out if dtype in (None, "float32") else out.astype(dtype)
+
+    def _dequantize(self, step: Step, q: np.ndarray) -> np.ndarray:
+        """An 8-bit per-tensor input is looked up in ``dequantize_array`` of its 256 values (kept per
+        input type in ``step.specialized``), which is elementwise: the same floats."""
+        qp = step.qparams[0]
+        if qp.axis is not None or q.dtype not in BYTE_TYPES:
+            return self._dequantized(q, qp, step.params)
+        table = step.specialized.get(q.dtype)
+        if table is None:
+            table = step.specialized[q.dtype] = self._dequantized(byte_values(q.dtype), qp, step.params)
+        return lookup(table, q)
 
     def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
         dtype = x.dtype

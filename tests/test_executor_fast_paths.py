@@ -149,3 +149,29 @@ def test_parallel_ranges_and_errors(monkeypatch):
     with pytest.raises(OverflowError):
         parallel.run_parts(work, parallel.ranges(10, parallel.SPLIT_FROM))
     assert sorted(done) == [(0, 3), (3, 6), (6, 10)]  # every part ran before the error came back
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the inf and nan inputs
+@pytest.mark.parametrize("dtype, zero", [(np.int8, -7), (np.uint8, 131)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_quantize_in_ranges_and_dequantize_by_table_equal_the_functions(dtype, zero, threads, monkeypatch):
+    from qtool.ops import parallel
+    from qtool.qparams import QParams, dequantize_array, quantize_array
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (3, 300))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, (3, 300))],
+                              [_scalar("s", 0.0371, np.float32), _scalar("z", zero, dtype)])
+    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    rng = np.random.default_rng(3)
+    x = (rng.normal(0, 4, (3, 300)) * rng.choice([1, 10], (3, 300))).astype(np.float32)
+    x[0, :3] = [np.inf, -np.inf, np.nan]
+    qp = QParams(0.0371, zero, np.dtype(dtype).name)
+    result = executor.run({"x": x}, keep_integer=True)
+    q = quantize_array(x, qp)
+    assert result.integer["x"].dtype == q.dtype and (result.integer["x"] == q).all()
+    y = dequantize_array(q, qp)
+    assert result.outputs["y"].dtype == y.dtype and (result.outputs["y"] == y).all()

@@ -143,5 +143,7 @@ class GlobalAveragePool(IntegerOp):
 
     def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
-        summed = (x.astype(np.int64) - p.zero_in).reshape(*x.shape[:2], -1).sum(axis=2)
+        count = int(np.prod(x.shape[2:], dtype=np.int64))
+        # sum(q - Z) = sum(q) - Z * count, summed in int64 without a wider copy of x
+        summed = x.reshape(*x.shape[:2], -1).sum(axis=2, dtype=np.int64) - p.zero_in * count
         return _avg_run(p, summed).reshape(*x.shape[:2], *([1] * (x.ndim - 2)))
