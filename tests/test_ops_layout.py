@@ -381,9 +381,15 @@ def test_act_matmul_derivation_by_hand():
     (2, 2, 1, (2, 2), (2, 2), (1, 1), (1, 0, 0, 1), (0, 0), False),  # stride = kernel but padded
 ])
 @pytest.mark.parametrize("dtype, zero_in", [("int8", -128), ("int8", 37), ("uint8", 0), ("uint8", 200)])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, group, kernel, strides, dilations,
-                                                            pads, output_padding, shuffle, dtype, zero_in):
+                                                            pads, output_padding, shuffle, dtype, zero_in, threads,
+                                                            monkeypatch):
+    from qtool.ops import parallel
     from qtool.ops.convtranspose import _run_scanned
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)  # input rows in 3 ranges, on the pool
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
 
     rng = np.random.default_rng(c_in * 7 + per_group + kernel[1])
     lo, hi = (-128, 127) if dtype == "int8" else (0, 255)

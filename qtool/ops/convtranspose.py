@@ -27,8 +27,8 @@ import numpy as np
 
 from ..fixedpoint import (Requant, int_range, offset_requant, quantize_multipliers, requantize,
                           saturate)
-from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, per_tensor,
-               register)
+from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
+               per_tensor, register)
 from .conv import Tail, accumulator_bias, check_int32, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
@@ -120,11 +120,24 @@ class ConvTranspose(IntegerOp):
         tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)
-        acc = plan.accumulate(x)
-        if tail.unproven.size:
-            check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2)))
-        y = tail.requant(acc)
-        return y.reshape(y.shape[0], y.shape[1], *plan.out_hw)
+        n, _, h, w = x.shape
+        _, per_group, kh, kw = params.weight.shape
+        c_out = per_group * params.group
+        shifted = x.astype(np.float32).reshape(n, params.group, -1, h * w)
+        shifted -= params.zero_in  # real zero is 0: taps outside the input need no compensation
+        out = np.empty((n, c_out, *plan.out_hw), dtype=params.dtype)
+        # with ``shuffle``, input rows [start, stop) fill output rows [start * kh, stop * kh)
+        target = out.reshape(n, c_out, h, kh, w, kw) if plan.shuffle else None
+
+        def rows(start: int, stop: int) -> None:
+            acc = plan.accumulate(shifted, start, stop)
+            if tail.unproven.size:
+                bias = params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2))
+                check_int32(acc[:, tail.unproven], bias)
+            tail.requant(acc, out=target[:, :, start:stop] if plan.shuffle else out)
+
+        parallel.run_parts(rows, plan.row_parts)
+        return out
 
 
 def _run_scanned(p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
@@ -181,6 +194,7 @@ class ConvTransposePlan:
     weight: np.ndarray  # float32 [group, C_out/group * kh * kw, C_in/group]
     shuffle: bool  # stride == kernel, no dilation, pads or output padding: each output pixel one tap
     tails: dict  # input np.dtype -> conv.Tail
+    row_parts: tuple[tuple[int, int], ...]  # input row ranges, one per thread (``shuffle``), else all
 
     @classmethod
     def of(cls, p: ConvTransposeParams, shape: tuple[int, ...]) -> "ConvTransposePlan":
@@ -216,25 +230,27 @@ class ConvTransposePlan:
                                    p.zero_out, p.dtype, p.rounding, (l1 * d_max).reshape(column))
             if fused is not None:
                 tails[dtype] = Tail(*fused)
-        return cls(p, tuple(shape), out_hw, weight, shuffle, tails)
+        rows = parallel.ranges(h, shape[0] * c_out * out_hw[0] * out_hw[1]) if shuffle else ((0, h),)
+        return cls(p, tuple(shape), out_hw, weight, shuffle, tails, rows)
 
-    def accumulate(self, x: np.ndarray) -> np.ndarray:
-        """float32 sums: [n, C_out, out_h, out_w], or [n, C_out, h, kh, w, kw] when ``shuffle``
-        (output pixel (r*kh + i, c*kw + j) is tap (i, j) of input pixel (r, c))."""
+    def accumulate(self, shifted: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """float32 sums from input rows [start, stop) of ``shifted`` (``q_x - Z_x``, [n, group,
+        C_in/group, h * w]): with ``shuffle`` [n, C_out, stop - start, kh, w, kw] (output pixel
+        (r*kh + i, c*kw + j) is tap (i, j) of input pixel (r, c)), else all rows, [n, C_out, out_h,
+        out_w]."""
         p = self.params
-        n, c_in, h, w = x.shape
-        group, taps, c_per_group = self.weight.shape
+        n, _, h, w = self.in_shape
         _, per_group, kh, kw = p.weight.shape
-        shifted = x.astype(np.float32).reshape(n, group, c_per_group, h * w)
-        shifted -= p.zero_in  # real zero is 0: taps outside the input need no compensation
-        contrib = np.matmul(self.weight, shifted).reshape(n, group * per_group, kh, kw, h, w)
+        rows = stop - start
+        contrib = np.matmul(self.weight, shifted[..., start * w:stop * w])
+        contrib = contrib.reshape(n, p.group * per_group, kh, kw, rows, w)
         if self.shuffle:
             return contrib.transpose(0, 1, 4, 2, 5, 3)
         (sh, sw), (dh, dw) = p.strides, p.dilations
         top, left, bottom, right = p.pads
         full_h = (h - 1) * sh + dh * (kh - 1) + 1 + p.output_padding[0]
         full_w = (w - 1) * sw + dw * (kw - 1) + 1 + p.output_padding[1]
-        acc = np.zeros((n, group * per_group, full_h, full_w), dtype=np.float32)
+        acc = np.zeros((n, p.group * per_group, full_h, full_w), dtype=np.float32)
         for i in range(kh):
             for j in range(kw):
                 acc[:, :, i * dh:i * dh + (h - 1) * sh + 1:sh, j * dw:j * dw + (w - 1) * sw + 1:sw] += \
