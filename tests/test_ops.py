@@ -340,3 +340,42 @@ def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):
     over[0, :, 1, 1] = 34  # sum 102
     with pytest.raises(OverflowError, match="accumulator"):
         REGISTRY["Conv"].run(plan, over)
+
+
+# -- MatMul and Gemm with a constant B on float32 (MatMulPlan) -----------------------------------------
+
+@pytest.mark.parametrize("dtype, x_value, k, fast", [
+    ("int8", -128, 1032, True), ("int8", -128, 1033, False),  # k * 127 * 128 against 2**24
+    ("uint8", 255, 518, True), ("uint8", 255, 519, False),  # k * 127 * 255
+])
+def test_matmul_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast):
+    weight = np.full((k, 2), 127, dtype=np.int8)
+    weight[::2, 1] = -127  # the second column's partial sums swing
+    p = MatMulParams(weight=weight, bias=np.array([3, -3]), requant=Requant(np.full(2, 2**30), np.full(2, 30)),
+                     zero_out=0, rounding="half_up", dtype="int32")
+    plan = REGISTRY["MatMul"].specialize(p, [(2, 3, k)])
+    assert (np.dtype(dtype) in plan.tails) == fast
+    got = REGISTRY["MatMul"].run(plan, np.full((2, 3, k), x_value, dtype=dtype))
+    want = [x_value * 127 * k + 3, x_value * 127 * (k // 2) - x_value * 127 * (k - k // 2) - 3]
+    assert got.shape == (2, 3, 2) and (got.reshape(-1, 2) == want).all()
+
+
+@pytest.mark.parametrize("op_type, shape", [("MatMul", (2, 5, 7)), ("MatMul", (7,)), ("Gemm", (9, 7))])
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_matmul_float32_path_equals_the_scanned_path(op_type, shape, dtype, threads, monkeypatch):
+    from qtool.ops import gemm, parallel
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
+    rng = np.random.default_rng(len(shape) * 10 + threads)
+    lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+    weight = rng.integers(-127, 128, (7, 4)).astype(np.int8)
+    p = MatMulParams(weight=weight, bias=rng.integers(-5000, 5000, 4), zero_out=-3, rounding="half_up",
+                     requant=Requant(rng.integers(2**30, 2**31, 4), rng.integers(8, 20, 4)), dtype="int8")
+    x = rng.integers(lo, hi + 1, shape).astype(dtype)
+    plan = REGISTRY[op_type].specialize(p, [x.shape])
+    assert np.dtype(dtype) in plan.tails
+    got = REGISTRY[op_type].run(plan, x)
+    want = gemm._run_scanned(p, x)
+    assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()

@@ -144,7 +144,7 @@ def _run_scanned(p: ConvParams, x: np.ndarray) -> np.ndarray:
 
 
 # the largest |q| of an input type: a bound that holds for every input of that type
-_INPUT_MAX = {np.dtype(np.int8): 128, np.dtype(np.uint8): 255}
+INPUT_MAX = {np.dtype(np.int8): 128, np.dtype(np.uint8): 255}
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class ConvPlan:
             weight = weight.reshape(1, p.group, per_group, c_per_group * kh * kw)
         l1 = np.abs(p.weight.astype(np.int64)).reshape(c_out, -1).sum(axis=1)
         tails = {}
-        for dtype, x_max in _INPUT_MAX.items():
+        for dtype, x_max in INPUT_MAX.items():
             if int(l1.max(initial=0)) * x_max >= FLOAT32_EXACT:
                 continue
             column = Requant(p.requant.multiplier.reshape(-1, 1, 1), p.requant.rshift.reshape(-1, 1, 1))

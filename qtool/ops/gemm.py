@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
-from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, per_tensor,
-               register)
-from .conv import accumulator_bias, weight_scales
-from .intmatmul import int_matmul
+from ..fixedpoint import Requant, offset_requant, quantize_multipliers, requantize, saturate
+from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
+               per_tensor, register)
+from .conv import INPUT_MAX, Tail, accumulator_bias, check_int32, weight_scales
+from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,62 @@ def _derive(view: NodeView, weight_axis: int, bias_index: int | None) -> MatMulP
     )
 
 
-def _run(p: MatMulParams, x: np.ndarray) -> np.ndarray:
-    check_integer(x, p.weight)
+def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
+    params = p.params if isinstance(p, MatMulPlan) else p
+    check_integer(x, params.weight)
+    plan = p if isinstance(p, MatMulPlan) and p.in_shape == x.shape else MatMulPlan.of(params, x.shape)
+    tail = plan.tails.get(x.dtype)
+    if tail is None:
+        return _run_scanned(params, x)
+    k, n = params.weight.shape
+    rows = x.reshape(-1, k).astype(np.float32)
+    out = np.empty((rows.shape[0], n), dtype=params.dtype)
+
+    def part(start: int, stop: int) -> None:
+        acc = np.matmul(rows[start:stop], plan.weight)
+        if tail.unproven.size:
+            check_int32(acc[:, tail.unproven], params.bias[tail.unproven])
+        tail.requant(acc, out=out[start:stop])
+
+    parallel.run_parts(part, plan.row_parts)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _run_scanned(p: MatMulParams, x: np.ndarray) -> np.ndarray:
+    """Exact products (``int_matmul``) and ``requantize``, which scans for overflow."""
     acc = int_matmul(x, p.weight) + p.bias
     y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
     return saturate(y + p.zero_out, p.dtype)
+
+
+@dataclass(frozen=True)
+class MatMulPlan:
+    """A constant-B MatMul or Gemm for one input shape: float32 B, and per input type the tail
+    where B proves float32 exact and the accumulator in range, as ``ConvPlan`` does: output column
+    j sums ``q_x * q_w`` whose absolute values add up to at most ``l1_j * max|q_x|`` (``l1_j``
+    the column's ``sum |q_w|``). Rows of A are computed in ranges on the cores."""
+
+    params: MatMulParams
+    in_shape: tuple[int, ...]
+    weight: np.ndarray  # float32 [K, N]
+    tails: dict  # input np.dtype -> conv.Tail, per output column
+    row_parts: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, p: MatMulParams, shape: tuple[int, ...]) -> "MatMulPlan":
+        k, n = p.weight.shape
+        if not shape or shape[-1] != k:
+            raise ValueError(f"{shape} @ {p.weight.shape}: inner dimensions differ")
+        l1 = np.abs(p.weight.astype(np.int64)).sum(axis=0)
+        tails = {}
+        for dtype, x_max in INPUT_MAX.items():
+            if int(l1.max(initial=0)) * x_max >= FLOAT32_EXACT:
+                continue
+            fused = offset_requant(p.bias, p.requant, p.zero_out, p.dtype, p.rounding, l1 * x_max)
+            if fused is not None:
+                tails[dtype] = Tail(*fused)
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        return cls(p, tuple(shape), p.weight.astype(np.float32), tails, parallel.ranges(rows, rows * n))
 
 
 @register
@@ -73,6 +124,9 @@ class Gemm(IntegerOp):
     def derive(self, view):
         self.check(view.node, view.attrs)
         return _derive(view, 0 if view.attr("transB", 0) else 1, 2)
+
+    def specialize(self, p, shapes):
+        return MatMulPlan.of(p, tuple(shapes[0]))
 
     def run(self, p, x):
         if x.ndim != 2:
@@ -121,6 +175,9 @@ class MatMul(IntegerOp):
         if b is not None and b.value is None:
             return _derive_activations(view)
         return _derive(view, 1, bias_index=None)
+
+    def specialize(self, p, shapes):
+        return MatMulPlan.of(p, tuple(shapes[0])) if isinstance(p, MatMulParams) else p
 
     def run(self, p, x, *b):
         if isinstance(p, ActMatMulParams):
