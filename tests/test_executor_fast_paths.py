@@ -175,3 +175,19 @@ def test_quantize_in_ranges_and_dequantize_by_table_equal_the_functions(dtype, z
     assert result.integer["x"].dtype == q.dtype and (result.integer["x"] == q).all()
     y = dequantize_array(q, qp)
     assert result.outputs["y"].dtype == y.dtype and (result.outputs["y"] == y).all()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_parallel_pool_works_in_a_forked_child(monkeypatch):
+    import os
+
+    from qtool.ops import parallel
+
+    parallel.run_parts(lambda start, stop: None, ((0, 1), (1, 2)))  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # child: a pool of its own, or this would wait forever on the parent's threads
+        done = []
+        parallel.run_parts(lambda start, stop: done.append(start), ((0, 1), (1, 2)))
+        os._exit(0 if sorted(done) == [0, 1] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

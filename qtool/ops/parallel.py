@@ -20,6 +20,15 @@ SPLIT_FROM = 1 << 16
 _pool: ThreadPoolExecutor | None = None
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads: it starts its own pool
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def ranges(length: int, elements: int) -> tuple[tuple[int, int], ...]:
     """``[0, length)`` as up to ``WORKERS`` near-equal ranges when the work has at least
     ``SPLIT_FROM`` output ``elements``, else the whole."""
