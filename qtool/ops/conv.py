@@ -373,12 +373,12 @@ def _depthwise_strided(plan: ConvPlan, padded: np.ndarray, start: int, stop: int
 
 def _pointwise_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
     n, c_in, h, w = x.shape
-    return x.reshape(n, c_in, h * w).astype(np.float32)
+    return x.reshape(n, c_in, h * w)  # each range converts its own columns to float32
 
 
 def _pointwise(plan: ConvPlan, x: np.ndarray, start: int, stop: int) -> np.ndarray:
     n, width = x.shape[0], plan.out_hw[1]
-    acc = np.matmul(plan.weight, x[:, :, start * width:stop * width])
+    acc = np.matmul(plan.weight, x[:, :, start * width:stop * width].astype(np.float32))
     return acc.reshape(n, -1, stop - start, width)
 
 
@@ -411,17 +411,19 @@ def _taps(plan: ConvPlan, flat: np.ndarray, start: int, stop: int) -> np.ndarray
 
 
 def _im2col_prepare(plan: ConvPlan, x: np.ndarray) -> np.ndarray:
+    return _padded(x, plan.params.pads, plan.params.zero_in)  # each range takes its own patches
+
+
+def _im2col_rows(plan: ConvPlan, padded: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The patches of output rows [start, stop), from padded rows ``start * sh`` on, in float32."""
     p = plan.params
+    (sh, _), (dh, _) = p.strides, p.dilations
     _, group, _, k = plan.weight.shape
     kh, kw = p.weight.shape[2:]
-    cols, out_h, out_w = _im2col(_padded(x, p.pads, p.zero_in), kh, kw, p.strides, p.dilations, np.float32)
-    return cols.reshape(x.shape[0], group, k, out_h * out_w)
-
-
-def _im2col_rows(plan: ConvPlan, cols: np.ndarray, start: int, stop: int) -> np.ndarray:
-    n, out_w = cols.shape[0], plan.out_hw[1]
-    acc = np.matmul(plan.weight, cols[..., start * out_w:stop * out_w])  # [n, group, per_group, L]
-    return acc.reshape(n, -1, stop - start, out_w)
+    rows = padded[:, :, start * sh:(stop - 1) * sh + (kh - 1) * dh + 1]
+    cols, out_h, out_w = _im2col(rows, kh, kw, p.strides, p.dilations, np.float32)
+    acc = np.matmul(plan.weight, cols.reshape(padded.shape[0], group, k, out_h * out_w))
+    return acc.reshape(padded.shape[0], -1, out_h, out_w)  # out_h == stop - start
 
 
 _FLOAT32 = {"depthwise": (_depthwise_strided_prepare, _depthwise_strided),
