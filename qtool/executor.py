@@ -263,7 +263,8 @@ class IntegerExecutor:
         for step in steps:
             if id(step) in last:
                 run = last[id(step)]
-                ndim = max((self.constants[n].ndim for s in run for n in s.inputs if n in self.constants), default=0)
+                ndim = max((self.constants[n].ndim for s in run for n in s.inputs if n in self.constants),
+                           default=0)
                 chained.append(Step("chain", step.node, [self._chain_input(run[0])], list(step.outputs),
                                     params=Chain(run, ndim)))
             elif id(step) not in members:

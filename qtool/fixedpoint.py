@@ -238,7 +238,8 @@ def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,
         multiplier, offset = (list(v) for v in zip(*scaled))
         rshift = common
     fields = [np.array(v, dtype=np.int64).reshape(shape) for v in (multiplier, offset)]
-    fields.append(np.int64(rshift) if np.ndim(rshift) == 0 else np.array(rshift, dtype=np.int64).reshape(shape))
+    fields.append(np.int64(rshift) if np.ndim(rshift) == 0 else
+                  np.array(rshift, dtype=np.int64).reshape(shape))
     return (OffsetRequant(*fields, zero_out=0 if fold else zero_out, dtype=str(np.dtype(dtype))),
             np.array(unproven, dtype=np.int64))
 

@@ -38,13 +38,18 @@ def _qdq_chain_model(extra_reader: bool):
     outputs = [helper.make_tensor_value_info("a_d", TensorProto.FLOAT, None)]
     if extra_reader:
         outputs.append(helper.make_tensor_value_info("h_d", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 256))],
-                              outputs, inits)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 256))
+    graph = helper.make_graph(nodes, "chain", [x], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
 
 
+def _model(graph):
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
 def _chains(executor):
-    return [[s.node.op_type for s in step.params.steps] for step in executor._chained_steps if step.kind == "chain"]
+    return [[s.node.op_type for s in step.params.steps] for step in executor._chained_steps
+            if step.kind == "chain"]
 
 
 @pytest.mark.parametrize("extra_reader, chains", [(False, [["HardSwish", "Mul", "Add"]]),
@@ -76,7 +81,7 @@ def test_chain_that_cannot_take_every_value_runs_its_steps():
                               [numpy_helper.from_array(np.array([100], np.int8), "up"),
                                numpy_helper.from_array(np.array([-100], np.int8), "down")],
                               value_info=[helper.make_tensor_value_info("t", TensorProto.INT8, (4,))])
-    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    executor = IntegerExecutor(_model(graph))
     assert _chains(executor) == [["Add", "Add"]]
     x = np.array([-128, 0, 5, 27], np.int8)
     assert executor.run({"x": x}).outputs["y"].tolist() == x.tolist()
@@ -91,7 +96,7 @@ def test_chain_on_an_input_with_fewer_dimensions_than_a_constant():
                               [helper.make_tensor_value_info("y", TensorProto.INT8, None)],
                               [numpy_helper.from_array(np.array([[1]], np.int8), "c")],
                               value_info=[helper.make_tensor_value_info("t", TensorProto.INT8, None)])
-    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    executor = IntegerExecutor(_model(graph))
     assert _chains(executor) == [["Add", "Add"]]
     x = np.array([1, 2, 3, 4], np.int8)
     assert executor.run({"x": x}).outputs["y"].tolist() == [[3, 4, 5, 6]]
@@ -165,7 +170,7 @@ def test_quantize_in_ranges_and_dequantize_by_table_equal_the_functions(dtype, z
     graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (3, 300))],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, (3, 300))],
                               [_scalar("s", 0.0371, np.float32), _scalar("z", zero, dtype)])
-    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8))
+    executor = IntegerExecutor(_model(graph))
     rng = np.random.default_rng(3)
     x = (rng.normal(0, 4, (3, 300)) * rng.choice([1, 10], (3, 300))).astype(np.float32)
     x[0, :3] = [np.inf, -np.inf, np.nan]

@@ -184,7 +184,8 @@ def _reference_tail(x, bias, multiplier, rshift, zero_out, dtype):
 @settings(max_examples=300)
 @given(st.lists(st.tuples(int32, st.integers(1, 2**31 - 1), st.integers(1, 63), st.integers(0, 2**24)),
                 min_size=1, max_size=4),
-       st.integers(-128, 255), st.sampled_from(["int8", "uint8", "int16", "int32"]), st.integers(0, 2**32 - 1))
+       st.integers(-128, 255), st.sampled_from(["int8", "uint8", "int16", "int32"]),
+       st.integers(0, 2**32 - 1))
 def test_offset_requant_equals_requantize_within_its_bound(channels, zero_out, dtype, seed):
     bias, multiplier, rshift, bound = (np.array(v, dtype=np.int64) for v in zip(*channels))
     column = (slice(None), None)  # one row of x per channel

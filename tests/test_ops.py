@@ -296,8 +296,8 @@ def test_depthwise_float32_taps_are_exact_at_their_bound():
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads, method,
-                                                   dtype, channels_last, threads, monkeypatch):
+def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads,
+                                                   method, dtype, channels_last, threads, monkeypatch):
     from qtool.ops import conv, parallel
 
     monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if channels_last else 10**9)
@@ -351,8 +351,8 @@ def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):
 def test_matmul_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast):
     weight = np.full((k, 2), 127, dtype=np.int8)
     weight[::2, 1] = -127  # the second column's partial sums swing
-    p = MatMulParams(weight=weight, bias=np.array([3, -3]), requant=Requant(np.full(2, 2**30), np.full(2, 30)),
-                     zero_out=0, rounding="half_up", dtype="int32")
+    p = MatMulParams(weight=weight, bias=np.array([3, -3]), zero_out=0, rounding="half_up", dtype="int32",
+                     requant=Requant(np.full(2, 2**30), np.full(2, 30)))
     plan = REGISTRY["MatMul"].specialize(p, [(2, 3, k)])
     assert (np.dtype(dtype) in plan.tails) == fast
     got = REGISTRY["MatMul"].run(plan, np.full((2, 3, k), x_value, dtype=dtype))

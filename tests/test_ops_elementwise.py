@@ -369,8 +369,9 @@ def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, ro
     node = helper.make_node(op_type, ["a", "b"], ["y"])
     zero = {"int8": -3, "uint8": 130}
     op = REGISTRY[op_type]
-    p = op.derive(_view(node, [Operand(QParams(0.043, zero[dtype_a], dtype_a)),
-                               Operand(QParams(0.011, zero[dtype_b], dtype_b))], QParams(0.05, 7), rounding=rounding))
+    operands = [Operand(QParams(0.043, zero[dtype_a], dtype_a)),
+                Operand(QParams(0.011, zero[dtype_b], dtype_b))]
+    p = op.derive(_view(node, operands, QParams(0.05, 7), rounding=rounding))
     every_a = byte_values(dtype_a).reshape(16, 16)
     rng = np.random.default_rng(0)
     b_values = byte_values(dtype_b)
@@ -388,7 +389,8 @@ def test_add_and_mul_tables_equal_their_arithmetic(op_type, dtype_a, dtype_b, ro
 
 def test_add_of_wider_inputs_takes_the_arithmetic():
     node = helper.make_node("Add", ["a", "b"], ["y"])
-    p = REGISTRY["Add"].derive(_view(node, [Operand(QParams(1.0, 0, "int16")), Operand(QParams(1.0, 0, "int16"))],
-                                     QParams(1.0, 0, "int16")))
+    wide = QParams(1.0, 0, "int16")
+    p = REGISTRY["Add"].derive(_view(node, [Operand(wide), Operand(wide)], wide))
     a = np.array([30000, -30000, 5], dtype=np.int16)
-    assert REGISTRY["Add"].run(p, a, np.array([3000, -3000, 5], dtype=np.int16)).tolist() == [32767, -32768, 10]
+    b = np.array([3000, -3000, 5], dtype=np.int16)
+    assert REGISTRY["Add"].run(p, a, b).tolist() == [32767, -32768, 10]

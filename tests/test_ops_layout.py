@@ -373,7 +373,8 @@ def test_act_matmul_derivation_by_hand():
                         QParams(0.0625, 7)))
 
 
-@pytest.mark.parametrize("c_in, per_group, group, kernel, strides, dilations, pads, output_padding, shuffle", [
+@pytest.mark.parametrize(("c_in, per_group, group, kernel, strides, dilations, pads, output_padding, "
+                          "shuffle"), [
     (3, 2, 1, (2, 2), (2, 2), (1, 1), (0, 0, 0, 0), (0, 0), True),  # PP-OCR's upsampling
     (4, 1, 2, (2, 3), (2, 3), (1, 1), (0, 0, 0, 0), (0, 0), True),
     (3, 2, 1, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (1, 0), False),  # overlapping taps, cropped
@@ -382,9 +383,9 @@ def test_act_matmul_derivation_by_hand():
 ])
 @pytest.mark.parametrize("dtype, zero_in", [("int8", -128), ("int8", 37), ("uint8", 0), ("uint8", 200)])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, group, kernel, strides, dilations,
-                                                            pads, output_padding, shuffle, dtype, zero_in, threads,
-                                                            monkeypatch):
+def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, group, kernel, strides,
+                                                            dilations, pads, output_padding, shuffle, dtype,
+                                                            zero_in, threads, monkeypatch):
     from qtool.ops import parallel
     from qtool.ops.convtranspose import _run_scanned
 

@@ -19,8 +19,8 @@ import ctypes
 import threading
 
 _LOCK = threading.Lock()
-_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-            "openblas_set_num_threads")
+_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+            "openblas_set_num_threads64_", "openblas_set_num_threads")
 _GETTERS = tuple(name.replace("set_", "get_") for name in _SETTERS)
 _openblas = None  # (get, set) once looked up; () when there is no OpenBLAS
 

@@ -182,7 +182,8 @@ class ConvPlan:
         _, c_in, h, w = shape
         c_out, c_per_group, kh, kw = p.weight.shape
         if c_in != c_per_group * p.group:
-            raise ValueError(f"Conv input {shape} does not match weight {p.weight.shape} with group {p.group}")
+            raise ValueError(f"Conv input {shape} does not match weight {p.weight.shape} "
+                             f"with group {p.group}")
         top, left, bottom, right = p.pads
         (sh, sw), (dh, dw) = p.strides, p.dilations
         out_hw = ((h + top + bottom - dh * (kh - 1) - 1) // sh + 1,
