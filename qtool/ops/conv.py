@@ -163,8 +163,9 @@ class ConvPlan:
     the first fails, or for other input types, ``tails`` has no entry and the kernel takes the
     scanned path.
 
-    The float32 path prepares its input once (padded, im2col, as float32), then computes output
-    rows ``row_parts`` on the cores (qtool/ops/parallel.py), each from products to int8.
+    The float32 path prepares its input once (padded, and for the taps as float32), then computes
+    the output row ranges ``row_parts`` on the cores (qtool/ops/parallel.py), each from its
+    patches and products to the int8 it writes.
     """
 
     params: ConvParams
@@ -224,7 +225,10 @@ class ConvPlan:
 
 @dataclass(frozen=True)
 class Tail:
-    requant: OffsetRequant  # per output channel, shaped [C_out, 1, 1]
+    """Conv's, ConvTranspose's and MatMul's requantization: one entry per output channel, shaped to
+    broadcast against the kernel's accumulator."""
+
+    requant: OffsetRequant
     unproven: np.ndarray  # output channels whose int32 accumulator must be scanned
 
 
