@@ -132,6 +132,17 @@ def check_integer(*arrays: np.ndarray) -> None:
             raise TypeError(f"integer kernel received {a.dtype} data")
 
 
+def plan_for(p, x: np.ndarray, plan_type):
+    """``(params, plan)`` for a kernel whose ``specialize`` makes a ``plan_type`` per input shape:
+    the plan given when it is for ``x``'s shape, else one made now (``p`` may be the bare params,
+    or a plan for another shape). The integer check comes first, before any plan is built."""
+    params = p.params if isinstance(p, plan_type) else p
+    check_integer(x, params.weight)
+    if isinstance(p, plan_type) and p.in_shape == x.shape:
+        return params, p
+    return params, plan_type.of(params, x.shape)
+
+
 @dataclass(frozen=True)
 class Rescale:
     """``y = requant(x - Z_x) + Z_y`` with ``M / 2**rshift = S_x / S_y``; identity when equal."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_requant, quantize_multipliers,
                           requantize, saturate)
-from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, parallel, per_tensor, register
+from . import Bias, IntegerOp, NodeView, Unsupported, Weight, parallel, per_tensor, plan_for, register
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -111,9 +111,7 @@ class Conv(IntegerOp):
         return ConvPlan.of(p, tuple(shapes[0]))
 
     def run(self, p: "ConvParams | ConvPlan", x: np.ndarray) -> np.ndarray:
-        params = p.params if isinstance(p, ConvPlan) else p
-        check_integer(x, params.weight)
-        plan = p if isinstance(p, ConvPlan) and p.in_shape == x.shape else ConvPlan.of(params, x.shape)
+        params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)

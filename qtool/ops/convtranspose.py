@@ -27,8 +27,8 @@ import numpy as np
 
 from ..fixedpoint import (Requant, int_range, offset_requant, quantize_multipliers, requantize,
                           saturate)
-from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
-               per_tensor, register)
+from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, node_attrs, parallel,
+               per_tensor, plan_for, register)
 from .conv import Tail, accumulator_bias, check_int32, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
@@ -113,10 +113,7 @@ class ConvTranspose(IntegerOp):
         return ConvTransposePlan.of(p, tuple(shapes[0]))
 
     def run(self, p: "ConvTransposeParams | ConvTransposePlan", x: np.ndarray) -> np.ndarray:
-        params = p.params if isinstance(p, ConvTransposePlan) else p
-        check_integer(x, params.weight)
-        plan = p if isinstance(p, ConvTransposePlan) and p.in_shape == x.shape else \
-            ConvTransposePlan.of(params, x.shape)
+        params, plan = plan_for(p, x, ConvTransposePlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)

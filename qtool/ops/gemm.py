@@ -15,7 +15,7 @@ import numpy as np
 
 from ..fixedpoint import Requant, offset_requant, quantize_multipliers, requantize, saturate
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
-               per_tensor, register)
+               per_tensor, plan_for, register)
 from .conv import INPUT_MAX, Tail, accumulator_bias, check_int32, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
@@ -50,9 +50,7 @@ def _derive(view: NodeView, weight_axis: int, bias_index: int | None) -> MatMulP
 
 
 def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
-    params = p.params if isinstance(p, MatMulPlan) else p
-    check_integer(x, params.weight)
-    plan = p if isinstance(p, MatMulPlan) and p.in_shape == x.shape else MatMulPlan.of(params, x.shape)
+    params, plan = plan_for(p, x, MatMulPlan)
     tail = plan.tails.get(x.dtype)
     if tail is None:
         return _run_scanned(params, x)
