@@ -62,7 +62,8 @@ del session
 marks = []
 call, close = calibrate._Updates.__call__, calibrate._Updates.close
 def timed_call(self, feeds):
-    marks.append(time.perf_counter()) if not marks else None
+    if not marks:
+        marks.append(time.perf_counter())
     return call(self, feeds)
 def timed_close(self, check=True):
     close(self, check)
