@@ -368,6 +368,11 @@ def verify(
                                                "when matplotlib is installed)."),
     run_ort: bool = typer.Option(False, "--ort", help="Also run onnxruntime on QMODEL: its outputs "
                                  "against the float model and against the integer executor."),
+    run_analyze: bool = typer.Option(False, "--analyze", help="Also rank the quantized ops by "
+                                     "sensitivity, as qtool analyze does (QMODEL must be QDQ)."),
+    analyze_samples: Optional[int] = typer.Option(None, help="Samples --analyze scores on, the first "
+                                                  "of the compared ones (each op costs two "
+                                                  "onnxruntime runs over them). Default: 16."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Compare the float model with the integer executor, output by output and tensor by tensor.
@@ -379,15 +384,19 @@ def verify(
       qtool verify model.onnx model.q.onnx --data heldout.npz
       qtool verify model.onnx model.q.onnx --data heldout.npz --labels label --tolerance 0.999,30
       qtool verify model.onnx model.q.onnx --data heldout.npz --ort --report report.html
+      qtool verify model.onnx model.q.onnx --data heldout.npz --analyze --report report.html
     """
     from .html_report import render_html
     from .verify import format_report, parse_tolerance, verify as run
 
     try:
+        if analyze_samples is not None and not run_analyze:
+            raise QtoolError("--analyze-samples is for --analyze; add --analyze or drop it")
         if report_path is not None:
             check_writable(report_path)
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
-                     progress=not quiet, run_ort=run_ort)
+                     progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
+                     analyze_samples=16 if analyze_samples is None else analyze_samples)
         if report_path is not None:
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
     except QtoolError as e:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .analyze import Analysis, analyze, format_analysis
 from .calibrate import fixed_batch
 from .data import check_sampling, load_dataset
 from .errors import QtoolError
@@ -119,6 +120,7 @@ class VerifyReport:
     accuracy: dict | None = None
     failures: list[str] = field(default_factory=list)
     ort: list[OrtCheck] | None = None  # with verify(..., run_ort=True)
+    analysis: Analysis | None = None  # with verify(..., run_analyze=True)
 
     @property
     def passed(self) -> bool:
@@ -129,19 +131,24 @@ class VerifyReport:
         return [c.name for c in ranked[:n] if c.ran != "input"]
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "samples": self.samples,
-                "tolerance": {"cosine": self.tolerance[0], "sqnr_db": self.tolerance[1]},
-                "outputs": [c.to_dict() for c in self.outputs],
-                "tensors": [c.to_dict() for c in self.tensors],
-                "worst": self.worst(),
-                "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
-                "accuracy": self.accuracy,
-                "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
-                "failures": self.failures}
+        d = {"passed": self.passed, "samples": self.samples,
+             "tolerance": {"cosine": self.tolerance[0], "sqnr_db": self.tolerance[1]},
+             "outputs": [c.to_dict() for c in self.outputs],
+             "tensors": [c.to_dict() for c in self.tensors],
+             "worst": self.worst(),
+             "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
+             "accuracy": self.accuracy,
+             "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
+             "failures": self.failures}
+        if self.analysis is not None:
+            d["analysis"] = self.analysis.to_dict()
+        return d
 
 
 # verify copies every compared tensor out of onnxruntime (PP-OCRv4 rec: about 200 MB a sample)
 DEFAULT_BATCH = 8
+# ops of the sensitivity ranking in the text and HTML reports (the JSON report has them all)
+ANALYSIS_TOP = 10
 
 
 def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
@@ -159,10 +166,18 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
            num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
-           preprocess=None, run_ort: bool = False) -> VerifyReport:
+           preprocess=None, run_ort: bool = False, run_analyze: bool = False,
+           analyze_samples: int | None = 16) -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
-    integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output."""
+    integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
+    with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
+    model on the first ``analyze_samples`` of the compared samples."""
     check_sampling(num_samples, batch_size)
+    if run_analyze:
+        check_sampling(analyze_samples, batch_size)
+        if preprocess is not None:
+            raise QtoolError("the sensitivity analysis reads DATA as it is, without image "
+                             "preprocessing; verify without it")
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel)
@@ -188,6 +203,10 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
     batch_size = fixed_batch(model) or batch_size
+    analysis = None
+    if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
+        samples = total if analyze_samples is None else min(analyze_samples, total)
+        analysis = analyze(float_path, qmodel, data_path, samples, batch_size, progress)
     correct_float = correct_int = 0
     with progress_bar(total, "verify", progress) as bar:
         start = 0
@@ -213,7 +232,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             start += n
             bar.update(n)
     report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
-                          ort=ort_checks if run_ort else None)
+                          ort=ort_checks if run_ort else None, analysis=analysis)
     if labels is not None:
         report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
                            "integer": 100.0 * correct_int / total}
@@ -306,6 +325,10 @@ def format_report(report: VerifyReport) -> str:
         a = report.accuracy
         lines += ["", f"top-1 accuracy on '{a['labels']}': float {a['float']:.2f}%, "
                       f"integer {a['integer']:.2f}% ({a['integer'] - a['float']:+.2f} points)"]
+    if report.analysis is not None:
+        lines += ["", "most sensitive ops (qtool analyze: onnxruntime on the QDQ model)",
+                  format_analysis(report.analysis, ANALYSIS_TOP).replace("(--top 0 for all)",
+                                                                         "(--json for all)")]
     rule = tolerance_rule(report.tolerance)
     lines.append("")
     lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))

@@ -1,4 +1,5 @@
-"""``qtool verify --report`` (the HTML page) and ``--ort`` (onnxruntime on the quantized model).
+"""``qtool verify --report`` (the HTML page), ``--ort`` (onnxruntime on the quantized model) and
+``--analyze`` (the per-op sensitivity ranking of ``qtool analyze``).
 
 Expected figures are computed here with numpy and onnxruntime from the input files, or read from
 the JSON report of the same run, never from the HTML under test.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import sys
 from html import unescape
@@ -22,12 +24,13 @@ from onnx import numpy_helper
 from PIL import Image
 from typer.testing import CliRunner
 
+from qtool.analyze import Analysis, OpSensitivity
 from qtool.cli import app
 from qtool.executor import IntegerExecutor
 from qtool.html_report import NO_PLOT, render_html
 from qtool.qparams import QParams
-from qtool.quantize import quantize
-from qtool.verify import Comparison, OrtCheck, VerifyReport
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.verify import ANALYSIS_TOP, Comparison, OrtCheck, VerifyReport
 
 runner = CliRunner()
 SAMPLES = 540  # images in qtool/demo/digits_heldout.npz
@@ -59,9 +62,10 @@ def run(tmp_path_factory, demo_model, qmodel, demo_heldout) -> dict:
             "folder": folder, "page": page}
 
 
-def table_rows(html: str) -> list[list[str]]:
-    """The cells (tags stripped, entities decoded) of every body row of the per-tensor table."""
-    section = html.split("<h2>Tensors in graph order</h2>")[1].split("</table>")[0]
+def table_rows(html: str, heading: str = "Tensors in graph order") -> list[list[str]]:
+    """The cells (tags stripped, entities decoded) of every body row of the table under
+    ``heading`` (the per-tensor table by default)."""
+    section = html.split(f"<h2>{heading}</h2>")[1].split("</table>")[0]
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", section.split("<tbody>")[1], re.S)
     return [[unescape(re.sub(r"<[^>]+>", "", cell)).strip()
              for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)] for row in rows]
@@ -277,3 +281,115 @@ def test_report_path_is_a_directory(tmp_path, demo_model, qmodel, demo_heldout, 
     result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--report", tmp_path)
     assert_user_error(result, f"cannot write '{tmp_path}'", "is a directory")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- --analyze ---------------------------------------------------------------------------------------
+
+ANALYSIS = "Sensitivity (qtool analyze)"
+
+
+@pytest.fixture(scope="module")
+def analyzed(tmp_path_factory, demo_model, qmodel, demo_heldout) -> dict:
+    """One ``verify --analyze --report --json`` over 64 samples: its JSON and page."""
+    page = tmp_path_factory.mktemp("analyzed") / "report.html"
+    result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--num-samples", "64",
+                    "--analyze", "--report", page, "--json", "-q")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert result.exit_code == 0, result.output
+    return {"json": json.loads(result.stdout), "html": page.read_text(encoding="utf-8")}
+
+
+def test_analysis_in_json_is_ranked_by_gain(analyzed):
+    report = analyzed["json"]
+    analysis = report["analysis"]
+    assert report["samples"] == 64 and analysis["samples"] == 16  # --analyze-samples' default
+    ops = analysis["ops"]
+    assert len(ops) == 13 and len({o["node"] for o in ops}) == 13  # every integer op of the demo
+    gains = [o["gain_db"] for o in ops]
+    assert gains == sorted(gains, reverse=True)
+    for o in ops:  # each figure rounded to 0.001 dB
+        assert o["gain_db"] == pytest.approx(o["only_float_db"] - analysis["quantized_db"], abs=0.002)
+        assert o["only_quantized_db"] > analysis["quantized_db"]
+    assert gains[0] > 0  # some op gains when left float
+
+
+def test_analysis_section_in_page(analyzed):
+    html, analysis = analyzed["html"], analyzed["json"]["analysis"]
+    sections = re.findall(r"<h2>(.*?)</h2>", html)
+    assert sections.index(ANALYSIS) == sections.index("SQNR along the graph") - 1
+    section = html.split(f"<h2>{ANALYSIS}</h2>")[1].split("<h2>")[0]
+    assert f"fully quantized <b>{analysis['quantized_db']:.2f} dB</b>" in section
+    assert f"weights only {analysis['weights_only_db']:.2f} dB" in section
+    assert f"activations only {analysis['activations_only_db']:.2f} dB" in section
+    assert f"<td class=\"name\">{analysis['ops'][0]['node']}</td>" in section
+    rows = table_rows(html, ANALYSIS)
+    assert len(rows) == ANALYSIS_TOP < len(analysis["ops"])
+    for rank, (row, op) in enumerate(zip(rows, analysis["ops"]), 1):
+        assert row[:3] == [str(rank), op["node"], op["op_type"]]
+        assert [float(v) for v in row[3:]] == pytest.approx(
+            [op["only_quantized_db"], op["only_float_db"], op["gain_db"]], abs=0.006)
+    assert f"{len(analysis['ops']) - ANALYSIS_TOP} more ops in the --json report" in section
+
+
+def test_analysis_in_text_report(demo_model, qmodel, demo_heldout):
+    result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--num-samples", "64",
+                    "--analyze", "--analyze-samples", "8", "-q")
+    assert result.exit_code == 0, result.output
+    block = result.stdout.split("most sensitive ops")[1]
+    assert "analyze: 8 samples; output SQNR against float: fully quantized" in block
+    ranks = re.findall(r"^ +(\d+)  \w+ +\w+ +-?\d+\.\d\d dB +-?\d+\.\d\d dB +[+-]\d+\.\d\d$", block,
+                       re.MULTILINE)
+    assert ranks == [str(r) for r in range(1, ANALYSIS_TOP + 1)]
+    assert "... 3 more (--json for all)" in block and "--top" not in block
+    assert result.stdout.rstrip().endswith("PASS (output cosine >= 0.99)")
+
+
+def test_analysis_scores_at_most_the_compared_samples(demo_model, qmodel, demo_heldout):
+    result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--num-samples", "4",
+                    "--analyze", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["analysis"]["samples"] == 4
+
+
+def test_no_analysis_without_the_option(run, demo_model, qmodel, demo_heldout):
+    assert ANALYSIS not in run["html"] and "qtool analyze" not in run["html"]
+    assert "analysis" not in run["json"]
+    text = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--num-samples", "16", "-q")
+    assert text.exit_code == 0 and "most sensitive ops" not in text.stdout
+
+
+def test_analysis_section_escapes_names_and_infinities():
+    ops = [OpSensitivity("Conv", "<b>conv&1</b>", 50.0, math.inf, math.inf),
+           OpSensitivity("Relu", "relu", 60.0, 30.0, -0.5)]
+    ref = np.linspace(-1, 1, 50)
+    report = VerifyReport(4, (0.99, None), [_comparison("y", ref, ref)], [_comparison("t", ref, ref + 0.01)],
+                          [], analysis=Analysis(4, 30.5, 40.0, math.inf, ops))
+    html = render_html(report, "m.onnx", "q.onnx")
+    assert "<b>conv" not in html and "&lt;b&gt;conv&amp;1&lt;/b&gt;" in html
+    assert "activations only &infin; (exact) dB" in html
+    rows = table_rows(html, ANALYSIS)
+    assert rows[0][4:] == ["\u221e (exact)", "+\u221e"] and rows[1][5] == "-0.50"
+    assert "more ops in the --json report" not in html  # all of them are shown
+    assert report.to_dict()["analysis"]["ops"][0]["gain_db"] == "inf"
+
+
+def test_analyze_rejects_a_qoperator_model(tmp_path, demo_model, demo_table, demo_heldout):
+    model, _ = quantize(demo_model, demo_table, QuantizeOptions(format="qoperator"))
+    path = tmp_path / "digits.qop.onnx"
+    onnx.save(model, str(path))
+    page = tmp_path / "report.html"
+    result = invoke("verify", demo_model, path, "--data", demo_heldout, "--analyze", "--report", page)
+    assert_user_error(result, "the quantized model has no QuantizeLinear/DequantizeLinear fences",
+                      "analyze reads QDQ models: quantize with --format qdq")
+    assert not page.exists()
+
+
+def test_analyze_samples_needs_analyze(demo_model, qmodel, demo_heldout, no_verify_run):
+    result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--analyze-samples", "8")
+    assert_user_error(result, "--analyze-samples", "--analyze")
+
+
+def test_analyze_samples_must_be_positive(demo_model, qmodel, demo_heldout):
+    result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--analyze",
+                    "--analyze-samples", "0")
+    assert_user_error(result, "number of samples must be >= 1, got 0")
