@@ -6,14 +6,17 @@
 
 Calibration and evaluation data are disjoint (bench/datasets.py, different seeds):
 - rec: rendered text lines with known strings; metric: exact string after CTC decode with the
-  charset from the model's metadata, plus logits SQNR against float;
+  charset from the model's metadata, the same with spaces removed (no_space: PaddleOCR's
+  RecMetric default, ignore_space=True), plus logits SQNR against float;
 - det: crops of scikit-image photos and rendered text pages; metric: probability-map SQNR and the
   IoU of the p > 0.3 masks against float;
 - cls: rendered lines, half rotated by 180 degrees; metric: top-1 agreement with float;
 - demo: the shipped digits CNN on its held-out set; metric: top-1 accuracy.
 
-Rows: float; qtool with each --qtool method (asymmetric int8 activations, per-channel weights,
-32-bit multipliers), run by onnxruntime on the QDQ model; onnxruntime quantize_static MinMax and
+Rows: float; the float model on inputs with half a grey level of Gaussian noise (--noise: how
+fragile the metric is); qtool with each --qtool method (asymmetric int8 activations, per-channel
+weights, 32-bit multipliers), without and with bias correction on the first --bias-samples
+calibration samples, run by onnxruntime on the QDQ model; onnxruntime quantize_static MinMax and
 Entropy (per-channel QDQ, opset upgraded to 13 and quant_pre_process, bench/ort_baseline.py: the
 settings it needs to write a valid model here). With --executor-samples N, qtool's integer
 executor also runs the first N evaluation samples of each qtool row, and the table gives its
@@ -40,12 +43,14 @@ sys.path.insert(0, str(ROOT))
 import datasets  # noqa: E402
 import ort_baseline  # noqa: E402
 
+from qtool.bias_correction import quantize_corrected  # noqa: E402
 from qtool.calibrate import calibrate  # noqa: E402
 from qtool.executor import IntegerExecutor  # noqa: E402
 from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
 
 DEMO = ROOT / "qtool" / "demo"
 BATCH = {"rec": 8, "det": 1, "cls": 16, "demo": 64}
+PIXEL = {"rec": 2 / 255, "det": 2 / 255, "cls": 2 / 255}  # one grey level in input units (std 0.5)
 
 
 def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -92,6 +97,9 @@ class Workload:
         if self.kind == "rec":
             pred = datasets.ctc_decode(y, self.charset)
             out["word_acc"] = float(np.mean([p == s for p, s in zip(pred, self.strings)]))
+            # PaddleOCR's RecMetric compares with spaces removed (ignore_space=True by default)
+            out["no_space"] = float(np.mean([p.replace(" ", "") == s.replace(" ", "")
+                                             for p, s in zip(pred, self.strings)]))
         elif self.kind == "det":
             a, b = ref > 0.3, y > 0.3
             out["iou"] = float((a & b).sum() / max(1, (a | b).sum()))
@@ -105,7 +113,7 @@ class Workload:
 def fmt(metrics: dict) -> str:
     parts = []
     for key, value in metrics.items():
-        if key in ("word_acc", "agree", "top1", "iou", "executor_agree"):
+        if key in ("word_acc", "no_space", "agree", "top1", "iou", "executor_agree"):
             parts.append(f"{key} {100 * value:.1f}%" if key != "iou" else f"iou {value:.4f}")
         elif key in ("sqnr_db", "executor_sqnr_db"):
             parts.append(f"{key.replace('_db', '')} {value:.1f} dB")
@@ -116,10 +124,22 @@ def fmt(metrics: dict) -> str:
     return ", ".join(parts)
 
 
-def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path) -> dict:
+def noise_row(w: Workload, ref: np.ndarray, pixels: float) -> dict:
+    """The float model on inputs with Gaussian noise of ``pixels`` grey levels (std): how much of
+    a metric moves under a perturbation far below what int8 activations add."""
+    rng = np.random.default_rng(0)
+    noisy = w.x + rng.normal(0, pixels * PIXEL[w.kind], w.x.shape).astype(np.float32)
+    return w.metrics(run_model(w.model, noisy, BATCH[w.kind]), ref)
+
+
+def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path, bias: bool = False) -> dict:
     t = time.perf_counter()
     table = calibrate(w.model, w.calib, method, batch_size=BATCH[w.kind], progress=False)
-    qmodel, report = quantize(w.model, table, QuantizeOptions())
+    if bias:
+        qmodel, report, _ = quantize_corrected(w.model, table, QuantizeOptions(), "table", w.calib,
+                                               args.bias_samples, BATCH[w.kind], progress=False)
+    else:
+        qmodel, report = quantize(w.model, table, QuantizeOptions())
     seconds = time.perf_counter() - t
     y = run_model(qmodel, w.x, BATCH[w.kind])
     metrics = w.metrics(y, ref)
@@ -165,6 +185,10 @@ def main() -> None:
     parser.add_argument("--det-eval", type=int, default=8)
     parser.add_argument("--det-size", type=int, default=640)
     parser.add_argument("--executor-samples", type=int, default=0)
+    parser.add_argument("--bias-samples", type=int, default=16,
+                        help="calibration samples for the bias-corrected rows (0: no such rows)")
+    parser.add_argument("--noise", type=float, default=0.5,
+                        help="grey levels (std) of input noise for the float reference row (0: none)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="qtool-quality-") as tmp:
         workdir = Path(tmp)
@@ -173,9 +197,14 @@ def main() -> None:
             w = Workload(kind, args, workdir)
             ref = run_model(w.model, w.x, BATCH[kind])
             rows = [("float", w.metrics(ref, ref))]
+            if kind in PIXEL and args.noise:
+                rows.append((f"float, input + noise {args.noise:g} grey level",
+                             noise_row(w, ref, args.noise)))
             for method in args.qtool.split(","):
-                rows.append((f"qtool {method}", qtool_row(w, method, ref, args, workdir)))
-                print(f"{kind} qtool {method}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
+                for bias in (False, True) if args.bias_samples else (False,):
+                    name = f"qtool {method}" + (" + bias correction" if bias else "")
+                    rows.append((name, qtool_row(w, method, ref, args, workdir, bias)))
+                    print(f"{kind} {name}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
             if not args.no_ort and kind != "demo":
                 for method in ("MinMax", "Entropy"):
                     rows.append((f"ORT {method}", ort_row(w, method, ref, workdir)))

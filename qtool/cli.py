@@ -243,6 +243,16 @@ def quantize(
                                 "cannot run integer-only, unless named by --keep-float."),
     params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
                                               "parameters per op as JSON."),
+    data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
+                                        "(or a folder of .npy/.npz): calibration samples for bias "
+                                        "correction."),
+    bias_correction: Optional[bool] = typer.Option(None, "--bias-correction/--no-bias-correction",
+                                                   help="Shift each Conv/Gemm bias so that its output's "
+                                                   "per-channel mean matches float on DATA "
+                                                   "[default: on with --data]."),
+    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction."),
+    batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
     """Rewrite MODEL as quantized ONNX using TABLE, ready for onnxruntime and qtool exec.
@@ -259,7 +269,9 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm --strict
       qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # bias correction
     """
+    from .bias_correction import quantize_corrected
     from .params import model_params
     from .quantize import QuantizeOptions, quantize as run
     from .table import read_table
@@ -267,10 +279,20 @@ def quantize(
     options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                               tuple(keep_float), format, strict)
     try:
+        if bias_correction and data is None:
+            raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
+        if num_samples < 1 or batch_size < 1:
+            raise QtoolError(f"--num-samples and --batch-size must be at least 1, got {num_samples} "
+                             f"and {batch_size}")
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
-        qmodel, report = run(model, read_table(table, table_format), options, str(table))
+        loaded = read_table(table, table_format)
+        if data is not None and bias_correction is not False:
+            qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
+                                                   batch_size, progress=not quiet)
+        else:
+            qmodel, report = run(model, loaded, options, str(table))
         if params_out is not None:
             atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
         try:
@@ -298,6 +320,11 @@ def quantize(
             typer.echo(line)
     if report.widened:
         typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
+    if report.bias_correction is not None:
+        bc = report.bias_correction
+        typer.echo(f"bias:    {bc['ops']} ops corrected on {bc['samples']} samples in {bc['seconds']:.1f} s"
+                   + (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
+                      f"'{bc['largest_shift']['node']}')" if bc["ops"] else ""))
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
                f"-> {output}")
 

@@ -19,6 +19,7 @@ import yaml
 import calibrators
 
 from . import __version__
+from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
@@ -62,6 +63,8 @@ SCHEMA = {
         "keep_float": (list, False),
         "format": (("choice", FORMATS), False),
         "strict": (bool, False),
+        "bias_correction": (bool, False),
+        "bias_samples": ("posint", False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -291,7 +294,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     if not all(isinstance(v, str) for v in qz.get("keep_float", [])):
         raise fail("quantize.keep_float", f"expected a list of op types or node names, "
                                           f"got {qz['keep_float']}")
-    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()})
+    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()
+                                 if k not in ("bias_correction", "bias_samples")})
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job)
@@ -368,7 +372,13 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         f"({seconds['calibrate']:.1f} s)")
 
     t0 = time.perf_counter()
-    qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
+    qz = plan.settings.get("quantize", {})
+    if qz.get("bias_correction", True):
+        qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
+                                                plan.calibrate_data, qz.get("bias_samples", BIAS_SAMPLES),
+                                                min(cal.get("batch_size", 8), 8), progress, plan.preprocess)
+    else:
+        qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())
     written.append(plan.qmodel)
     seconds["quantize"] = time.perf_counter() - t0
@@ -481,6 +491,9 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
+    qz = plan.settings.get("quantize", {})
+    if qz.get("bias_correction", True):
+        quantize += f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples"
     return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
             f"{'up to date, would be skipped' if skip else 'would run'}",
             f"  model      {plan.model}",

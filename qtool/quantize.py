@@ -76,19 +76,25 @@ class QuantizeReport:
     format: str = "qdq"
     # QOperator only: integer groups with no quantized-operator form, left as DQ -> op -> Q
     qdq_groups: list[tuple[str, str]] = field(default_factory=list)
+    bias_correction: dict | None = None  # qtool.bias_correction's summary, when it ran
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
                "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
                "size_before": self.size_before, "size_after": self.size_after}
+        if self.bias_correction is not None:
+            out["bias_correction"] = self.bias_correction
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out
 
 
 def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
-             table_name: str = "table") -> tuple[onnx.ModelProto, QuantizeReport]:
+             table_name: str = "table", bias_corrections: dict[str, np.ndarray] | None = None
+             ) -> tuple[onnx.ModelProto, QuantizeReport]:
+    """``bias_corrections``: node name -> float shift added to its bias before quantization (see
+    qtool.bias_correction); a named Conv or ConvTranspose without a bias gets one."""
     options.check()
     source = load_model(model_path)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
@@ -104,7 +110,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     report.opset = default_opset(model)
     if default_opset(source) < report.opset:
         report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}")
-    rewritten = _Rewriter(model, table, options, report, table_name).run()
+    corrections = dict(bias_corrections or {})
+    _add_zero_biases(model, corrections)
+    rewritten = _Rewriter(model, table, options, report, table_name, corrections).run()
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest}
     for key, value in meta.items():
@@ -127,6 +135,33 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     report.size_after = rewritten.ByteSize()
     return rewritten, report
 
+
+
+def _add_zero_biases(model: onnx.ModelProto, nodes) -> None:
+    """A zero bias input on each Conv and ConvTranspose named in ``nodes`` that has none, so that
+    bias correction has an int32 bias to shift."""
+    inits = {i.name: i for i in model.graph.initializer}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.name not in nodes or node.op_type not in ("Conv", "ConvTranspose"):
+            continue
+        if len(node.input) > 2 and node.input[2]:
+            continue
+        weight = inits.get(node.input[1])
+        if weight is None:
+            continue
+        shape = list(weight.dims)
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        channels = shape[0] if node.op_type == "Conv" else shape[1] * group
+        name, k = f"{node.name}_bias", 1
+        while name in taken:
+            name, k = f"{node.name}_bias_{k}", k + 1
+        taken.add(name)
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(channels, np.float32), name))
+        if len(node.input) == 2:
+            node.input.append(name)
+        else:
+            node.input[2] = name
 
 
 def _check(model: onnx.ModelProto) -> None:
@@ -157,8 +192,9 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
 
 class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
-                 table_name: str):
+                 table_name: str, bias_corrections: dict[str, np.ndarray]):
         self.model, self.table, self.opt, self.report = model, table, options, report
+        self.bias_corrections = bias_corrections
         self.table_name = table_name
         self.graph = model.graph
         self.inits = initializers(model)
@@ -429,7 +465,10 @@ class _Rewriter:
         bias = self.inits[name].astype(np.float64).reshape(-1)
         scale = (np.float64(x_qp.scale) * np.asarray(w_qp.scale, np.float64)).astype(np.float32)
         scale = np.broadcast_to(scale, bias.shape).copy()
-        q = np.clip(np.rint(bias / scale.astype(np.float64)), -(2**31), 2**31 - 1).astype(np.int32)
+        q = np.rint(bias / scale.astype(np.float64))
+        if node.name in self.bias_corrections:  # whole steps of this bias's own scale
+            q += np.rint(np.asarray(self.bias_corrections[node.name], np.float64) / scale)
+        q = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
         q_name = self._init(f"{name}_quantized", q)
         s_name = self._init(f"{name}_{node.name}_scale", scale)
         z_name = self._init(f"{name}_{node.name}_zero_point", np.zeros(bias.shape, np.int32))

@@ -7,9 +7,9 @@ from collections import defaultdict
 from tqdm import tqdm
 
 
-def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
-    """A samples/s bar on stderr; also off when stderr is not a terminal (logs stay clean)."""
-    return tqdm(total=total, unit="sample", desc=desc, disable=None if enabled else True, leave=False)
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "sample") -> tqdm:
+    """A units/s bar on stderr; also off when stderr is not a terminal (logs stay clean)."""
+    return tqdm(total=total, unit=unit, desc=desc, disable=None if enabled else True, leave=False)
 
 
 def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", shown: int = 3) -> list[str]:

@@ -1,0 +1,176 @@
+"""Empirical bias correction: the per-channel mean of every integer Conv, ConvTranspose and Gemm
+output is brought back to the float model's on calibration data.
+
+Quantization errors are not zero-mean. Rounding a constant region (the background of a text line)
+gives the same error at every pixel, and the shift grows through the network: on PP-OCRv4 rec the
+mean of the last convs' outputs is off by up to 3.4 where their RMS is 0.6. Correcting the bias
+removes that shift at no cost at run time.
+
+The ops are corrected one at a time in graph order, each measured on the QDQ model with the earlier
+corrections applied. Corrected all at once, an op downstream of another is corrected twice for the
+same upstream shift (PP-OCRv4 rec then fell to 0% word accuracy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .analyze import as_written_session, evaluation_batches
+from .errors import QtoolError
+from .model import first_line, load_model, prepare
+from .quantize import quantize
+from .report import progress_bar
+
+CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # the axis the bias runs along
+REFERENCE_CHUNK = 16  # float tensors fetched per run: bounds the memory a batch holds
+BIAS_SAMPLES = 16  # channel means over 16 samples x H x W positions are stable to well under a step
+
+
+@dataclass
+class Target:
+    node: str
+    output: str  # the op's float output, before its QuantizeLinear
+    bias: str  # the int32 initializer read by the bias's DequantizeLinear
+    scale: np.ndarray  # float64, the bias's per-channel scale
+    axis: int
+
+
+@dataclass
+class BiasCorrection:
+    deltas: dict[str, np.ndarray] = field(default_factory=dict)  # node -> float shift of its bias
+    samples: int = 0
+    seconds: float = 0.0
+    largest: tuple[str, float] = ("", 0.0)  # node and the largest |shift| in units of its output RMS
+
+    def to_dict(self) -> dict:
+        return {"ops": len(self.deltas), "samples": self.samples, "seconds": round(self.seconds, 2),
+                "largest_shift": {"node": self.largest[0], "relative": round(self.largest[1], 4)}}
+
+
+def targets(qmodel: onnx.ModelProto) -> list[Target]:
+    """The integer Conv, ConvTranspose and Gemm nodes of a QDQ model whose bias is an int32
+    initializer behind a DequantizeLinear, in graph order."""
+    inits = {i.name: i for i in qmodel.graph.initializer}
+    producer = {o: n for n in qmodel.graph.node for o in n.output}
+    found = []
+    for node in qmodel.graph.node:
+        if node.op_type not in CHANNEL_AXIS or len(node.input) < 3 or not node.input[2]:
+            continue
+        dq = producer.get(node.input[2])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        bias = inits[dq.input[0]]
+        if bias.data_type != onnx.TensorProto.INT32 or dq.input[1] not in inits:
+            continue
+        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
+        found.append(Target(node.name, node.output[0], bias.name, scale, CHANNEL_AXIS[node.op_type]))
+    return found
+
+
+def correct_biases(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, batches: list[dict],
+                   progress: bool = True) -> BiasCorrection:
+    """The float shift to add to each target's bias so that its output's per-channel mean on
+    ``batches`` matches ``float_model``'s (the prepared model ``qmodel`` was quantized from: nodes
+    keep their names)."""
+    start = time.perf_counter()
+    result = BiasCorrection(samples=sum(len(next(iter(b.values()))) for b in batches))
+    found = targets(qmodel)
+    float_outputs = {n.name: n.output[0] for n in float_model.graph.node}
+    found = [t for t in found if t.node in float_outputs]
+    if not found:
+        result.seconds = time.perf_counter() - start
+        return result
+    reference = []
+    for i in range(0, len(found), REFERENCE_CHUNK):
+        chunk = found[i:i + REFERENCE_CHUNK]
+        reference += _channel_means(float_model, [float_outputs[t.node] for t in chunk],
+                                    [t.axis for t in chunk], batches)
+    work = onnx.ModelProto()
+    work.CopyFrom(qmodel)
+    inits = {i.name: i for i in work.graph.initializer}
+    with progress_bar(len(found), "bias correction", progress, unit="op") as bar:
+        for target, (want, rms) in zip(found, reference):
+            got, _ = _channel_means(_prefix(work, target.output), [target.output], [target.axis],
+                                    batches)[0]
+            steps = np.rint((want - got) / target.scale)
+            bias = inits[target.bias]
+            q = numpy_helper.to_array(bias).astype(np.int64)
+            q = np.clip(q + steps.astype(np.int64), -(2**31), 2**31 - 1)
+            bias.CopyFrom(numpy_helper.from_array(q.astype(np.int32), target.bias))
+            delta = steps * target.scale
+            result.deltas[target.node] = delta
+            shift = float(np.abs(delta).max()) / rms if rms > 0 else 0.0
+            if shift > result.largest[1]:
+                result.largest = (target.node, shift)
+            bar.update(1)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
+    """The part of ``model`` that computes ``tensor``, with it as the only output."""
+    producer = {o: i for i, n in enumerate(model.graph.node) for o in n.output}
+    needed, stack = set(), [tensor]
+    while stack:
+        index = producer.get(stack.pop())
+        if index is None or index in needed:
+            continue
+        needed.add(index)
+        stack.extend(model.graph.node[index].input)
+    nodes = [n for i, n in enumerate(model.graph.node) if i in needed]
+    used = {name for n in nodes for name in n.input}
+    graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input),
+                              [helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None)],
+                              [i for i in model.graph.initializer if i.name in used])
+    out = helper.make_model(graph, opset_imports=list(model.opset_import))
+    out.ir_version = model.ir_version
+    return out
+
+
+def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
+                   batches: list[dict]) -> list[tuple[np.ndarray, float]]:
+    """Per-channel mean (float64) and overall RMS of each tensor over all batches."""
+    try:
+        session = as_written_session(_with_outputs(model, names))
+        sums = [None] * len(names)
+        squares = [0.0] * len(names)
+        counts = [0] * len(names)
+        for feeds in batches:
+            for i, (y, axis) in enumerate(zip(session.run(names, feeds), axes)):
+                y = np.moveaxis(y.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
+                sums[i] = y.sum(axis=0) if sums[i] is None else sums[i] + y.sum(axis=0)
+                squares[i] += float((y * y).sum())
+                counts[i] += y.shape[0]
+    except Exception as e:
+        raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None
+    return [(s / c, (q / (c * len(s))) ** 0.5) for s, q, c in zip(sums, squares, counts)]
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    if [o.name for o in model.graph.output] == names:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.output[:]
+    out.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    return out
+
+
+def quantize_corrected(model_path, table, options, table_name: str, data_path,
+                       num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
+                       preprocess=None):
+    """``quantize`` with bias correction measured on the first ``num_samples`` of DATA: returns
+    the model, its report (with a ``bias_correction`` entry) and the correction."""
+    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    batches = evaluation_batches(float_model, data_path, num_samples, batch_size, preprocess)
+    every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in CHANNEL_AXIS}
+    work, _ = quantize(model_path, table, replace(options, format="qdq", strict=False), table_name, every)
+    correction = correct_biases(float_model, work, batches, progress)
+    qmodel, report = quantize(model_path, table, options, table_name, correction.deltas)
+    report.bias_correction = correction.to_dict()
+    return qmodel, report, correction

@@ -1,0 +1,144 @@
+"""Bias correction: per-channel output means of the quantized Conv/Gemm match float on the samples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.bias_correction import _channel_means, quantize_corrected, targets
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.model import load_model, prepare
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.table import write_table
+from test_cli import assert_user_error, invoke
+
+
+def _means(model, batches):
+    found = targets(model)
+    return {t.node: m for t, (m, _) in zip(found, _channel_means(
+        model, [t.output for t in found], [t.axis for t in found], batches))}
+
+
+@pytest.fixture(scope="module")
+def corrected(demo_model, demo_table, demo_calib):
+    qmodel, report, correction = quantize_corrected(demo_model, demo_table, QuantizeOptions(), "t",
+                                                    demo_calib, 16, 8, progress=False)
+    batches = [{"input": np.load(demo_calib)["input"][:16]}]
+    return qmodel, report, correction, batches
+
+
+def test_each_output_mean_is_within_half_a_bias_step_of_float(demo_model, demo_table, corrected):
+    qmodel, _, correction, batches = corrected
+    float_model = prepare(load_model(demo_model))
+    plain, _ = quantize(demo_model, demo_table)
+    outputs = {n.name: n.output[0] for n in float_model.graph.node}
+    found = targets(qmodel)
+    assert [t.node for t in found] == ["conv1", "block_conv1", "block_conv2", "conv2", "fc"]
+    reference = _channel_means(float_model, [outputs[t.node] for t in found], [t.axis for t in found],
+                               batches)
+    float_means = {t.node: m for t, (m, _) in zip(found, reference)}
+    after, before = _means(qmodel, batches), _means(plain, batches)
+    scales = {t.node: t.scale for t in found}
+    for node, want in float_means.items():
+        # later corrections only move ops downstream, so every op keeps its own correction
+        assert np.all(np.abs(after[node] - want) <= 0.5 * scales[node] * (1 + 1e-3) + 1e-6), node
+    # the uncorrected model really was off by more than that somewhere
+    assert max(float(np.max(np.abs(before[n] - float_means[n]) / scales[n])) for n in float_means) > 2
+
+
+def test_held_out_sqnr_improves_on_the_integer_executor(demo_model, demo_table, demo_heldout, tmp_path,
+                                                        corrected):
+    qmodel = corrected[0]
+    plain, _ = quantize(demo_model, demo_table)
+    x = np.load(demo_heldout)["input"][:256]
+    ref = ort.InferenceSession(str(demo_model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+
+    def sqnr(model):
+        y = IntegerExecutor(model).run({"input": x}).outputs["logits"]
+        return 10 * np.log10((ref.astype(np.float64) ** 2).sum() / ((ref - y) ** 2).sum())
+
+    assert sqnr(qmodel) > sqnr(plain) + 1.0  # measured: 33.7 -> 36.1 dB on all 540
+
+
+def test_shifts_are_whole_steps_of_the_bias_scale(demo_model, demo_table, corrected):
+    qmodel, report, correction, _ = corrected
+    plain, _ = quantize(demo_model, demo_table)
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    plain_inits = {i.name: numpy_helper.to_array(i) for i in plain.graph.initializer}
+    for t in targets(qmodel):
+        steps = correction.deltas[t.node] / t.scale
+        assert np.array_equal(steps, np.rint(steps))
+        assert np.array_equal(inits[t.bias].astype(np.int64) - plain_inits[t.bias], steps.astype(np.int64))
+    assert report.bias_correction["ops"] == 5 and report.bias_correction["samples"] == 16
+
+
+def test_a_conv_without_bias_gets_one(tmp_path):
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["y"], ["z"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 8, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, 4, 8, 8])], [w])
+    path = tmp_path / "nobias.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    data = tmp_path / "x.npz"
+    np.savez(data, x=(rng.random((8, 3, 8, 8)) + 0.5).astype(np.float32))
+    table = calibrate(path, data, "minmax", progress=False)
+    qmodel, _, correction = quantize_corrected(path, table, QuantizeOptions(), "t", data, 8, 8, False)
+    conv = next(n for n in qmodel.graph.node if n.op_type == "Conv")
+    assert len(conv.input) == 3 and conv.input[2]
+    assert list(correction.deltas) == ["conv"]
+    out = IntegerExecutor(qmodel).run({"x": np.load(data)["x"]}).outputs["z"]
+    assert out.shape == (8, 4, 8, 8)
+    plain, _ = quantize(path, table)
+    assert len(next(n for n in plain.graph.node if n.op_type == "Conv").input) == 2
+
+
+@pytest.fixture
+def table_file(demo_table, tmp_path):
+    path = tmp_path / "t.yaml"
+    write_table(demo_table, path)
+    return path
+
+
+def test_cli_reports_the_correction_and_is_deterministic(demo_model, table_file, demo_calib, tmp_path):
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"q{k}.onnx"
+        result = invoke("quantize", demo_model, "-t", table_file, "-o", out, "--data", demo_calib, "-q")
+        assert result.exit_code == 0, result.output
+        assert "bias:    5 ops corrected on 16 samples" in result.stdout
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
+                    demo_calib, "--no-bias-correction", "--json")
+    assert result.exit_code == 0 and "bias_correction" not in json.loads(result.stdout)
+
+
+def test_bias_correction_needs_data(demo_model, table_file, tmp_path):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx",
+                    "--bias-correction")
+    assert_user_error(result, "--bias-correction needs calibration samples", "--data")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+@pytest.mark.parametrize("option", ["--num-samples", "--batch-size"])
+def test_sample_counts_must_be_positive(demo_model, table_file, demo_calib, tmp_path, option):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx",
+                    "--data", demo_calib, option, "0")
+    assert_user_error(result, "--num-samples and --batch-size must be at least 1")
+
+
+def test_bad_data_file_is_one_line(demo_model, table_file, tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, other=np.zeros((2, 3), np.float32))
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data", bad)
+    assert_user_error(result, "bad.npz")
+    assert not (tmp_path / "q.onnx").exists()
