@@ -250,7 +250,13 @@ def quantize(
                                                    help="Shift each Conv/Gemm bias so that its output's "
                                                    "per-channel mean matches float on DATA "
                                                    "[default: on with --data]."),
-    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction."),
+    target_sqnr: Optional[float] = typer.Option(None, "--target-sqnr", help="Keep float the fewest "
+                                                "ops that bring the output SQNR against float on "
+                                                "DATA to this many dB (needs --data)."),
+    max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="At most this many "
+                                                   "ops float; alone, the N whose quantization costs "
+                                                   "the most (needs --data)."),
+    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction and the search."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
@@ -270,8 +276,11 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # bias correction
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --max-float-layers 5
     """
     from .bias_correction import quantize_corrected
+    from .search import search
     from .params import model_params
     from .quantize import QuantizeOptions, quantize as run
     from .table import read_table
@@ -281,6 +290,14 @@ def quantize(
     try:
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
+        searching = target_sqnr is not None or max_float_layers is not None
+        if searching and data is None:
+            raise QtoolError(f"{'--target-sqnr' if target_sqnr is not None else '--max-float-layers'} "
+                             f"needs samples to score on: add --data DATA")
+        if max_float_layers is not None and max_float_layers < 0:
+            raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
+        if target_sqnr is not None and not math.isfinite(target_sqnr):
+            raise QtoolError(f"--target-sqnr must be a finite number of dB, got {target_sqnr}")
         if num_samples < 1 or batch_size < 1:
             raise QtoolError(f"--num-samples and --batch-size must be at least 1, got {num_samples} "
                              f"and {batch_size}")
@@ -288,7 +305,11 @@ def quantize(
         if params_out is not None:
             check_writable(params_out)
         loaded = read_table(table, table_format)
-        if data is not None and bias_correction is not False:
+        if searching:
+            qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
+                                       max_float_layers, num_samples, batch_size,
+                                       bias_correction is not False, progress=not quiet)
+        elif data is not None and bias_correction is not False:
             qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
                                                    batch_size, progress=not quiet)
         else:
@@ -325,6 +346,15 @@ def quantize(
         typer.echo(f"bias:    {bc['ops']} ops corrected on {bc['samples']} samples in {bc['seconds']:.1f} s"
                    + (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
                       f"'{bc['largest_shift']['node']}')" if bc["ops"] else ""))
+    if report.search is not None:
+        sr = report.search
+        names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])
+        more = f", and {len(sr['kept_float']) - 5} more" if len(sr["kept_float"]) > 5 else ""
+        goal = ("" if sr["target_sqnr_db"] is None else
+                f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
+        typer.echo(f"search:  {len(sr['kept_float'])} ops kept float{' (' + names + more + ')' if names else ''}; "
+                   f"output SQNR {sr['integer_sqnr_db']} dB all integer -> {sr['final_sqnr_db']} dB{goal}; "
+                   f"{sr['evaluations']} runs on {sr['samples']} samples in {sr['seconds']:.1f} s")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
                f"-> {output}")
 

@@ -27,6 +27,7 @@ from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
+from .search import search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
 from .verify import DEFAULT_BATCH as VERIFY_BATCH
@@ -65,6 +66,8 @@ SCHEMA = {
         "strict": (bool, False),
         "bias_correction": (bool, False),
         "bias_samples": ("posint", False),
+        "target_sqnr": (float, False),
+        "max_float_layers": (int, False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -75,6 +78,7 @@ SCHEMA = {
         "max_accuracy_drop": (float, False),
     }, False),
 }
+DATA_DRIVEN = ("bias_correction", "bias_samples", "target_sqnr", "max_float_layers")  # not QuantizeOptions
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -294,8 +298,10 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     if not all(isinstance(v, str) for v in qz.get("keep_float", [])):
         raise fail("quantize.keep_float", f"expected a list of op types or node names, "
                                           f"got {qz['keep_float']}")
+    if qz.get("max_float_layers", 0) < 0:
+        raise fail("quantize.max_float_layers", f"must be >= 0, got {qz['max_float_layers']}")
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()
-                                 if k not in ("bias_correction", "bias_samples")})
+                                 if k not in DATA_DRIVEN})
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job)
@@ -373,7 +379,12 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
-    if qz.get("bias_correction", True):
+    if "target_sqnr" in qz or "max_float_layers" in qz:
+        qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
+                                    qz.get("target_sqnr"), qz.get("max_float_layers"),
+                                    qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8),
+                                    qz.get("bias_correction", True), progress, plan.preprocess)
+    elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
                                                 plan.calibrate_data, qz.get("bias_samples", BIAS_SAMPLES),
                                                 min(cal.get("batch_size", 8), 8), progress, plan.preprocess)
@@ -384,6 +395,10 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
+    if qreport.search is not None:
+        sr = qreport.search
+        log(f"search: {len(sr['kept_float'])} ops kept float, output SQNR {sr['integer_sqnr_db']} dB "
+            f"-> {sr['final_sqnr_db']} dB" + ("" if sr["reached"] else ", target NOT reached"))
 
     t0 = time.perf_counter()
     report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
@@ -494,6 +509,10 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     qz = plan.settings.get("quantize", {})
     if qz.get("bias_correction", True):
         quantize += f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples"
+    if "target_sqnr" in qz:
+        quantize += f", float ops searched for {qz['target_sqnr']:g} dB"
+    if "max_float_layers" in qz:
+        quantize += f", at most {qz['max_float_layers']} ops float"
     return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
             f"{'up to date, would be skipped' if skip else 'would run'}",
             f"  model      {plan.model}",

@@ -77,6 +77,7 @@ class QuantizeReport:
     # QOperator only: integer groups with no quantized-operator form, left as DQ -> op -> Q
     qdq_groups: list[tuple[str, str]] = field(default_factory=list)
     bias_correction: dict | None = None  # qtool.bias_correction's summary, when it ran
+    search: dict | None = None  # qtool.search's result, when it ran
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -85,6 +86,8 @@ class QuantizeReport:
                "size_before": self.size_before, "size_after": self.size_after}
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
+        if self.search is not None:
+            out["search"] = self.search
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out

@@ -161,8 +161,12 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[1].verify.num_samples: expected an integer, got 'many'"]),
     (lambda s: s["jobs"][0].update(quantize={"format": "qlinear"}),
      ["jobs[0].quantize.format: unknown 'qlinear'; choose one of qdq, qoperator"]),
+    (lambda s: s["jobs"][0].update(quantize={"max_float_layers": -2}),
+     ["jobs[0].quantize.max_float_layers: must be >= 0, got -2"]),
+    (lambda s: s["jobs"][0].update(quantize={"target_sqnr": "high"}),
+     ["jobs[0].quantize.target_sqnr: expected a number, got 'high'"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
-        "pkg", "type", "format"])
+        "pkg", "type", "format", "max-float", "target"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
@@ -180,3 +184,19 @@ def test_forced_reruns_write_the_same_bytes_reports_included(tmp_path, inputs):
     assert any(p.suffix == ".json" for p in first)
     assert invoke("run", path, "-q", "--force").exit_code == 0
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == first
+
+
+def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
+    spec = batch(inputs)
+    spec["jobs"] = [{"name": "plain", "quantize": {"bias_correction": False}},
+                    {"name": "corrected"},
+                    {"name": "searched", "quantize": {"max_float_layers": 2}}]
+    result = invoke("run", write(tmp_path, spec))
+    assert result.exit_code == 0, result.output
+    assert "search: 2 ops kept float" in result.stderr
+    out = tmp_path / "out"
+    models = {n: (out / n / f"{n}.q.onnx").read_bytes() for n in ("plain", "corrected", "searched")}
+    assert models["plain"] != models["corrected"]
+    floats = {n: json.loads((out / n / f"{n}.verify.json").read_text())["float_nodes"] for n in models}
+    assert floats["plain"] == floats["corrected"] == []
+    assert len(floats["searched"]) == 2

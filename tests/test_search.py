@@ -1,0 +1,127 @@
+"""quantize --target-sqnr / --max-float-layers: the fewest ops float that reach a target SQNR."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qtool.analyze import Evaluator, QdqModel
+from qtool.model import load_model, prepare
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.search import realizable, search
+from qtool.table import write_table
+from test_cli import assert_user_error, invoke
+
+
+@pytest.fixture
+def table_file(demo_table, tmp_path):
+    path = tmp_path / "t.yaml"
+    write_table(demo_table, path)
+    return path
+
+
+def _float_nodes(report) -> set[str]:
+    return {n for _, n, _ in report.kept_float}
+
+
+def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_calib):
+    qmodel, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+                                    target_db=40.0, progress=False)
+    assert result.integer_db < 40.0 <= result.final_db and result.reached
+    assert 0 < len(result.kept_float) < result.candidates
+    assert _float_nodes(report) == {n for _, n in result.kept_float}
+    assert all(r == "kept float by the search" for _, _, r in report.kept_float)
+    # the reported SQNR is the returned model's, scored independently on the same samples
+    float_model = prepare(load_model(demo_model))
+    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
+                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    assert evaluator.sqnr(qmodel) == pytest.approx(result.final_db, abs=1e-3)
+    # all-integer, one per op, the bound then a binary search over 13 candidates, the final model
+    assert report.search["evaluations"] == result.evaluations <= 1 + 13 + (1 + 4) + 1
+
+
+def test_a_target_already_met_keeps_everything_integer(demo_model, demo_table, demo_calib):
+    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+                               target_db=10.0, progress=False)
+    assert result.kept_float == [] and result.evaluations == 2 and not report.kept_float
+
+
+def test_max_float_layers_caps_the_search_and_says_when_the_target_is_missed(demo_model, demo_table,
+                                                                              demo_calib):
+    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+                               target_db=200.0, max_float=2, progress=False)
+    assert len(result.kept_float) == 2 and not result.reached
+    assert report.search["reached"] is False
+    _, _, zero = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, max_float=0,
+                        progress=False)
+    assert zero.kept_float == []
+
+
+def test_the_costliest_ops_come_first(demo_model, demo_table, demo_calib):
+    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, max_float=3,
+                          bias_correction=False, progress=False)
+    float_model = prepare(load_model(demo_model))
+    qmodel, _ = quantize(demo_model, demo_table)
+    qdq = QdqModel(qmodel, float_model)
+    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
+                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    alone = {}
+    for op in qdq.ops:
+        alone[op.node] = evaluator.sqnr(qdq.ablated(qdq.all_tensors() - set(op.activations),
+                                                    qdq.all_weights() - set(op.weights)))
+    chosen = [n for _, n in result.kept_float]
+    assert max(alone[n] for n in chosen) <= min(v for n, v in alone.items() if n not in chosen)
+
+
+def test_realizable_matches_quantize_with_keep_float(demo_model, demo_table, demo_calib):
+    """The surgery the search scores is the model quantize writes with those ops float."""
+    float_model = prepare(load_model(demo_model))
+    qmodel, _ = quantize(demo_model, demo_table)
+    qdq = QdqModel(qmodel, float_model)
+    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:16]}])
+    keep = {"block_conv1", "block_relu1", "block_conv2"}
+    kept, _ = quantize(demo_model, demo_table, QuantizeOptions(keep_float=tuple(keep)))
+    assert evaluator.sqnr(realizable(qdq, keep)) == pytest.approx(evaluator.sqnr(kept), abs=1e-6)
+
+
+def test_search_is_deterministic(demo_model, table_file, demo_calib, tmp_path):
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"q{k}.onnx"
+        result = invoke("quantize", demo_model, "-t", table_file, "-o", out, "--data", demo_calib,
+                        "--target-sqnr", "40", "--json", "-q")
+        assert result.exit_code == 0, result.output
+        outs.append(out.read_bytes())
+        report = json.loads(result.stdout)
+        assert report["search"]["reached"] and report["search"]["kept_float"]
+    assert outs[0] == outs[1]
+
+
+def test_cli_summary_line(demo_model, table_file, demo_calib, tmp_path):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
+                    demo_calib, "--max-float-layers", "1", "-q")
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stdout.splitlines() if x.startswith("search:"))
+    assert "1 ops kept float" in line and "runs on 16 samples" in line
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--target-sqnr", "30", "--target-sqnr needs samples to score on: add --data DATA"),
+    ("--max-float-layers", "3", "--max-float-layers needs samples to score on: add --data DATA"),
+])
+def test_search_needs_data(demo_model, table_file, tmp_path, option, value, message):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", option, value)
+    assert_user_error(result, message)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--max-float-layers", "-1", "--max-float-layers must be >= 0, got -1"),
+    ("--target-sqnr", "nan", "--target-sqnr must be a finite number of dB"),
+])
+def test_bad_search_settings(demo_model, table_file, demo_calib, tmp_path, option, value, message):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
+                    demo_calib, option, value)
+    assert_user_error(result, message)
