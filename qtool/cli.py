@@ -256,7 +256,14 @@ def quantize(
     max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="At most this many "
                                                    "ops float; alone, the N whose quantization costs "
                                                    "the most (needs --data)."),
-    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction and the search."),
+    try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
+                                              "try per tensor against TABLE's, e.g. percentile,mse,kl "
+                                              "(calibrated on DATA); each tensor keeps the one with the "
+                                              "best output SQNR (needs --data)."),
+    table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods, also "
+                                             "write the per-tensor table it chose."),
+    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction and the "
+                                             "searches."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
@@ -278,9 +285,15 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # bias correction
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --max-float-layers 5
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --try-methods mse,kl
+
+    With --target-sqnr, --max-float-layers and --try-methods, SQNR is measured on the first output,
+    or on the input of the Softmax/Sigmoid that makes it (the logits).
     """
     from .bias_correction import quantize_corrected
-    from .search import search
+    from .calibrate import make_calibrator
+    from .search import choose_methods, search
+    from .table import write_table
     from .params import model_params
     from .quantize import QuantizeOptions, quantize as run
     from .table import read_table
@@ -291,9 +304,19 @@ def quantize(
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         searching = target_sqnr is not None or max_float_layers is not None
-        if searching and data is None:
-            raise QtoolError(f"{'--target-sqnr' if target_sqnr is not None else '--max-float-layers'} "
-                             f"needs samples to score on: add --data DATA")
+        needs = [o for o, v in (("--target-sqnr", target_sqnr), ("--max-float-layers", max_float_layers),
+                                ("--try-methods", try_methods)) if v is not None]
+        if needs and data is None:
+            raise QtoolError(f"{needs[0]} needs samples to score on: add --data DATA")
+        if table_out is not None and try_methods is None:
+            raise QtoolError("--table-out writes the table --try-methods chooses: add --try-methods")
+        if table_out is not None and str(table_out) == "-":
+            raise QtoolError("--table-out needs a file name (standard output carries the report)")
+        methods = [m.strip() for m in (try_methods or "").split(",") if m.strip()]
+        if try_methods is not None and not methods:
+            raise QtoolError("--try-methods: no method named; e.g. --try-methods percentile,mse,kl")
+        for method in methods:
+            make_calibrator(method)
         if max_float_layers is not None and max_float_layers < 0:
             raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
         if target_sqnr is not None and not math.isfinite(target_sqnr):
@@ -305,6 +328,12 @@ def quantize(
         if params_out is not None:
             check_writable(params_out)
         loaded = read_table(table, table_format)
+        choice = None
+        if methods:
+            if table_out is not None:
+                check_writable(table_out)
+            loaded, choice = choose_methods(model, loaded, methods, options, str(table), data, num_samples,
+                                            batch_size, progress=not quiet)
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
@@ -314,13 +343,18 @@ def quantize(
                                                    batch_size, progress=not quiet)
         else:
             qmodel, report = run(model, loaded, options, str(table))
-        if params_out is not None:
-            atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
+        if choice is not None:
+            report.method_choice = choice.to_dict()
+        extras = [p for p in (table_out, params_out) if p is not None]
         try:
+            if table_out is not None:
+                write_table(loaded, table_out)
+            if params_out is not None:
+                atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
             atomic_write(output, qmodel.SerializeToString())
         except QtoolError:
-            if params_out is not None:
-                params_out.unlink(missing_ok=True)  # both outputs or neither
+            for path in extras:
+                path.unlink(missing_ok=True)  # every output or none
             raise
     except QtoolError as e:
         raise _fail(e)
@@ -346,6 +380,12 @@ def quantize(
         typer.echo(f"bias:    {bc['ops']} ops corrected on {bc['samples']} samples in {bc['seconds']:.1f} s"
                    + (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
                       f"'{bc['largest_shift']['node']}')" if bc["ops"] else ""))
+    if report.method_choice is not None:
+        mc = report.method_choice
+        changed = ", ".join(f"{m} {n}" for m, n in mc["changed_tensors"].items() if n) or "none"
+        typer.echo(f"methods: tensors moved off the table's method: {changed}; SQNR {mc['before_sqnr_db']} "
+                   f"-> {mc['after_sqnr_db']} dB; {mc['evaluations']} runs on {mc['samples']} samples "
+                   f"in {mc['seconds']:.1f} s")
     if report.search is not None:
         sr = report.search
         names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])
@@ -353,7 +393,7 @@ def quantize(
         goal = ("" if sr["target_sqnr_db"] is None else
                 f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
         typer.echo(f"search:  {len(sr['kept_float'])} ops kept float{' (' + names + more + ')' if names else ''}; "
-                   f"output SQNR {sr['integer_sqnr_db']} dB all integer -> {sr['final_sqnr_db']} dB{goal}; "
+                   f"SQNR {sr['integer_sqnr_db']} dB all integer -> {sr['final_sqnr_db']} dB{goal}; "
                    f"{sr['evaluations']} runs on {sr['samples']} samples in {sr['seconds']:.1f} s")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
                f"-> {output}")

@@ -27,7 +27,7 @@ from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
-from .search import search
+from .search import choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
 from .verify import DEFAULT_BATCH as VERIFY_BATCH
@@ -68,6 +68,7 @@ SCHEMA = {
         "bias_samples": ("posint", False),
         "target_sqnr": (float, False),
         "max_float_layers": (int, False),
+        "try_methods": (list, False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -78,7 +79,8 @@ SCHEMA = {
         "max_accuracy_drop": (float, False),
     }, False),
 }
-DATA_DRIVEN = ("bias_correction", "bias_samples", "target_sqnr", "max_float_layers")  # not QuantizeOptions
+# quantize keys that are not QuantizeOptions: steps measured on the calibration data
+DATA_DRIVEN = ("bias_correction", "bias_samples", "target_sqnr", "max_float_layers", "try_methods")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -298,6 +300,10 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     if not all(isinstance(v, str) for v in qz.get("keep_float", [])):
         raise fail("quantize.keep_float", f"expected a list of op types or node names, "
                                           f"got {qz['keep_float']}")
+    for i, method in enumerate(qz.get("try_methods", [])):
+        if not isinstance(method, str):
+            raise fail(f"quantize.try_methods[{i}]", f"expected a method name, got {method!r}")
+        _choice(method, calibrators.names(), f"job file '{path}': {prefix}quantize.try_methods[{i}]")
     if qz.get("max_float_layers", 0) < 0:
         raise fail("quantize.max_float_layers", f"must be >= 0, got {qz['max_float_layers']}")
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()
@@ -379,15 +385,20 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
+    samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8)
+    choice = None
+    if qz.get("try_methods"):
+        table, choice = choose_methods(plan.model, table, qz["try_methods"], plan.options, str(plan.table),
+                                       plan.calibrate_data, samples, batch, progress, plan.preprocess,
+                                       cal.get("batch_size", 32))
+        write_table(table, plan.table)  # the table the model is quantized from
     if "target_sqnr" in qz or "max_float_layers" in qz:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
-                                    qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8),
-                                    qz.get("bias_correction", True), progress, plan.preprocess)
+                                    samples, batch, qz.get("bias_correction", True), progress, plan.preprocess)
     elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
-                                                plan.calibrate_data, qz.get("bias_samples", BIAS_SAMPLES),
-                                                min(cal.get("batch_size", 8), 8), progress, plan.preprocess)
+                                                plan.calibrate_data, samples, batch, progress, plan.preprocess)
     else:
         qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())
@@ -395,6 +406,11 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
+    if choice is not None:
+        mc = choice.to_dict()
+        log(f"methods: {', '.join(f'{m} {n}' for m, n in mc['changed_tensors'].items() if n) or 'none'} "
+            f"tensors moved off {table.method.split('+')[0]}, SQNR {mc['before_sqnr_db']} -> "
+            f"{mc['after_sqnr_db']} dB")
     if qreport.search is not None:
         sr = qreport.search
         log(f"search: {len(sr['kept_float'])} ops kept float, output SQNR {sr['integer_sqnr_db']} dB "
@@ -509,6 +525,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     qz = plan.settings.get("quantize", {})
     if qz.get("bias_correction", True):
         quantize += f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples"
+    if qz.get("try_methods"):
+        quantize += f", per-tensor choice of {', '.join(qz['try_methods'])}"
     if "target_sqnr" in qz:
         quantize += f", float ops searched for {qz['target_sqnr']:g} dB"
     if "max_float_layers" in qz:

@@ -78,6 +78,9 @@ class QuantizeReport:
     qdq_groups: list[tuple[str, str]] = field(default_factory=list)
     bias_correction: dict | None = None  # qtool.bias_correction's summary, when it ran
     search: dict | None = None  # qtool.search's result, when it ran
+    method_choice: dict | None = None  # qtool.search.choose_methods's summary, when it ran
+    # activations that share (S, Z), their range the union of the members' (not in to_dict)
+    qparam_groups: list[list[str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -88,6 +91,8 @@ class QuantizeReport:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
             out["search"] = self.search
+        if self.method_choice is not None:
+            out["method_choice"] = self.method_choice
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out
@@ -365,6 +370,7 @@ class _Rewriter:
         for n in activations:
             groups[find(n)].append(n)
         result = {}
+        self.report.qparam_groups = [list(m) for m in groups.values() if len(m) > 1]
         for members in groups.values():
             lo, hi, threshold = np.inf, -np.inf, 0.0
             for name in members:

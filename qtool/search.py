@@ -24,11 +24,13 @@ from dataclasses import dataclass, field, replace
 import onnx
 
 from .analyze import Evaluator, QdqModel, evaluation_batches
-from .bias_correction import BIAS_SAMPLES, quantize_corrected
+from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
+from .calibrate import calibrate
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize
 from .report import progress_bar
+from .table import Table
 
 
 @dataclass
@@ -42,6 +44,7 @@ class SearchResult:
     evaluations: int = 0
     samples: int = 0
     seconds: float = 0.0
+    scored: str = ""  # the tensor SQNR is measured on
 
     @property
     def reached(self) -> bool:
@@ -52,7 +55,7 @@ class SearchResult:
                 "integer_sqnr_db": _finite(self.integer_db), "final_sqnr_db": _finite(self.final_db),
                 "target_sqnr_db": self.target_db, "max_float_layers": self.max_float,
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
-                "samples": self.samples, "seconds": round(self.seconds, 2)}
+                "samples": self.samples, "scored": self.scored, "seconds": round(self.seconds, 2)}
 
 
 def _finite(x: float):
@@ -93,6 +96,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
                                                              preprocess))
     result.samples = sum(len(next(iter(b.values()))) for b in evaluator.batches)
+    result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
     qdq = QdqModel(qmodel, float_model)
     result.integer_db = evaluator.sqnr(qmodel)
@@ -156,3 +160,106 @@ def _shortest_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: i
         else:
             lo = mid
     return hi, runs
+
+
+@dataclass
+class MethodChoice:
+    chosen: dict[str, str] = field(default_factory=dict)  # tensor -> method, where not the table's
+    methods: tuple[str, ...] = ()
+    before_db: float = 0.0  # every tensor with the table's range
+    after_db: float = 0.0
+    evaluations: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    scored: str = ""
+
+    def to_dict(self) -> dict:
+        counts = {m: 0 for m in self.methods}
+        for m in self.chosen.values():
+            counts[m] += 1
+        return {"methods": list(self.methods), "changed_tensors": counts,
+                "before_sqnr_db": _finite(self.before_db), "after_sqnr_db": _finite(self.after_db),
+                "evaluations": self.evaluations, "samples": self.samples, "scored": self.scored,
+                "seconds": round(self.seconds, 2)}
+
+
+def choose_methods(model_path, table: Table, methods: list[str], options, table_name: str, data_path,
+                   num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
+                   preprocess=None, calibrate_batch: int = 32) -> tuple[Table, MethodChoice]:
+    """Per activation, the calibration method (``table``'s or one of ``methods``, calibrated here
+    on DATA) whose range gives the best output SQNR, one tensor at a time in graph order with the
+    earlier choices kept. Tensors that share (S, Z) in every candidate model (an op's input and
+    output that quantize joins) are decided together. Returns the mixed table and the summary."""
+    start = time.perf_counter()
+    candidates = [table.method] + [m for m in dict.fromkeys(methods) if m != table.method]
+    tables = {table.method: table}
+    for method in candidates[1:]:
+        tables[method] = calibrate(model_path, data_path, method, batch_size=calibrate_batch,
+                                   progress=False, preprocess=preprocess)
+    qdq_options = replace(options, format="qdq", strict=False)
+    built = {m: quantize(model_path, t, qdq_options, table_name) for m, t in tables.items()}
+    models = {m: model for m, (model, _) in built.items()}
+    joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
+    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
+                                                          preprocess))
+    result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored,
+                          samples=sum(len(next(iter(b.values()))) for b in evaluator.batches))
+    work = onnx.ModelProto()
+    work.CopyFrom(models[table.method])
+    # what a tensor's range decides in the model: its fence's (S, Z) and the int32 biases (at
+    # S_x * S_w) of the ops that read it; the candidate models differ in nothing else
+    decided = _decided_initializers(work)
+    sources = {m: {i.name: i for i in model.graph.initializer} for m, model in models.items()}
+    groups: dict[str, list[str]] = {}
+    for tensor in decided:
+        members = joined.get(tensor, [tensor])
+        groups.setdefault(min(members), [t for t in members if t in decided])
+    inits = {i.name: i for i in work.graph.initializer}
+    best = result.before_db = evaluator.sqnr(work)
+    result.evaluations = 1
+    with progress_bar(len(groups), "search: methods", progress, unit="tensor") as bar:
+        for members in groups.values():
+            names = [n for t in members for n in decided[t]]
+            current = table.method
+            for method in candidates[1:]:
+                if all(sources[method][n] == sources[current][n] for n in names):
+                    continue
+                for n in names:
+                    inits[n].CopyFrom(sources[method][n])
+                score = evaluator.sqnr(work)
+                result.evaluations += 1
+                if score > best:
+                    best, current = score, method
+                else:
+                    for n in names:
+                        inits[n].CopyFrom(sources[current][n])
+            if current != table.method:
+                result.chosen.update({t: current for t in joined.get(members[0], members)})
+            bar.update(1)
+    result.after_db = best
+    mixed = replace(table, method=f"{table.method}+{'+'.join(candidates[1:])}",
+                    tensors={name: tables[result.chosen.get(name, table.method)].tensors.get(name, entry)
+                             for name, entry in table.tensors.items()})
+    result.seconds = time.perf_counter() - start
+    return mixed, result
+
+
+def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Fenced activation -> the initializers its range sets: the scale and zero point of its
+    QuantizeLinear/DequantizeLinear, and the int32 bias and bias scale of each op reading it."""
+    inits = {i.name for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    decided: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in inits:
+            decided[node.input[0]] = [node.input[1], node.input[2]]
+    for node in model.graph.node:
+        if node.op_type not in CHANNEL_AXIS or len(node.input) < 3 or not node.input[2]:
+            continue
+        bias, x = producer.get(node.input[2]), producer.get(node.input[0])
+        q = producer.get(x.input[0]) if x is not None and x.op_type == "DequantizeLinear" else None
+        if (bias is not None and bias.op_type == "DequantizeLinear" and bias.input[0] in inits
+                and q is not None and q.op_type == "QuantizeLinear" and q.input[0] in decided):
+            decided[q.input[0]] += [bias.input[0], bias.input[1]]
+    return decided

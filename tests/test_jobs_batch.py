@@ -165,8 +165,10 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize.max_float_layers: must be >= 0, got -2"]),
     (lambda s: s["jobs"][0].update(quantize={"target_sqnr": "high"}),
      ["jobs[0].quantize.target_sqnr: expected a number, got 'high'"]),
+    (lambda s: s["jobs"][0].update(quantize={"try_methods": ["mse", "kll"]}),
+     ["jobs[0].quantize.try_methods[1]: unknown 'kll'; choose one of"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
-        "pkg", "type", "format", "max-float", "target"])
+        "pkg", "type", "format", "max-float", "target", "try-methods"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
@@ -190,10 +192,12 @@ def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
     spec = batch(inputs)
     spec["jobs"] = [{"name": "plain", "quantize": {"bias_correction": False}},
                     {"name": "corrected"},
-                    {"name": "searched", "quantize": {"max_float_layers": 2}}]
+                    {"name": "searched", "quantize": {"max_float_layers": 2, "try_methods": ["mse"]}}]
     result = invoke("run", write(tmp_path, spec))
     assert result.exit_code == 0, result.output
     assert "search: 2 ops kept float" in result.stderr
+    assert "methods: mse " in result.stderr
+    assert "method: mse" in (tmp_path / "out" / "searched" / "searched.table.yaml").read_text()
     out = tmp_path / "out"
     models = {n: (out / n / f"{n}.q.onnx").read_bytes() for n in ("plain", "corrected", "searched")}
     assert models["plain"] != models["corrected"]

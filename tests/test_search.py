@@ -7,10 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from qtool.analyze import Evaluator, QdqModel
+import onnx
+from onnx import helper
+
+from qtool.analyze import Evaluator, QdqModel, scored_node
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
-from qtool.search import realizable, search
+from qtool.search import choose_methods, realizable, search
 from qtool.table import write_table
 from test_cli import assert_user_error, invoke
 
@@ -125,3 +128,56 @@ def test_bad_search_settings(demo_model, table_file, demo_calib, tmp_path, optio
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
                     demo_calib, option, value)
     assert_user_error(result, message)
+
+
+def test_chosen_methods_give_the_model_that_was_scored(demo_model, demo_table, demo_calib):
+    mixed, choice = choose_methods(demo_model, demo_table, ["percentile", "mse", "kl"], QuantizeOptions(),
+                                   "t", demo_calib, progress=False)
+    assert choice.after_db > choice.before_db and choice.chosen
+    float_model = prepare(load_model(demo_model))
+    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
+                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    # the in-place patches (fences and the biases they scale) are exactly what quantize writes
+    assert evaluator.sqnr(quantize(demo_model, mixed)[0]) == choice.after_db
+    assert evaluator.sqnr(quantize(demo_model, demo_table)[0]) == choice.before_db
+    for name, entry in mixed.tensors.items():
+        assert entry.method == choice.chosen.get(name, "minmax")
+    assert sum(choice.to_dict()["changed_tensors"].values()) == len(choice.chosen)
+
+
+def test_scoring_reads_the_logits_under_a_softmax(demo_model, tmp_path):
+    model = onnx.load(demo_model)
+    logits = model.graph.output[0].name
+    model.graph.node.append(helper.make_node("Softmax", [logits], ["prob"], name="softmax", axis=-1))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("prob", onnx.TensorProto.FLOAT, None))
+    assert scored_node(model).name == "softmax"
+    x = np.random.default_rng(0).random((4, 1, 8, 8)).astype(np.float32)
+    evaluator = Evaluator(model, [{"input": x}])
+    assert "the input of Softmax 'softmax'" in evaluator.scored
+    assert evaluator.reference[0].shape == (4, 10) and not np.allclose(evaluator.reference[0].sum(1), 1)
+
+
+def test_table_out_requantizes_to_the_same_model(demo_model, table_file, demo_calib, tmp_path):
+    chosen = tmp_path / "chosen.yaml"
+    first = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "a.onnx", "--data", demo_calib,
+                   "--try-methods", "mse,kl", "--table-out", chosen, "--no-bias-correction")
+    assert first.exit_code == 0, first.output
+    assert "methods: tensors moved off the table's method" in first.stdout
+    again = invoke("quantize", demo_model, "-t", chosen, "-o", tmp_path / "b.onnx")
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--try-methods", "mse"], "--try-methods needs samples to score on: add --data DATA"),
+    (["--data", "{calib}", "--try-methods", "kll"], "unknown calibration method 'kll'; choose one of"),
+    (["--data", "{calib}", "--try-methods", ","], "--try-methods: no method named"),
+    (["--data", "{calib}", "--table-out", "t2.yaml"], "--table-out writes the table --try-methods chooses"),
+    (["--data", "{calib}", "--try-methods", "mse", "--table-out", "-"], "--table-out needs a file name"),
+], ids=["no-data", "unknown", "empty", "table-out-alone", "table-out-stdout"])
+def test_bad_method_choice_settings(demo_model, table_file, demo_calib, tmp_path, args, message):
+    args = [a.replace("{calib}", str(demo_calib)) for a in args]
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", *args)
+    assert_user_error(result, message)
+    assert not (tmp_path / "q.onnx").exists()
