@@ -28,6 +28,7 @@ Needs: pip install -e '.[bench]' and rapidocr-onnxruntime --no-deps.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -43,13 +44,16 @@ sys.path.insert(0, str(ROOT))
 import datasets  # noqa: E402
 import ort_baseline  # noqa: E402
 
+from qtool.analyze import scored_node  # noqa: E402
 from qtool.bias_correction import quantize_corrected  # noqa: E402
 from qtool.calibrate import calibrate  # noqa: E402
 from qtool.executor import IntegerExecutor  # noqa: E402
 from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
+from qtool.search import choose_methods, search  # noqa: E402
 
 DEMO = ROOT / "qtool" / "demo"
 BATCH = {"rec": 8, "det": 1, "cls": 16, "demo": 64}
+SEARCH_SAMPLES = {"rec": 16, "det": 4, "cls": 16, "demo": 16}  # det: 640x640, four crops per run
 PIXEL = {"rec": 2 / 255, "det": 2 / 255, "cls": 2 / 255}  # one grey level in input units (std 0.5)
 
 
@@ -59,11 +63,21 @@ def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10 * np.log10(float((ref ** 2).sum()) / noise)
 
 
-def run_model(model, x: np.ndarray, batch: int) -> np.ndarray:
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+def run_model(model, x: np.ndarray, batch: int, logits_node: str | None = None):
+    """(first output, the input of node ``logits_node`` or None) over ``x``."""
+    model = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    names = [model.graph.output[0].name]
+    node = next((n for n in model.graph.node if n.name == logits_node), None) if logits_node else None
+    if node is not None:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        model.graph.output.append(onnx.helper.make_tensor_value_info(node.input[0], onnx.TensorProto.FLOAT,
+                                                                     None))
+        names.append(node.input[0])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    return np.concatenate([session.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+    runs = [session.run(names, {name: x[i:i + batch]}) for i in range(0, len(x), batch)]
+    y = np.concatenate([r[0] for r in runs])
+    return y, (np.concatenate([r[1] for r in runs]) if node is not None else None)
 
 
 class Workload:
@@ -92,8 +106,21 @@ class Workload:
             self.x = datasets.det_crops(args.det_eval, seed=1, size=args.det_size)
         np.savez(self.calib, x=xc)
 
-    def metrics(self, y: np.ndarray, ref: np.ndarray) -> dict:
+    @functools.cached_property
+    def logits_node(self) -> str | None:
+        """The final Softmax/Sigmoid, whose input is scored too (probabilities saturate)."""
+        node = scored_node(onnx.load(str(self.model)))
+        return node.name if node is not None else None
+
+    def run(self, model, x: np.ndarray | None = None):
+        return run_model(model, self.x if x is None else x, BATCH[self.kind], self.logits_node)
+
+    def metrics(self, outputs, reference) -> dict:
+        (y, logits), (ref, ref_logits) = outputs, reference
         out = {"sqnr_db": sqnr_db(ref, y)}
+        if logits is not None and ref_logits is not None and logits.size == ref_logits.size:
+            # the opset-13 upgrade puts a Flatten before rec's Softmax: same values, another shape
+            out["logit_sqnr_db"] = sqnr_db(ref_logits, logits.reshape(ref_logits.shape))
         if self.kind == "rec":
             pred = datasets.ctc_decode(y, self.charset)
             out["word_acc"] = float(np.mean([p == s for p, s in zip(pred, self.strings)]))
@@ -115,7 +142,7 @@ def fmt(metrics: dict) -> str:
     for key, value in metrics.items():
         if key in ("word_acc", "no_space", "agree", "top1", "iou", "executor_agree"):
             parts.append(f"{key} {100 * value:.1f}%" if key != "iou" else f"iou {value:.4f}")
-        elif key in ("sqnr_db", "executor_sqnr_db"):
+        elif key in ("sqnr_db", "logit_sqnr_db", "executor_sqnr_db"):
             parts.append(f"{key.replace('_db', '')} {value:.1f} dB")
         elif isinstance(value, float):
             parts.append(f"{key} {value:.1f}")
@@ -129,7 +156,7 @@ def noise_row(w: Workload, ref: np.ndarray, pixels: float) -> dict:
     a metric moves under a perturbation far below what int8 activations add."""
     rng = np.random.default_rng(0)
     noisy = w.x + rng.normal(0, pixels * PIXEL[w.kind], w.x.shape).astype(np.float32)
-    return w.metrics(run_model(w.model, noisy, BATCH[w.kind]), ref)
+    return w.metrics(w.run(w.model, noisy), ref)
 
 
 def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path, bias: bool = False) -> dict:
@@ -141,8 +168,32 @@ def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path, bi
     else:
         qmodel, report = quantize(w.model, table, QuantizeOptions())
     seconds = time.perf_counter() - t
-    y = run_model(qmodel, w.x, BATCH[w.kind])
-    metrics = w.metrics(y, ref)
+    return measured(w, qmodel, report, ref, args, seconds)
+
+
+def best_row(w: Workload, ref, args) -> dict:
+    """minmax, then each tensor's best method among --best-methods, then bias correction and,
+    with --best-max-float or --best-target, the float-op search."""
+    t = time.perf_counter()
+    samples = args.search_samples or SEARCH_SAMPLES[w.kind]
+    table = calibrate(w.model, w.calib, "minmax", batch_size=BATCH[w.kind], progress=False)
+    if args.best_methods:
+        table, _ = choose_methods(w.model, table, args.best_methods.split(","), QuantizeOptions(), "table",
+                                  w.calib, samples, BATCH[w.kind], progress=False,
+                                  calibrate_batch=BATCH[w.kind])
+    if args.best_max_float or args.best_target is not None:
+        qmodel, report, _ = search(w.model, table, QuantizeOptions(), "table", w.calib, args.best_target,
+                                   args.best_max_float or None, samples, BATCH[w.kind], progress=False)
+    else:
+        qmodel, report, _ = quantize_corrected(w.model, table, QuantizeOptions(), "table", w.calib,
+                                               args.bias_samples, BATCH[w.kind], progress=False)
+    return measured(w, qmodel, report, ref, args, time.perf_counter() - t)
+
+
+def measured(w: Workload, qmodel, report, ref, args, seconds: float) -> dict:
+    out = w.run(qmodel)
+    y = out[0]
+    metrics = w.metrics(out, ref)
     metrics["float_ops"] = len(report.kept_float)
     metrics["seconds"] = seconds
     if args.executor_samples:
@@ -164,10 +215,10 @@ def ort_row(w: Workload, method: str, ref: np.ndarray, workdir: Path) -> dict:
         return {"error": str(res["error"]).splitlines()[-1][:120]}
     try:
         onnx.checker.check_model(onnx.load(str(out)), full_check=True)
-        y = run_model(out, w.x, BATCH[w.kind])
+        outputs = w.run(out)
     except Exception as e:  # an invalid model is a result here, not a crash
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-    metrics = w.metrics(y, ref)
+    metrics = w.metrics(outputs, ref)
     metrics["seconds"] = res["wall_seconds"]
     return metrics
 
@@ -187,6 +238,14 @@ def main() -> None:
     parser.add_argument("--executor-samples", type=int, default=0)
     parser.add_argument("--bias-samples", type=int, default=16,
                         help="calibration samples for the bias-corrected rows (0: no such rows)")
+    parser.add_argument("--no-best", dest="best", action="store_false", help="skip the qtool best row")
+    parser.add_argument("--best-methods", default="percentile,mse,kl",
+                        help="qtool best: methods tried per tensor against minmax ('' for none)")
+    parser.add_argument("--best-max-float", type=int, default=0, help="qtool best: at most N ops float")
+    parser.add_argument("--best-target", type=float, default=None, help="qtool best: target SQNR (dB)")
+    parser.add_argument("--search-samples", type=int, default=0,
+                        help="calibration samples the qtool best searches score on (0: per model, "
+                             f"{SEARCH_SAMPLES})")
     parser.add_argument("--noise", type=float, default=0.5,
                         help="grey levels (std) of input noise for the float reference row (0: none)")
     args = parser.parse_args()
@@ -195,7 +254,7 @@ def main() -> None:
         lines = ["| model | quantizer | metrics |", "|---|---|---|"]
         for kind in args.models.split(","):
             w = Workload(kind, args, workdir)
-            ref = run_model(w.model, w.x, BATCH[kind])
+            ref = w.run(w.model)
             rows = [("float", w.metrics(ref, ref))]
             if kind in PIXEL and args.noise:
                 rows.append((f"float, input + noise {args.noise:g} grey level",
@@ -205,13 +264,16 @@ def main() -> None:
                     name = f"qtool {method}" + (" + bias correction" if bias else "")
                     rows.append((name, qtool_row(w, method, ref, args, workdir, bias)))
                     print(f"{kind} {name}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
+            if args.best:
+                rows.append(("qtool best", best_row(w, ref, args)))
+                print(f"{kind} qtool best: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
             if not args.no_ort and kind != "demo":
                 for method in ("MinMax", "Entropy"):
                     rows.append((f"ORT {method}", ort_row(w, method, ref, workdir)))
                     print(f"{kind} ORT {method}: {fmt(rows[-1][1])}", file=sys.stderr, flush=True)
             for name, metrics in rows:
                 if name == "float":
-                    metrics = {k: v for k, v in metrics.items() if k != "sqnr_db" and k != "iou"}
+                    metrics = {k: v for k, v in metrics.items() if k not in ("sqnr_db", "logit_sqnr_db", "iou")}
                 lines.append(f"| {kind} | {name} | {fmt(metrics)} |")
         print("\n".join(lines))
 

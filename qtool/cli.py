@@ -254,8 +254,8 @@ def quantize(
                                                 "ops that bring the output SQNR against float on "
                                                 "DATA to this many dB (needs --data)."),
     max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="At most this many "
-                                                   "ops float; alone, the N whose quantization costs "
-                                                   "the most (needs --data)."),
+                                                   "ops float; alone, the costliest-first set of at "
+                                                   "most N that scores best (needs --data)."),
     try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "

@@ -7,12 +7,16 @@ float model reaches a target (``quantize --target-sqnr``), or the N ops that cos
    scores are the ops whose quantization costs the most on their own.
 2. The candidates, most costly first, are kept float in growing prefixes. A prefix is scored as
    quantize would build it: an activation stays fenced only while an integer op reads or writes
-   it. With a target, a binary search finds the shortest prefix that reaches it.
+   it. With a target, a binary search finds the shortest prefix that reaches it; with only a
+   budget of N ops, the best of eight prefix lengths up to N.
 3. The model is quantized again with those ops float (and bias correction redone around them),
-   then scored once more.
+   then scored once more. With only a budget, a result below the all-integer model's SQNR gives
+   the all-integer model back.
 
-Costs: one run per integer op, about log2(ops) runs for the search, each over the same samples;
-the same inputs give the same choice.
+SQNR is measured on the first output, or on the logits when it comes from a Softmax or Sigmoid
+(``qtool.analyze.Evaluator``). Costs: one run per integer op, then about log2(ops) runs for the
+target search (eight for a budget), each over the same samples; the same inputs give the same
+choice.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         result.evaluations += len(ranked)
         limit = len(ranked) if max_float is None else min(max_float, len(ranked))
         if target_db is None:
-            count = limit
+            count, runs = _best_prefix(qdq, evaluator, ranked, limit, result.integer_db)
+            result.evaluations += runs
         else:
             count, runs = _shortest_prefix(qdq, evaluator, ranked, limit, target_db)
             result.evaluations += runs
@@ -121,6 +126,11 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     check = final if options.format == "qdq" else build(tuple(op.node for op in chosen), "qdq")[0]
     result.final_db = evaluator.sqnr(check)
     result.evaluations += 1
+    if target_db is None and chosen and result.final_db < result.integer_db:
+        # re-quantized around the float ops (bias correction redone), the budget bought nothing
+        chosen, result.kept_float = [], []
+        final, report = build(())
+        result.final_db = result.integer_db
     result.seconds = time.perf_counter() - start
     report.search = result.to_dict()
     return final, report, result
@@ -137,6 +147,20 @@ def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> list:
             bar.update(1)
     scored.sort(key=lambda s: (s[0] if not math.isnan(s[0]) else math.inf, s[1]))
     return [op for _, _, op in scored]
+
+
+def _best_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: int,
+                 integer_db: float) -> tuple[int, int]:
+    """Within a budget of ``limit`` float ops, the prefix length (of 0, limit/8, ..., limit) with
+    the best SQNR: the ops that cost most alone are not always the ones whose removal pays most
+    together (PP-OCRv4 rec: its 30 costliest kept float scored below the all-integer model)."""
+    lengths = sorted({round(limit * i / 8) for i in range(1, 9)} - {0})
+    best, best_db = 0, integer_db
+    for k in lengths:
+        db = evaluator.sqnr(realizable(qdq, {op.node for op in ranked[:k]}))
+        if db > best_db:
+            best, best_db = k, db
+    return best, len(lengths)
 
 
 def _shortest_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: int,
@@ -185,11 +209,13 @@ class MethodChoice:
 
 def choose_methods(model_path, table: Table, methods: list[str], options, table_name: str, data_path,
                    num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
-                   preprocess=None, calibrate_batch: int = 32) -> tuple[Table, MethodChoice]:
+                   preprocess=None, calibrate_batch: int = 32,
+                   bias_corrections: dict | None = None) -> tuple[Table, MethodChoice]:
     """Per activation, the calibration method (``table``'s or one of ``methods``, calibrated here
     on DATA) whose range gives the best output SQNR, one tensor at a time in graph order with the
-    earlier choices kept. Tensors that share (S, Z) in every candidate model (an op's input and
-    output that quantize joins) are decided together. Returns the mixed table and the summary."""
+    earlier choices kept. Tensors that share (S, Z) (an op's input and output that quantize joins)
+    are decided together. ``bias_corrections`` (from the table's own model) are applied to every
+    candidate. Returns the mixed table and the summary."""
     start = time.perf_counter()
     candidates = [table.method] + [m for m in dict.fromkeys(methods) if m != table.method]
     tables = {table.method: table}
@@ -197,7 +223,8 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
         tables[method] = calibrate(model_path, data_path, method, batch_size=calibrate_batch,
                                    progress=False, preprocess=preprocess)
     qdq_options = replace(options, format="qdq", strict=False)
-    built = {m: quantize(model_path, t, qdq_options, table_name) for m, t in tables.items()}
+    built = {m: quantize(model_path, t, qdq_options, table_name, bias_corrections)
+             for m, t in tables.items()}
     models = {m: model for m, (model, _) in built.items()}
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")

@@ -192,7 +192,8 @@ def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
     spec = batch(inputs)
     spec["jobs"] = [{"name": "plain", "quantize": {"bias_correction": False}},
                     {"name": "corrected"},
-                    {"name": "searched", "quantize": {"max_float_layers": 2, "try_methods": ["mse"]}}]
+                    {"name": "searched", "quantize": {"max_float_layers": 2, "target_sqnr": 100.0,
+                                                      "try_methods": ["mse"]}}]
     result = invoke("run", write(tmp_path, spec))
     assert result.exit_code == 0, result.output
     assert "search: 2 ops kept float" in result.stderr

@@ -63,8 +63,8 @@ def test_max_float_layers_caps_the_search_and_says_when_the_target_is_missed(dem
 
 
 def test_the_costliest_ops_come_first(demo_model, demo_table, demo_calib):
-    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, max_float=3,
-                          bias_correction=False, progress=False)
+    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, target_db=200.0,
+                          max_float=3, bias_correction=False, progress=False)
     float_model = prepare(load_model(demo_model))
     qmodel, _ = quantize(demo_model, demo_table)
     qdq = QdqModel(qmodel, float_model)
@@ -104,10 +104,19 @@ def test_search_is_deterministic(demo_model, table_file, demo_calib, tmp_path):
 
 def test_cli_summary_line(demo_model, table_file, demo_calib, tmp_path):
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
-                    demo_calib, "--max-float-layers", "1", "-q")
+                    demo_calib, "--max-float-layers", "1", "--target-sqnr", "100", "-q")
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stdout.splitlines() if x.startswith("search:"))
-    assert "1 ops kept float" in line and "runs on 16 samples" in line
+    assert "1 ops kept float" in line and "target 100 dB NOT reached" in line
+    assert "runs on 16 samples" in line
+
+
+def test_a_budget_alone_never_scores_below_the_integer_model(demo_model, demo_table, demo_calib):
+    for budget in (1, 4, 13):
+        _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+                                   max_float=budget, progress=False)
+        assert len(result.kept_float) <= budget and result.final_db >= result.integer_db
+        assert len(report.kept_float) == len(result.kept_float)
 
 
 @pytest.mark.parametrize("option,value,message", [
