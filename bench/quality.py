@@ -7,7 +7,8 @@
 Calibration and evaluation data are disjoint (bench/datasets.py, different seeds):
 - rec: rendered text lines with known strings; metric: exact string after CTC decode with the
   charset from the model's metadata, the same with spaces removed (no_space: PaddleOCR's
-  RecMetric default, ignore_space=True), plus logits SQNR against float;
+  RecMetric default, ignore_space=True), plus SQNR against float of the output and of the logits
+  (the Softmax's input; likewise for cls, and det's Sigmoid);
 - det: crops of scikit-image photos and rendered text pages; metric: probability-map SQNR and the
   IoU of the p > 0.3 masks against float;
 - cls: rendered lines, half rotated by 180 degrees; metric: top-1 agreement with float;
@@ -16,7 +17,9 @@ Calibration and evaluation data are disjoint (bench/datasets.py, different seeds
 Rows: float; the float model on inputs with half a grey level of Gaussian noise (--noise: how
 fragile the metric is); qtool with each --qtool method (asymmetric int8 activations, per-channel
 weights, 32-bit multipliers), without and with bias correction on the first --bias-samples
-calibration samples, run by onnxruntime on the QDQ model; onnxruntime quantize_static MinMax and
+calibration samples, run by onnxruntime on the QDQ model; qtool best (minmax, bias correction and
+the fewest ops float that reach --best-target dB on the first --search-samples calibration
+samples: quantize --data --target-sqnr); onnxruntime quantize_static MinMax and
 Entropy (per-channel QDQ, opset upgraded to 13 and quant_pre_process, bench/ort_baseline.py: the
 settings it needs to write a valid model here). With --executor-samples N, qtool's integer
 executor also runs the first N evaluation samples of each qtool row, and the table gives its
@@ -172,8 +175,8 @@ def qtool_row(w: Workload, method: str, ref: np.ndarray, args, workdir: Path, bi
 
 
 def best_row(w: Workload, ref, args) -> dict:
-    """minmax, then each tensor's best method among --best-methods, then bias correction and,
-    with --best-max-float or --best-target, the float-op search."""
+    """minmax, then (with --best-methods) each tensor's best method among them, then bias
+    correction and the float-op search for --best-target dB (at most --best-max-float ops)."""
     t = time.perf_counter()
     samples = args.search_samples or SEARCH_SAMPLES[w.kind]
     table = calibrate(w.model, w.calib, "minmax", batch_size=BATCH[w.kind], progress=False)
@@ -239,10 +242,12 @@ def main() -> None:
     parser.add_argument("--bias-samples", type=int, default=16,
                         help="calibration samples for the bias-corrected rows (0: no such rows)")
     parser.add_argument("--no-best", dest="best", action="store_false", help="skip the qtool best row")
-    parser.add_argument("--best-methods", default="percentile,mse,kl",
-                        help="qtool best: methods tried per tensor against minmax ('' for none)")
+    parser.add_argument("--best-methods", default="",
+                        help="qtool best: methods tried per tensor against minmax, e.g. percentile,mse,kl "
+                             "(default none: on PP-OCR the choice does not carry over to held-out data)")
     parser.add_argument("--best-max-float", type=int, default=0, help="qtool best: at most N ops float")
-    parser.add_argument("--best-target", type=float, default=None, help="qtool best: target SQNR (dB)")
+    parser.add_argument("--best-target", type=float, default=25.0,
+                        help="qtool best: target SQNR in dB (of the logits under a final Softmax/Sigmoid)")
     parser.add_argument("--search-samples", type=int, default=0,
                         help="calibration samples the qtool best searches score on (0: per model, "
                              f"{SEARCH_SAMPLES})")
