@@ -245,7 +245,7 @@ def quantize(
                                               "parameters per op as JSON."),
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
                                         "(or a folder of .npy/.npz): calibration samples for bias "
-                                        "correction."),
+                                        "correction and the searches."),
     bias_correction: Optional[bool] = typer.Option(None, "--bias-correction/--no-bias-correction",
                                                    help="Shift each Conv/Gemm bias so that its output's "
                                                    "per-channel mean matches float on DATA "

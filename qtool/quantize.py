@@ -257,6 +257,11 @@ class _Rewriter:
     def _choose_nodes(self) -> dict:
         integer = {}
         keep = set(self.opt.keep_float)
+        known = {n.op_type for n in self.graph.node} | {n.name for n in self.graph.node}
+        unknown = sorted(keep - known)
+        if unknown:
+            raise QtoolError(f"--keep-float: {', '.join(repr(u) for u in unknown)} is neither an op type "
+                             f"nor a node name of the prepared model (qtool analyze lists them)")
         layernorm = self._layernorm_variance_nodes()
         for node in self.graph.node:
             op = REGISTRY.get(node.op_type)

@@ -79,8 +79,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
            max_float: int | None = None, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
            bias_correction: bool = True, progress: bool = True, preprocess=None):
     """Quantize MODEL keeping float the fewest ops that bring the output SQNR on DATA to
-    ``target_db`` (at most ``max_float`` of them), or with no target the ``max_float`` costliest.
-    Returns the model, its quantize report (with a ``search`` entry) and the search result."""
+    ``target_db`` (at most ``max_float`` of them), or with no target the costliest-first set of at
+    most ``max_float`` that scores best. Returns the model, its quantize report (with a ``search``
+    entry) and the search result."""
     if target_db is None and max_float is None:
         raise QtoolError("the search needs a target SQNR or a number of layers to keep float")
     if max_float is not None and max_float < 0:

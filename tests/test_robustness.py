@@ -299,6 +299,8 @@ CASES = [
          {}, ["parameter 'percentile' of method 'percentile'", "'abc'"]),
     Case("quantize-unknown-format", [*QUANT, "--format", "qlinear"], {},
          ["unknown format 'qlinear'", "qdq, qoperator"]),
+    Case("quantize-keep-float-matches-nothing", [*QUANT, "--keep-float", "conv9", "--keep-float", "Relu"],
+         {}, ["--keep-float: 'conv9' is neither an op type nor a node name of the prepared model"]),
     Case("verify-bad-tolerance", [*VER, "--tolerance", "abc"], {}, ["tolerance", "'abc'"]),
     Case("console-non-integer-num-samples", [*CAL, "--num-samples", "many"], {},
          ["Invalid value for '--num-samples'", "valid integer"], console=True),
