@@ -177,8 +177,8 @@ class Evaluator:
         self.batches = batches
         node = scored_node(float_model)
         self.node = node.name if node is not None else None
-        self.scored = (f"'{node.input[0]}', the input of {node.op_type} '{node.name}'" if node is not None
-                       else f"output '{float_model.graph.output[0].name}'")
+        self.scored = (f"the logits '{node.input[0]}' (input of {node.op_type} '{node.name}')"
+                       if node is not None else f"output '{float_model.graph.output[0].name}'")
         self.reference = self.outputs(float_model)
 
     def outputs(self, model: onnx.ModelProto) -> list[np.ndarray]:
@@ -224,9 +224,10 @@ class Analysis:
     activations_only_db: float  # only the activations quantized
     ops: list[OpSensitivity] = field(default_factory=list)  # ranked, largest gain first
     seconds: float = 0.0
+    scored: str = "the output"  # the tensor SQNR is measured on (Evaluator.scored)
 
     def to_dict(self) -> dict:
-        return {"samples": self.samples, "quantized_db": _finite(self.quantized_db),
+        return {"samples": self.samples, "scored": self.scored, "quantized_db": _finite(self.quantized_db),
                 "weights_only_db": _finite(self.weights_only_db),
                 "activations_only_db": _finite(self.activations_only_db),
                 "ops": [o.to_dict() for o in self.ops]}
@@ -256,7 +257,7 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
     tensors, weights = qdq.all_tensors(), qdq.all_weights()
     samples = sum(len(next(iter(b.values()))) for b in evaluator.batches)
     analysis = Analysis(samples, evaluator.sqnr(qmodel), evaluator.sqnr(qdq.ablated(tensors, ())),
-                        evaluator.sqnr(qdq.ablated((), weights)))
+                        evaluator.sqnr(qdq.ablated((), weights)), scored=evaluator.scored)
     with progress_bar(len(qdq.ops), "analyze", progress, unit="op") as bar:
         for op in qdq.ops:
             alone = evaluator.sqnr(qdq.ablated(tensors - set(op.activations), weights - set(op.weights)))
@@ -272,8 +273,8 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
 
 
 def format_analysis(analysis: Analysis, top: int | None = None) -> str:
-    lines = [f"analyze: {analysis.samples} samples; output SQNR against float: fully quantized "
-             f"{analysis.quantized_db:.2f} dB, weights only {analysis.weights_only_db:.2f} dB, "
+    lines = [f"analyze: {analysis.samples} samples; SQNR of {analysis.scored} against float: fully "
+             f"quantized {analysis.quantized_db:.2f} dB, weights only {analysis.weights_only_db:.2f} dB, "
              f"activations only {analysis.activations_only_db:.2f} dB", "",
              f"{'rank':>4}  {'op':<18} {'node':<32} {'only it quantized':>17} {'only it float':>13} "
              f"{'gain':>7}"]

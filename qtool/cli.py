@@ -392,7 +392,8 @@ def quantize(
         more = f", and {len(sr['kept_float']) - 5} more" if len(sr["kept_float"]) > 5 else ""
         goal = ("" if sr["target_sqnr_db"] is None else
                 f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
-        typer.echo(f"search:  {len(sr['kept_float'])} ops kept float{' (' + names + more + ')' if names else ''}; "
+        listed = f" ({names}{more})" if names else ""
+        typer.echo(f"search:  {len(sr['kept_float'])} ops kept float{listed}; "
                    f"SQNR {sr['integer_sqnr_db']} dB all integer -> {sr['final_sqnr_db']} dB{goal}; "
                    f"{sr['evaluations']} runs on {sr['samples']} samples in {sr['seconds']:.1f} s")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "

@@ -113,7 +113,8 @@ def _ort_table(report: VerifyReport) -> str:
 
 
 def _analysis_block(analysis: Analysis) -> str:
-    summary = (f"<p>Output SQNR against the float model on {analysis.samples} samples: fully "
+    summary = (f"<p>SQNR of {escape(analysis.scored)} against the float model on {analysis.samples} "
+               f"samples: fully "
                f"quantized <b>{_db(analysis.quantized_db)} dB</b>, weights only "
                f"{_db(analysis.weights_only_db)} dB, activations only "
                f"{_db(analysis.activations_only_db)} dB.</p>")

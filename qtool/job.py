@@ -395,10 +395,12 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     if "target_sqnr" in qz or "max_float_layers" in qz:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
-                                    samples, batch, qz.get("bias_correction", True), progress, plan.preprocess)
+                                    samples, batch, qz.get("bias_correction", True), progress,
+                                    plan.preprocess)
     elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
-                                                plan.calibrate_data, samples, batch, progress, plan.preprocess)
+                                                plan.calibrate_data, samples, batch, progress,
+                                                plan.preprocess)
     else:
         qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())

@@ -163,7 +163,7 @@ def test_scoring_reads_the_logits_under_a_softmax(demo_model, tmp_path):
     assert scored_node(model).name == "softmax"
     x = np.random.default_rng(0).random((4, 1, 8, 8)).astype(np.float32)
     evaluator = Evaluator(model, [{"input": x}])
-    assert "the input of Softmax 'softmax'" in evaluator.scored
+    assert "(input of Softmax 'softmax')" in evaluator.scored
     assert evaluator.reference[0].shape == (4, 10) and not np.allclose(evaluator.reference[0].sum(1), 1)
 
 

@@ -336,7 +336,7 @@ def test_analysis_in_text_report(demo_model, qmodel, demo_heldout):
                     "--analyze", "--analyze-samples", "8", "-q")
     assert result.exit_code == 0, result.output
     block = result.stdout.split("most sensitive ops")[1]
-    assert "analyze: 8 samples; output SQNR against float: fully quantized" in block
+    assert "analyze: 8 samples; SQNR of output 'logits' against float: fully quantized" in block
     ranks = re.findall(r"^ +(\d+)  \w+ +\w+ +-?\d+\.\d\d dB +-?\d+\.\d\d dB +[+-]\d+\.\d\d$", block,
                        re.MULTILINE)
     assert ranks == [str(r) for r in range(1, ANALYSIS_TOP + 1)]
