@@ -238,10 +238,16 @@ def _finite(x: float):
 
 
 def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_samples: int | None,
-                       batch_size: int, preprocess=None) -> list[dict]:
+                       batch_size: int, preprocess=None, spread: bool = False) -> list[dict]:
+    """The first ``num_samples`` of DATA in batches; with ``spread``, that many samples evenly
+    spaced over all of it (sample i * len // n), so that a folder sorted by kind is represented."""
     data = load_dataset(data_path, float_model, preprocess)
     total = len(data) if num_samples is None else min(num_samples, len(data))
-    return list(data.batches(batch_size, total))
+    if not spread or total == len(data):
+        return list(data.batches(batch_size, total))
+    picked = [data.batch(i * len(data) // total, i * len(data) // total + 1) for i in range(total)]
+    return [{name: np.concatenate([p[name] for p in picked[start:start + batch_size]])
+             for name in picked[0]} for start in range(0, total, batch_size)]
 
 
 def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Path,

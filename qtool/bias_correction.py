@@ -164,10 +164,10 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 def quantize_corrected(model_path, table, options, table_name: str, data_path,
                        num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
                        preprocess=None):
-    """``quantize`` with bias correction measured on the first ``num_samples`` of DATA: returns
-    the model, its report (with a ``bias_correction`` entry) and the correction."""
+    """``quantize`` with bias correction measured on ``num_samples`` of DATA spread evenly over
+    it: returns the model, its report (with a ``bias_correction`` entry) and the correction."""
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    batches = evaluation_batches(float_model, data_path, num_samples, batch_size, preprocess)
+    batches = evaluation_batches(float_model, data_path, num_samples, batch_size, preprocess, spread=True)
     every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in CHANNEL_AXIS}
     work, _ = quantize(model_path, table, replace(options, format="qdq", strict=False), table_name, every)
     correction = correct_biases(float_model, work, batches, progress)

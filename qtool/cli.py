@@ -262,8 +262,8 @@ def quantize(
                                               "best output SQNR (needs --data)."),
     table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods, also "
                                              "write the per-tensor table it chose."),
-    num_samples: int = typer.Option(16, help="Samples of DATA used by bias correction and the "
-                                             "searches."),
+    num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) used by bias "
+                                             "correction and the searches."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),

@@ -99,7 +99,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
 
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
-                                                             preprocess))
+                                                             preprocess, spread=True))
     result.samples = sum(len(next(iter(b.values()))) for b in evaluator.batches)
     result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
@@ -230,7 +230,7 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
-                                                          preprocess))
+                                                          preprocess, spread=True))
     result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored,
                           samples=sum(len(next(iter(b.values()))) for b in evaluator.batches))
     work = onnx.ModelProto()
@@ -274,8 +274,9 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
 
 
 def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """Fenced activation -> the initializers its range sets: the scale and zero point of its
-    QuantizeLinear/DequantizeLinear, and the int32 bias and bias scale of each op reading it."""
+    """Fenced activation (by its table name) -> the initializers its range sets: the scale and
+    zero point of its QuantizeLinear/DequantizeLinear, and the int32 bias and bias scale of each op
+    reading it."""
     inits = {i.name for i in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
     decided: dict[str, list[str]] = {}
@@ -290,4 +291,12 @@ def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
         if (bias is not None and bias.op_type == "DequantizeLinear" and bias.input[0] in inits
                 and q is not None and q.op_type == "QuantizeLinear" and q.input[0] in decided):
             decided[q.input[0]] += [bias.input[0], bias.input[1]]
-    return decided
+    # a graph output's fence reads '<name>_float' and gives back '<name>': the table knows '<name>'
+    outputs = {o.name for o in model.graph.output}
+    renamed = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.output[0] in outputs:
+            q = producer.get(node.input[0])
+            if q is not None and q.op_type == "QuantizeLinear" and q.input[0] in decided:
+                renamed[q.input[0]] = node.output[0]
+    return {renamed.get(name, name): names for name, names in decided.items()}

@@ -10,7 +10,7 @@ import pytest
 import onnx
 from onnx import helper
 
-from qtool.analyze import Evaluator, QdqModel, scored_node
+from qtool.analyze import Evaluator, QdqModel, evaluation_batches, scored_node
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.search import choose_methods, realizable, search
@@ -23,6 +23,23 @@ def table_file(demo_table, tmp_path):
     path = tmp_path / "t.yaml"
     write_table(demo_table, path)
     return path
+
+
+def _searched(calib) -> list[dict]:
+    """The samples the searches score on: 16 of the 256, every 16th, in batches of 8."""
+    x = np.load(calib)["input"][::16]
+    return [{"input": x[:8]}, {"input": x[8:]}]
+
+
+def test_searches_score_samples_spread_over_the_data(demo_model, demo_calib):
+    float_model = prepare(load_model(demo_model))
+    batches = evaluation_batches(float_model, demo_calib, 16, 8, spread=True)
+    for got, want in zip(batches, _searched(demo_calib)):
+        assert np.array_equal(got["input"], want["input"])
+    first = evaluation_batches(float_model, demo_calib, 16, 8)
+    assert np.array_equal(first[1]["input"], np.load(demo_calib)["input"][8:16])
+    everything = evaluation_batches(float_model, demo_calib, 999, 100, spread=True)
+    assert sum(len(b["input"]) for b in everything) == 256
 
 
 def _float_nodes(report) -> set[str]:
@@ -38,8 +55,7 @@ def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_
     assert all(r == "kept float by the search" for _, _, r in report.kept_float)
     # the reported SQNR is the returned model's, scored independently on the same samples
     float_model = prepare(load_model(demo_model))
-    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
-                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    evaluator = Evaluator(float_model, _searched(demo_calib))
     assert evaluator.sqnr(qmodel) == pytest.approx(result.final_db, abs=1e-3)
     # all-integer, one per op, the bound then a binary search over 13 candidates, the final model
     assert report.search["evaluations"] == result.evaluations <= 1 + 13 + (1 + 4) + 1
@@ -68,8 +84,7 @@ def test_the_costliest_ops_come_first(demo_model, demo_table, demo_calib):
     float_model = prepare(load_model(demo_model))
     qmodel, _ = quantize(demo_model, demo_table)
     qdq = QdqModel(qmodel, float_model)
-    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
-                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    evaluator = Evaluator(float_model, _searched(demo_calib))
     alone = {}
     for op in qdq.ops:
         alone[op.node] = evaluator.sqnr(qdq.ablated(qdq.all_tensors() - set(op.activations),
@@ -144,8 +159,7 @@ def test_chosen_methods_give_the_model_that_was_scored(demo_model, demo_table, d
                                    "t", demo_calib, progress=False)
     assert choice.after_db > choice.before_db and choice.chosen
     float_model = prepare(load_model(demo_model))
-    evaluator = Evaluator(float_model, [{"input": np.load(demo_calib)["input"][:8]},
-                                        {"input": np.load(demo_calib)["input"][8:16]}])
+    evaluator = Evaluator(float_model, _searched(demo_calib))
     # the in-place patches (fences and the biases they scale) are exactly what quantize writes
     assert evaluator.sqnr(quantize(demo_model, mixed)[0]) == choice.after_db
     assert evaluator.sqnr(quantize(demo_model, demo_table)[0]) == choice.before_db
