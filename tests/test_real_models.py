@@ -16,8 +16,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from qtool.analyze import Evaluator, evaluation_batches
+from qtool.bias_correction import quantize_corrected
 from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
+from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.verify import verify
 
@@ -124,3 +127,31 @@ def test_ppocr_quantizes_in_both_formats(real_tables, kind, fmt, bits):
     if fmt == "qoperator":
         ops = {n.op_type for n in qmodel.graph.node}
         assert "QLinearConv" in ops and "Conv" not in ops
+
+
+def test_ppocr_rec_bias_correction_on_held_out_lines(tmp_path):
+    """PP-OCRv4 rec: bias correction on 8 calibration images lifts the logits of 8 others (measured
+    11.1 -> 16.7 dB on these strokes), on onnxruntime and on the integer executor."""
+    model = _model("ch_PP-OCRv4_rec_infer.onnx")
+    np.savez(tmp_path / "calib.npz", x=_strokes(16, 0, 48, 320))
+    np.savez(tmp_path / "eval.npz", x=_strokes(8, 1, 48, 320))
+    table = calibrate(model, tmp_path / "calib.npz", batch_size=8, progress=False)
+    plain, _ = quantize(model, table)
+    corrected, report, correction = quantize_corrected(model, table, QuantizeOptions(), "t",
+                                                       tmp_path / "calib.npz", 8, 8, progress=False)
+    assert report.bias_correction["ops"] == len(correction.deltas) == 38  # every Conv of rec
+    float_model = prepare(load_model(model))
+    evaluator = Evaluator(float_model, evaluation_batches(float_model, tmp_path / "eval.npz", 8, 8))
+    assert "Softmax" in evaluator.scored  # the logits
+    assert evaluator.sqnr(corrected) > evaluator.sqnr(plain) + 3.0
+    # the integer executor gains as onnxruntime does (its float-fenced Softmax region is not
+    # bit-exact with onnxruntime's fused one, so compare each with float, not with each other)
+    x = np.load(tmp_path / "eval.npz")["x"][:2]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    name = corrected.graph.output[0].name
+
+    def executor_sqnr(qmodel):
+        got = IntegerExecutor(qmodel).run({"x": x}).outputs[name].astype(np.float64)
+        return 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got) ** 2).sum())
+
+    assert executor_sqnr(corrected) > executor_sqnr(plain) + 1.0
