@@ -26,6 +26,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from .calibrate import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
@@ -239,10 +240,17 @@ def _finite(x: float):
 
 def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_samples: int | None,
                        batch_size: int, preprocess=None, spread: bool = False) -> list[dict]:
-    """The first ``num_samples`` of DATA in batches; with ``spread``, that many samples evenly
-    spaced over all of it (sample i * len // n), so that a folder sorted by kind is represented."""
+    """The first ``num_samples`` of DATA in batches (of the model's own batch size when its batch
+    dim is fixed); with ``spread``, that many samples evenly spaced over all of it (sample
+    i * len // n), so that a folder sorted by kind is represented."""
     data = load_dataset(data_path, float_model, preprocess)
     total = len(data) if num_samples is None else min(num_samples, len(data))
+    fixed = fixed_batch(float_model)
+    if fixed:  # a model with a fixed batch dim takes whole batches of it
+        if total < fixed:
+            raise QtoolError(f"data '{data_path}': the model takes batches of {fixed} samples, "
+                             f"and only {total} are used")
+        batch_size, total = fixed, total - total % fixed
     if not spread or total == len(data):
         return list(data.batches(batch_size, total))
     picked = [data.batch(i * len(data) // total, i * len(data) // total + 1) for i in range(total)]

@@ -415,7 +415,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
             f"{mc['after_sqnr_db']} dB")
     if qreport.search is not None:
         sr = qreport.search
-        log(f"search: {len(sr['kept_float'])} ops kept float, output SQNR {sr['integer_sqnr_db']} dB "
+        log(f"search: {len(sr['kept_float'])} ops kept float, SQNR {sr['integer_sqnr_db']} dB "
             f"-> {sr['final_sqnr_db']} dB" + ("" if sr["reached"] else ", target NOT reached"))
 
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.bias_correction import _channel_means, quantize_corrected, targets
 from qtool.calibrate import calibrate
+from qtool.errors import QtoolError
 from qtool.executor import IntegerExecutor
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
@@ -142,3 +143,16 @@ def test_bad_data_file_is_one_line(demo_model, table_file, tmp_path):
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data", bad)
     assert_user_error(result, "bad.npz")
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_model_with_a_fixed_batch_dim_is_fed_whole_batches(demo_model, demo_table, demo_calib, tmp_path):
+    model = onnx.load(demo_model)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
+    path = tmp_path / "batch4.onnx"
+    onnx.save(model, path)
+    table = calibrate(path, demo_calib, progress=False)
+    qmodel, report, correction = quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 10, 8,
+                                                    progress=False)
+    assert report.bias_correction["samples"] == 8 and len(correction.deltas) == 5
+    with pytest.raises(QtoolError, match="the model takes batches of 4 samples, and only 3 are used"):
+        quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 3, 8, progress=False)
