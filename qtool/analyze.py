@@ -170,6 +170,17 @@ def scored_node(model: onnx.ModelProto) -> onnx.NodeProto | None:
     return node if node is not None and node.op_type in SATURATING else None
 
 
+def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` with exactly ``names`` as its outputs (a copy, unless they already are)."""
+    if [o.name for o in model.graph.output] == names:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.output[:]
+    out.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    return out
+
+
 class Evaluator:
     """Runs models on fixed batches and scores their first output against the float model's; when
     that output is a Softmax or Sigmoid (through shape-only ops), its input instead."""
@@ -189,10 +200,7 @@ class Evaluator:
             if node is None:
                 raise QtoolError(f"the model variant has no node '{self.node}' to score")
             name = node.input[0]
-            scored = onnx.ModelProto()
-            scored.CopyFrom(model)
-            scored.graph.output.insert(0, helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-            model = scored
+            model = with_outputs(model, [name])
         try:
             session = as_written_session(model)
             return [session.run([name] if name else None, feeds)[0] for feeds in self.batches]

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .analyze import as_written_session, evaluation_batches
+from .analyze import as_written_session, evaluation_batches, with_outputs
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
 from .quantize import quantize
@@ -136,7 +136,7 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
                    batches: list[dict]) -> list[tuple[np.ndarray, float]]:
     """Per-channel mean (float64) and overall RMS of each tensor over all batches."""
     try:
-        session = as_written_session(_with_outputs(model, names))
+        session = as_written_session(with_outputs(model, names))
         sums = [None] * len(names)
         squares = [0.0] * len(names)
         counts = [0] * len(names)
@@ -149,16 +149,6 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
     except Exception as e:
         raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None
     return [(s / c, (q / (c * len(s))) ** 0.5) for s, q, c in zip(sums, squares, counts)]
-
-
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    if [o.name for o in model.graph.output] == names:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.output[:]
-    out.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
-    return out
 
 
 def quantize_corrected(model_path, table, options, table_name: str, data_path,
