@@ -15,6 +15,8 @@ table, then Mul and Add by constants) is one lookup: the steps themselves, evalu
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +73,25 @@ class Chain:
 class Result:
     outputs: dict[str, np.ndarray]
     integer: dict[str, np.ndarray] = field(default_factory=dict)  # key -> integer tensor
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a sample runs (back on after, if it was on).
+
+    A run allocates a few thousand small containers (step inputs and outputs), enough to set off
+    collections; in a process that holds many objects (after calibrating, in a batch job) a full
+    collection costs milliseconds: 6 ms of PP-OCRv4 rec's 29 ms per line after an in-process
+    calibration. Whatever cycles a run leaves (an exception's traceback) are collected later.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _metadata(model: onnx.ModelProto) -> dict[str, str]:
@@ -285,7 +306,7 @@ class IntegerExecutor:
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False) -> Result:
-        with blas.single_threaded():  # see qtool/ops/blas.py: polling BLAS workers take the cores
+        with blas.single_threaded(), _collector_paused():  # see qtool/ops/blas.py: polling BLAS workers
             return self._run(feeds, keep_integer)
 
     def _run(self, feeds: dict[str, np.ndarray], keep_integer: bool) -> Result:

@@ -247,12 +247,32 @@ def _conv_params(weight, bias, multiplier, rshift, zero_in=0, zero_out=0, pads=(
                       group=group, rounding="half_up", dtype=dtype)
 
 
+@pytest.fixture(params=["numpy", "onnxruntime"])
+def conv_engine(request, monkeypatch):
+    """Each float32 Conv test on both ways of summing: numpy's (taps, BLAS) and onnxruntime's Conv."""
+    from qtool.ops import ortconv
+
+    monkeypatch.setattr(ortconv, "ENABLED", request.param == "onnxruntime")
+    return request.param
+
+
+@pytest.fixture(params=["numpy", "compiled"])
+def requant_form(request, monkeypatch):
+    """Each float32 Conv test with the requantization in numpy and as a compiled loop (numba)."""
+    from qtool.ops import compiled
+
+    if request.param == "compiled" and not compiled.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(compiled, "ENABLED", request.param == "compiled")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype, x_value, k, fast", [
     # sum of |products| = k * 127 * max|x| against float32's 2**24: 1032 * 127 * 128 = 16,776,192
     ("int8", -128, 1032, True), ("int8", -128, 1033, False),
     ("uint8", 255, 518, True), ("uint8", 255, 519, False),  # 518 * 127 * 255 = 16,774,930
 ])
-def test_conv_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast):
+def test_conv_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast, conv_engine, requant_form):
     from qtool.ops.conv import ConvPlan
 
     # a 1x1 conv over k channels with every product at its largest: int32 output at scale 1 shows the
@@ -267,17 +287,20 @@ def test_conv_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast):
     got = REGISTRY["Conv"].run(plan, x)
     assert got.dtype == np.int32 and got[0, :, 0, 0].tolist() == want
     assert isinstance(plan, ConvPlan)
+    assert (plan.engine(np.dtype(dtype)) is not None) == (fast and conv_engine == "onnxruntime")
 
 
-def test_depthwise_float32_taps_are_exact_at_their_bound():
-    # 32x32 taps of 127 on -128: 1024 * 16256 = 16,646,144, just below 2**24 (a 33x33 kernel is not)
+def test_depthwise_float32_taps_are_exact_at_their_bound(conv_engine, requant_form):
+    # 32x32 taps of 127 on -128: 1024 * 16256 = 16,646,144, just below 2**24 (a 33x33 kernel is not);
+    # the padding is Z_x = -128 too, so every output, border included, is the full sum
     for size, fast in ((32, True), (33, False)):
         weight = np.full((2, 1, size, size), 127, dtype=np.int8)
         p = _conv_params(weight, 0, 2**30, 30, group=2, pads=(1, 1, 1, 1), zero_in=-128, dtype="int32")
         plan = REGISTRY["Conv"].specialize(p, [(1, 2, size, size)])
         assert (np.dtype("int8") in plan.tails) == fast
         got = REGISTRY["Conv"].run(plan, np.full((1, 2, size, size), -128, dtype=np.int8))
-        assert got[0, :, 1, 1].tolist() == [-128 * 127 * size * size] * 2
+        assert got.shape == (1, 2, 3, 3) and (got == -128 * 127 * size * size).all()
+        assert (plan.engine(np.dtype("int8")) is not None) == (fast and conv_engine == "onnxruntime")
 
 
 @pytest.mark.parametrize("c_in, c_out, group, kernel, strides, dilations, pads, method", [
@@ -294,13 +317,14 @@ def test_depthwise_float32_taps_are_exact_at_their_bound():
     (6, 2, 1, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), "im2col"),  # strided
 ])
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("summing", ["numpy, channels first", "numpy, channels last", "onnxruntime"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads,
-                                                   method, dtype, channels_last, threads, monkeypatch):
-    from qtool.ops import conv, parallel
+                                                   method, dtype, summing, threads, requant_form, monkeypatch):
+    from qtool.ops import conv, ortconv, parallel
 
-    monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if channels_last else 10**9)
+    monkeypatch.setattr(ortconv, "ENABLED", summing == "onnxruntime")
+    monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if summing.endswith("last") else 10**9)
     monkeypatch.setattr(parallel, "WORKERS", threads)  # output rows in 3 ranges, on the pool
     monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
     rng = np.random.default_rng(c_in * 100 + c_out * 10 + kernel[0])
@@ -319,6 +343,7 @@ def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, s
     want = conv._run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got == want).all()
+    assert (plan.engine(np.dtype(dtype)) is not None) == (summing == "onnxruntime")
 
 
 def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):

@@ -10,13 +10,15 @@ into one multiply, add and shift (``OffsetRequant``); otherwise exactly, scannin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_requant, quantize_multipliers,
                           requantize, saturate)
 from . import Bias, IntegerOp, NodeView, Unsupported, Weight, parallel, per_tensor, plan_for, register
+from . import compiled, ortconv
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -115,15 +117,25 @@ class Conv(IntegerOp):
         tail = plan.tails.get(x.dtype)
         if tail is None:
             return _run_scanned(params, x)
-        prepare, accumulate = _FLOAT32[plan.method]
-        prepared = prepare(plan, x)
+        engine = plan.engine(x.dtype)
+        if engine is not None:
+            prepare, accumulate = engine, _rows_of
+        else:
+            prepare, accumulate = _FLOAT32[plan.method]
+            prepare = functools.partial(prepare, plan)
+        prepared = prepare(x)
         out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
+
+        whole = engine is not None and isinstance(tail.requant, compiled.CompiledRequant)
 
         def rows(start: int, stop: int) -> None:
             acc = accumulate(plan, prepared, start, stop)
             if tail.unproven.size:
                 check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
-            tail.requant(acc, out=out[:, :, start:stop])
+            if whole:  # the sums are one C-contiguous array: the compiled loop takes its rows
+                tail.requant.rows(prepared, out, start, stop)
+            else:
+                tail.requant(acc, out=out[:, :, start:stop])
 
         parallel.run_parts(rows, plan.row_parts)
         return out
@@ -173,6 +185,7 @@ class ConvPlan:
     weight: np.ndarray  # float32, laid out for ``method``
     tails: dict  # input np.dtype -> Tail
     row_parts: tuple[tuple[int, int], ...]  # output row ranges, one per thread
+    engines: dict = field(default_factory=dict)  # input np.dtype -> ortconv.OrtConv or None
 
     @classmethod
     def of(cls, p: ConvParams, shape: tuple[int, ...]) -> "ConvPlan":
@@ -216,9 +229,22 @@ class ConvPlan:
             fused = offset_requant(p.bias.reshape(-1, 1, 1), column, p.zero_out, p.dtype, p.rounding,
                                    (l1 * x_max).reshape(-1, 1, 1))
             if fused is not None:
-                tails[dtype] = Tail(*fused)
+                tails[dtype] = Tail.of(fused)
         row_parts = parallel.ranges(out_hw[0], shape[0] * c_out * out_hw[0] * out_hw[1])
         return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts)
+
+    def engine(self, dtype: np.dtype) -> "ortconv.OrtConv | None":
+        """onnxruntime's float32 Conv for inputs of ``dtype`` where float32 is proven exact for
+        them (qtool/ops/ortconv.py), built on first use; None where the numpy path runs."""
+        if dtype not in self.engines:
+            self.engines[dtype] = None if dtype not in self.tails else \
+                ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_sums)
+        return self.engines[dtype]
+
+    def numpy_sums(self, x: np.ndarray) -> np.ndarray:
+        """The float32 sums of the whole output by the numpy path (``method``)."""
+        prepare, accumulate = _FLOAT32[self.method]
+        return np.array(accumulate(self, prepare(self, x), 0, self.out_hw[0]))
 
 
 @dataclass(frozen=True)
@@ -226,8 +252,13 @@ class Tail:
     """Conv's, ConvTranspose's and MatMul's requantization: one entry per output channel, shaped to
     broadcast against the kernel's accumulator."""
 
-    requant: OffsetRequant
+    requant: "OffsetRequant | compiled.CompiledRequant"
     unproven: np.ndarray  # output channels whose int32 accumulator must be scanned
+
+    @classmethod
+    def of(cls, fused: tuple[OffsetRequant, np.ndarray]) -> "Tail":
+        """From ``offset_requant``'s result: compiled where numba is installed (ops/compiled.py)."""
+        return cls(compiled.requantizer(fused[0]), fused[1])
 
 
 def check_int32(acc: np.ndarray, bias: np.ndarray) -> None:
@@ -295,6 +326,11 @@ def _flat_padded(x: np.ndarray, pads, fill: int, repeat: int, channels_last: boo
     if repeat > 1:  # a channel multiplier: output channel o reads input channel o // repeat
         padded = np.repeat(padded, repeat, axis=3 if channels_last else 1)
     return padded.reshape(n, -1, c * repeat) if channels_last else padded.reshape(n, c * repeat, -1)
+
+
+def _rows_of(plan: ConvPlan, sums: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Output rows [start, stop) of sums computed whole (by an ``ortconv`` engine)."""
+    return sums[:, :, start:stop]
 
 
 # Each method: prepare(plan, x) once, then accumulate(plan, prepared, start, stop) gives the float32

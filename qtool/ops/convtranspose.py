@@ -226,7 +226,7 @@ class ConvTransposePlan:
                                                                    p.requant.rshift.reshape(column)),
                                    p.zero_out, p.dtype, p.rounding, (l1 * d_max).reshape(column))
             if fused is not None:
-                tails[dtype] = Tail(*fused)
+                tails[dtype] = Tail.of(fused)
         rows = parallel.ranges(h, shape[0] * c_out * out_hw[0] * out_hw[1]) if shuffle else ((0, h),)
         return cls(p, tuple(shape), out_hw, weight, shuffle, tails, rows)
 

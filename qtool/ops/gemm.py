@@ -100,7 +100,7 @@ class MatMulPlan:
                 continue
             fused = offset_requant(p.bias, p.requant, p.zero_out, p.dtype, p.rounding, l1 * x_max)
             if fused is not None:
-                tails[dtype] = Tail(*fused)
+                tails[dtype] = Tail.of(fused)
         rows = int(np.prod(shape[:-1], dtype=np.int64))
         return cls(p, tuple(shape), p.weight.astype(np.float32), tails, parallel.ranges(rows, rows * n))
 

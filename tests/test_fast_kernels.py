@@ -1,0 +1,149 @@
+"""The executor's fast forms against its plain ones: the compiled requantization (numba), onnxruntime's
+float32 Conv as the summing engine, and the garbage collector paused during a run."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from qtool.fixedpoint import Requant, offset_requant
+from qtool.ops import REGISTRY, compiled, ortconv
+from qtool.ops.conv import ConvParams, ConvPlan, _run_scanned
+
+needs_numba = pytest.mark.skipif(not compiled.available(), reason="numba is not installed")
+
+
+def _exact(channels, dtype, zero_out, seed, trailing=2, shifts=(10, 40)):
+    """An ``OffsetRequant`` for random channels (biases, 31-bit multipliers, shifts), one per entry
+    of axis 1 of sums with ``trailing`` more axes, and the bound."""
+    rng = np.random.default_rng(seed)
+    bias = rng.integers(-50_000, 50_000, channels)
+    multiplier = rng.integers(2**30, 2**31, channels)
+    rshift = rng.integers(*shifts, channels)
+    bound = np.full(channels, 127 * 128 * 9)
+    column = (slice(None),) + (None,) * trailing
+    exact, unproven = offset_requant(bias[column], Requant(multiplier[column], rshift[column]), zero_out, dtype,
+                                     "half_up", bound[column])
+    assert unproven.size == 0
+    return exact, bound[0]
+
+
+def _sums(shape, bound, seed):
+    """Integer-valued float32 sums within ``bound``, both ends included."""
+    rng = np.random.default_rng(seed)
+    acc = rng.integers(-bound, bound + 1, size=shape).astype(np.float32)
+    acc.reshape(-1)[:2] = (-bound, bound)
+    return acc
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype, zero_out, shifts", [
+    ("int8", -7, (10, 40)), ("uint8", 128, (10, 40)), ("int32", 5, (10, 40)), ("int8", 0, (10, 40)),
+    ("int8", -7, (58, 62)),  # Z_y * 2**r leaves int64: the zero point is added after the shift
+])
+def test_compiled_requant_equals_numpy_form(dtype, zero_out, shifts):
+    exact, bound = _exact(6, dtype, zero_out, seed=len(dtype) + abs(zero_out), shifts=shifts)
+    assert (exact.zero_out != 0) == (shifts[0] > 50)
+    fast = compiled.requantizer(exact)
+    assert isinstance(fast, compiled.CompiledRequant)
+    acc = _sums((2, 6, 5, 7), bound, seed=1)
+    assert fast(acc).tolist() == exact(acc).tolist()
+    # rows of whole arrays, as a Conv splits them over threads, and a strided view
+    out = np.zeros(acc.shape, dtype=dtype)
+    fast.rows(acc, out, 1, 4)
+    assert out[:, :, 1:4].tolist() == exact(acc)[:, :, 1:4].tolist() and not out[:, :, :1].any()
+    view = acc[:, :, ::2, 1:]
+    assert fast(view).tolist() == exact(view).tolist()
+
+
+@needs_numba
+def test_compiled_requant_on_a_matmul_and_other_shapes():
+    # a MatMul's [rows, N] sums have one channel per column
+    rng = np.random.default_rng(3)
+    bias, multiplier, rshift = rng.integers(-999, 999, 5), rng.integers(2**30, 2**31, 5), rng.integers(12, 30, 5)
+    exact, _ = offset_requant(bias, Requant(multiplier, rshift), 3, "int8", "half_up", np.full(5, 2**20))
+    fast = compiled.requantizer(exact)
+    acc = _sums((9, 5), 2**20, seed=4)
+    assert fast(acc).tolist() == exact(acc).tolist()
+    # shapes the loop does not take (a ConvTranspose's 6-D view) go to the numpy form
+    exact, bound = _exact(3, "int8", 1, seed=5, trailing=4)
+    six = _sums((1, 3, 2, 2, 2, 2), bound, seed=6)
+    assert compiled.requantizer(exact)(six).tolist() == exact(six).tolist()
+
+
+def test_requantizer_is_the_numpy_form_without_numba(monkeypatch):
+    exact, _ = _exact(2, "int8", 0, seed=7)
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    assert compiled.requantizer(exact) is exact
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_kernel", False)  # as when ``import numba`` failed
+    assert not compiled.available() and compiled.requantizer(exact) is exact
+
+
+def _params(weight, zero_in, pads=(0, 0, 0, 0), strides=(1, 1), dilations=(1, 1), group=1):
+    c_out = weight.shape[0]
+    return ConvParams(weight=weight, bias=np.arange(c_out, dtype=np.int64) * 7 - 9,
+                      requant=Requant(np.full(c_out, 2**30, np.int64), np.full(c_out, 36, np.int64)),
+                      zero_in=zero_in, zero_out=-3, pads=pads, strides=strides, dilations=dilations,
+                      group=group, rounding="half_up", dtype="int8")
+
+
+@pytest.mark.parametrize("shape, c_out, kernel, pads, strides, dilations, group", [
+    ((1, 2, 2, 3), 4, (3, 3), (2, 2, 2, 2), (1, 1), (1, 1), 1),  # padding reaches every output: whole map
+    ((2, 3, 6, 5), 3, (3, 2), (0, 3, 2, 0), (2, 1), (1, 2), 3),  # one-sided pads, depthwise, strided, dilated
+    ((1, 4, 5, 5), 4, (1, 1), (1, 1, 1, 1), (1, 1), (1, 1), 2),  # a 1x1 whose border is all padding
+])
+def test_onnxruntime_engine_restores_the_zero_point_padding(shape, c_out, kernel, pads, strides, dilations, group):
+    rng = np.random.default_rng(sum(shape))
+    weight = rng.integers(-127, 128, size=(c_out, shape[1] // group, *kernel)).astype(np.int8)
+    p = _params(weight, zero_in=-77, pads=pads, strides=strides, dilations=dilations, group=group)
+    plan = REGISTRY["Conv"].specialize(p, [shape])
+    assert plan.engine(np.dtype(np.int8)) is not None
+    x = rng.integers(-128, 128, size=shape).astype(np.int8)
+    assert (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+    assert np.array_equal(plan.engine(np.dtype(np.int8))(x), plan.numpy_sums(x))
+
+
+def test_onnxruntime_engine_that_disagrees_or_fails_is_not_used(monkeypatch):
+    weight = np.ones((2, 2, 1, 1), dtype=np.int8)
+    p = _params(weight, zero_in=0)
+    plan = ConvPlan.of(p, (1, 2, 3, 3))
+    dtype = np.dtype(np.int8)
+    # its self-check: sums that differ from the numpy path's by one anywhere
+    wrong = lambda x: plan.numpy_sums(x) + (np.arange(18).reshape(1, 2, 3, 3) == 17)  # noqa: E731
+    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, wrong) is None
+    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is not None
+
+    def broken(*args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(ortconv, "_session", broken)
+    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is None
+    x = np.arange(18, dtype=np.int8).reshape(1, 2, 3, 3)
+    assert plan.engine(dtype) is None and (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+
+
+def test_garbage_collector_is_paused_during_a_run_only(monkeypatch):
+    from onnx import TensorProto, helper
+
+    from qtool.executor import IntegerExecutor
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    executor = IntegerExecutor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    seen = []
+    run = executor._run
+    monkeypatch.setattr(executor, "_run", lambda *a: (seen.append(gc.isenabled()), run(*a))[1])
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        executor.run({"x": np.ones((1, 2), np.float32)})
+        assert seen == [False] and gc.isenabled()
+        gc.disable()  # a caller that turned it off keeps it off
+        executor.run({"x": np.ones((1, 2), np.float32)})
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
