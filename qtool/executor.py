@@ -16,6 +16,7 @@ table, then Mul and Add by constants) is one lookup: the steps themselves, evalu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
@@ -54,6 +55,9 @@ class Step:
     specialized: dict = field(default_factory=dict)
     # a QOperator step that clamps at real zero (the integer Clip a Relu becomes)
     clamps_below_zero: bool = False
+    # the chain that reads this integer step's output and nothing else does: the step writes the
+    # chain's outputs, through its table where the op takes one (``IntegerOp.takes_table``)
+    then: "Chain | None" = None
 
 
 @dataclass
@@ -119,7 +123,7 @@ class IntegerExecutor:
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
         self.steps = self._prune(self._lower())
-        self._chained_steps = self._chain(self.steps)
+        self._chained_steps = self._fuse_chains(self._chain(self.steps))
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
     # -- lowering ----------------------------------------------------------------------------------
@@ -292,6 +296,27 @@ class IntegerExecutor:
                 chained.append(step)
         return chained
 
+    def _fuse_chains(self, steps: list[Step]) -> list[Step]:
+        """``steps`` with each chain whose input is the 8-bit output of a kernel that takes a table
+        (a Conv), and read by nothing else, folded into that kernel's step: the kernel then writes
+        the chain's lookup as it requantizes, one pass instead of two."""
+        readers: dict[str, int] = {name: 1 for name in self.output_names}
+        for step in steps:
+            for name in step.inputs:
+                readers[name] = readers.get(name, 0) + 1
+        producers = {step.outputs[0]: step for step in steps
+                     if step.kind == "integer" and getattr(step.op, "takes_table", False) and len(step.outputs) == 1}
+        fused, folded = {}, set()
+        for step in steps:
+            source = step.inputs[0] if step.kind == "chain" else None
+            producer = producers.get(source)
+            if producer is None or readers.get(source) != 1 or step.params.ndim > 4 \
+                    or producer.qparams[0] is None or np.dtype(producer.qparams[0].dtype) not in BYTE_TYPES:
+                continue
+            fused[id(producer)] = dataclasses.replace(producer, outputs=list(step.outputs), then=step.params)
+            folded.add(id(step))
+        return [fused.get(id(step), step) for step in steps if id(step) not in folded]
+
     def _chain_input(self, step: Step) -> str | None:
         """The one input a chainable step maps elementwise; None if the step is not chainable: not an
         integer step with one output, not elementwise, or reading more than one non-constant or a
@@ -335,6 +360,8 @@ class IntegerExecutor:
             if params is None:
                 params = step.specialized[shapes] = step.op.specialize(step.params, list(shapes))
             try:
+                if step.then is not None:
+                    return [self._run_fused(step, params, values)]
                 out = step.op.run(params, *values)
             except OverflowError as e:
                 what = "int32 accumulator overflow" if "accumulator" in str(e) else f"overflow ({e})"
@@ -377,11 +404,22 @@ class IntegerExecutor:
             table = step.specialized[q.dtype] = self._dequantized(byte_values(q.dtype), qp, step.params)
         return lookup(table, q)
 
-    def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
-        dtype = x.dtype
+    def _run_fused(self, step: Step, params, values: list[np.ndarray]) -> np.ndarray:
+        """An integer step with the chain after it: through the chain's table where it has one
+        for the step's output type, else the chain after the step."""
+        dtype = np.dtype(step.qparams[0].dtype)
+        table = self._table_of(step.then, dtype)
+        if table is not None:  # (a chain is folded only where its constants have at most 4 axes)
+            return step.op.run(params, *values, table=table)
+        return self._run_chain(step.then, step.op.run(params, *values))
+
+    def _table_of(self, chain: Chain, dtype: np.dtype) -> np.ndarray | None:
         if dtype not in chain.tables:
             chain.tables[dtype] = self._chain_table(chain, dtype) if dtype in BYTE_TYPES else None
-        table = chain.tables[dtype]
+        return chain.tables[dtype]
+
+    def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
+        table = self._table_of(chain, x.dtype)
         if table is not None and x.ndim >= chain.ndim:
             return lookup(table, x)
         for step in chain.steps:

@@ -196,3 +196,71 @@ def test_parallel_pool_works_in_a_forked_child(monkeypatch):
         os._exit(0 if sorted(done) == [0, 1] else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _conv_chain_model(extra_reader: bool, rounding: str):
+    """x -> Q/DQ -> Conv 3x3 (int8 weights, bias) -> Q/DQ -> HardSwish -> Q/DQ -> Mul(constant) -> Q/DQ
+    -> y, optionally with the Conv's output also a graph output (then the chain cannot be folded);
+    ``rounding`` as qtool writes it (half_up: the float32 Conv path; half_to_even: the scanned one)."""
+    def qdq(src, name):
+        return [helper.make_node("QuantizeLinear", [src, f"{name}_s", f"{name}_z"], [f"{name}_q"]),
+                helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_d"])]
+
+    rng = np.random.default_rng(11)
+    weight = rng.integers(-127, 128, size=(4, 3, 3, 3)).astype(np.int8)
+    nodes = (qdq("x", "x")
+             + [helper.make_node("DequantizeLinear", ["w_q", "w_s"], ["w_d"], axis=0),
+                helper.make_node("DequantizeLinear", ["b_q", "b_s"], ["b_d"], axis=0),
+                helper.make_node("Conv", ["x_d", "w_d", "b_d"], ["c"], pads=[1, 1, 1, 1], name="conv")]
+             + qdq("c", "c") + [helper.make_node("HardSwish", ["c_d"], ["h"])] + qdq("h", "h")
+             + [helper.make_node("DequantizeLinear", ["k_q", "k_s", "k_z"], ["k_d"]),
+                helper.make_node("Mul", ["h_d", "k_d"], ["m"])] + qdq("m", "m"))
+    scales = {"x": (0.02, -5), "c": (0.3, 7), "h": (0.2, -60), "m": (0.1, 3), "k": (0.01, 0)}
+    inits = [_scalar(f"{n}_s", s, np.float32) for n, (s, _) in scales.items()]
+    inits += [_scalar(f"{n}_z", z, np.int8) for n, (_, z) in scales.items()]
+    inits += [numpy_helper.from_array(weight, "w_q"),
+              numpy_helper.from_array(np.full(4, 0.002, np.float32), "w_s"),
+              numpy_helper.from_array(np.array([300, -200, 0, 5000], np.int32), "b_q"),
+              numpy_helper.from_array(np.full(4, 0.02 * 0.002, np.float32), "b_s"),
+              numpy_helper.from_array(np.array(90, np.int8), "k_q")]
+    outputs = [helper.make_tensor_value_info("m_d", TensorProto.FLOAT, None)]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("c_d", TensorProto.FLOAT, None))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 3, 6, 7))
+    model = helper.make_model(helper.make_graph(nodes, "conv_chain", [x], outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    helper.set_model_props(model, {"qtool.rounding": rounding})
+    return model
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+@pytest.mark.parametrize("summing", ["numpy", "onnxruntime"])
+@pytest.mark.parametrize("requant", ["numpy", "compiled"])
+@pytest.mark.parametrize("rounding", ["half_up", "half_to_even"])
+def test_chain_folded_into_a_conv_equals_the_steps_one_by_one(extra_reader, summing, requant, rounding,
+                                                               monkeypatch):
+    from qtool.ops import compiled, ortconv
+    from qtool.ops.conv import ConvPlan
+
+    if requant == "compiled" and not compiled.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(compiled, "ENABLED", requant == "compiled")
+    monkeypatch.setattr(ortconv, "ENABLED", summing == "onnxruntime")
+    executor = IntegerExecutor(_conv_chain_model(extra_reader, rounding))
+    folded = [step for step in executor._chained_steps if step.then is not None]
+    conv = next(step for step in executor.steps if step.node.name == "conv")
+    plan = ConvPlan.of(conv.params, (2, 3, 6, 7))
+    assert (np.dtype(np.int8) in plan.tails) == (rounding == "half_up")  # the float32 path, or the scanned
+    assert [s.node.name for s in folded] == ([] if extra_reader else ["conv"])
+    assert _chains(executor) == ([["HardSwish", "Mul"]] if extra_reader else [])
+    rng = np.random.default_rng(12)
+    x = rng.normal(0, 1.5, size=(2, 3, 6, 7)).astype(np.float32)
+    fast = executor.run({"x": x}).outputs
+    one_by_one = executor.run({"x": x}, keep_integer=True).outputs
+    for name in one_by_one:
+        assert fast[name].dtype == one_by_one[name].dtype and (fast[name] == one_by_one[name]).all()
+    # a chain without a table for the Conv's output type runs its steps after the Conv
+    if folded:
+        monkeypatch.setattr(executor, "_table_of", lambda chain, dtype: None)
+        again = executor.run({"x": x}).outputs
+        assert all((again[name] == one_by_one[name]).all() for name in one_by_one)

@@ -98,6 +98,9 @@ class IntegerOp:
     # Inputs that are constants (initializers) and not named by ``constants()`` are quantized
     # per tensor like an activation and reach ``run`` as integer arrays (Add x + 3, Mul x * 0.5).
     accepts_constants: ClassVar[bool] = False
+    # ``run`` takes ``table=``: a 256-entry lookup applied to each 8-bit output byte as it is
+    # written (the executor's elementwise chain after the op, in the same pass)
+    takes_table: ClassVar[bool] = False
 
     def constants(self, node: onnx.NodeProto) -> dict[int, Weight | Bias | Raw]:
         return {}

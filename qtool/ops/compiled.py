@@ -20,6 +20,8 @@ import numpy as np
 ENABLED = True
 
 _kernel = None  # the compiled loop once built; False when numba is not installed
+_kernels = {}  # other compiled loops, built with ``_kernel``
+_NO_TABLE = np.zeros(0, dtype=np.int8)
 
 
 def _build():
@@ -32,17 +34,27 @@ def _build():
             return _kernel
 
         @numba.njit(nogil=True, cache=True)
-        def requantize4(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
+        def requantize4(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, out):  # pragma: no cover
             n, channels, _, cols = acc.shape
+            mapped = table.size > 0
             for b in range(n):
                 for c in range(channels):
                     m, o, r = multiplier[c], offset[c], rshift[c]
                     for i in range(start, stop):
                         for j in range(cols):
-                            v = ((np.int64(acc[b, c, i, j]) * m + o) >> r) + zero
-                            out[b, c, i, j] = min(max(v, lo), hi)
+                            v = min(max(((np.int64(acc[b, c, i, j]) * m + o) >> r) + zero, lo), hi)
+                            out[b, c, i, j] = table[v & 255] if mapped else v
+
+        @numba.njit(nogil=True, cache=True)
+        def requantize2(acc, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
+            rows, channels = acc.shape
+            for i in range(rows):
+                for c in range(channels):
+                    v = ((np.int64(acc[i, c]) * multiplier[c] + offset[c]) >> rshift[c]) + zero
+                    out[i, c] = min(max(v, lo), hi)
 
         _kernel = requantize4
+        _kernels["columns"] = requantize2
     return _kernel
 
 
@@ -51,8 +63,8 @@ def available() -> bool:
 
 
 class CompiledRequant:
-    """``OffsetRequant`` as one compiled loop over [n, C, H, W] sums, channels on axis 1 (a
-    MatMul's [rows, N] runs as [rows, N, 1, 1]); other shapes go to the numpy form."""
+    """``OffsetRequant`` as one compiled loop over [n, C, H, W] sums, channels on axis 1, or a
+    MatMul's [rows, N], one channel per column; other shapes go to the numpy form."""
 
     def __init__(self, exact):
         self.exact = exact
@@ -67,20 +79,25 @@ class CompiledRequant:
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(x.shape, dtype=self.exact.dtype)
-        acc, target = x, out
-        if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column
-            acc, target = x[:, :, None, None], out[:, :, None, None]
-        if acc.ndim != 4 or acc.shape[1] != self.multiplier.size or x.dtype != np.float32:
+        if x.dtype != np.float32 or x.ndim not in (2, 4) or x.shape[1] != self.multiplier.size:
             return self.exact(x, out=out)
-        self.rows(acc, target, 0, acc.shape[2])
+        if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column, the loop along the columns
+            _kernels["columns"](x, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo, self.hi,
+                                out)
+        else:
+            self.rows(x, out, 0, x.shape[2])
         return out
 
-    def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None) -> None:
         """Rows [start, stop) (axis 2) of [n, C, H, W] float32 ``acc`` into ``out``: the loop
         runs fastest on whole C-contiguous arrays, which a kernel splitting rows over threads can
-        pass as they are."""
+        pass as they are. With ``table`` (256 entries, for an 8-bit output), each output is
+        ``table[byte of the requantized value]``: the lookup of the elementwise steps after it
+        (the executor's chains), in the same pass."""
+        if table is None:
+            table = _NO_TABLE.astype(out.dtype)
         _kernel(acc, start, stop, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo, self.hi,
-                out)
+                table, out)
 
 
 def requantizer(exact):

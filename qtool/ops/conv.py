@@ -19,6 +19,7 @@ from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_r
                           requantize, saturate)
 from . import Bias, IntegerOp, NodeView, Unsupported, Weight, parallel, per_tensor, plan_for, register
 from . import compiled, ortconv
+from .bytetable import lookup
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -75,6 +76,7 @@ def weight_scales(view: NodeView, index: int, channels: int, axis: int) -> np.nd
 @register
 class Conv(IntegerOp):
     op_type = "Conv"
+    takes_table = True
 
     def constants(self, node):
         return {1: Weight(axis=0), 2: Bias(activation=0, weight=1)}
@@ -112,11 +114,13 @@ class Conv(IntegerOp):
     def specialize(self, p: ConvParams, shapes) -> "ConvPlan":
         return ConvPlan.of(p, tuple(shapes[0]))
 
-    def run(self, p: "ConvParams | ConvPlan", x: np.ndarray) -> np.ndarray:
+    def run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
+        """``table`` (``takes_table``): the output is ``table[byte of q_y]``, in the requantizing
+        pass where the compiled loop writes the output whole, else looked up after."""
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:
-            return _run_scanned(params, x)
+            return _mapped(_run_scanned(params, x), table)
         engine = plan.engine(x.dtype)
         if engine is not None:
             prepare, accumulate = engine, _rows_of
@@ -124,21 +128,25 @@ class Conv(IntegerOp):
             prepare, accumulate = _FLOAT32[plan.method]
             prepare = functools.partial(prepare, plan)
         prepared = prepare(x)
-        out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
-
         whole = engine is not None and isinstance(tail.requant, compiled.CompiledRequant)
+        out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw),
+                       dtype=table.dtype if whole and table is not None else params.dtype)
 
         def rows(start: int, stop: int) -> None:
             acc = accumulate(plan, prepared, start, stop)
             if tail.unproven.size:
                 check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
             if whole:  # the sums are one C-contiguous array: the compiled loop takes its rows
-                tail.requant.rows(prepared, out, start, stop)
+                tail.requant.rows(prepared, out, start, stop, table)
             else:
                 tail.requant(acc, out=out[:, :, start:stop])
 
         parallel.run_parts(rows, plan.row_parts)
-        return out
+        return out if whole else _mapped(out, table)
+
+
+def _mapped(q: np.ndarray, table: np.ndarray | None) -> np.ndarray:
+    return q if table is None else lookup(table, q)
 
 
 def _run_scanned(p: ConvParams, x: np.ndarray) -> np.ndarray:

@@ -31,6 +31,22 @@ class Window:
         return cols.reshape(*cols.shape[:3], out_h, out_w)
 
 
+    def tap_sums(self, x: np.ndarray, fill: int) -> np.ndarray:
+        """``sum`` over each window of ``x`` (8- or 16-bit) padded with ``fill``, [n, C, out_h,
+        out_w] int32: one strided slice added per tap, instead of a copy of every window."""
+        top, left, bottom, right = self.pads
+        if any(self.pads):
+            x = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=fill)
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilations
+        out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+        out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        acc = np.zeros((*x.shape[:2], out_h, out_w), dtype=np.int32)
+        for i in range(kh):
+            for j in range(kw):
+                acc += x[:, :, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+        return acc
+
+
 def _window(view: NodeView) -> Window:
     kernel = tuple(view.attr("kernel_shape"))
     if len(kernel) != 2:
@@ -125,8 +141,11 @@ class AveragePool(IntegerOp):
     def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         # padding with Z_x adds real zeros, which count_include_pad=1 averages in
-        patches = p.window.patches(x, p.zero_in).astype(np.int64) - p.zero_in
-        return _avg_run(p, patches.sum(axis=2))
+        kh, kw = p.window.kernel
+        if x.dtype.itemsize > 2 or kh * kw >= 2**15:  # a sum that int32 may not hold
+            patches = p.window.patches(x, p.zero_in).astype(np.int64) - p.zero_in
+            return _avg_run(p, patches.sum(axis=2))
+        return _avg_run(p, p.window.tap_sums(x, p.zero_in).astype(np.int64) - p.zero_in * kh * kw)
 
 
 
@@ -144,6 +163,7 @@ class GlobalAveragePool(IntegerOp):
     def run(self, p: AvgPoolParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         count = int(np.prod(x.shape[2:], dtype=np.int64))
-        # sum(q - Z) = sum(q) - Z * count, summed in int64 without a wider copy of x
-        summed = x.reshape(*x.shape[:2], -1).sum(axis=2, dtype=np.int64) - p.zero_in * count
+        # sum(q - Z) = sum(q) - Z * count, without a wider copy of x; in int32 where it must fit
+        wide = np.int32 if x.dtype.itemsize <= 2 and count < 2**15 else np.int64
+        summed = x.reshape(*x.shape[:2], -1).sum(axis=2, dtype=wide).astype(np.int64) - p.zero_in * count
         return _avg_run(p, summed).reshape(*x.shape[:2], *([1] * (x.ndim - 2)))
