@@ -78,7 +78,7 @@ def test_requantizer_is_the_numpy_form_without_numba(monkeypatch):
     monkeypatch.setattr(compiled, "ENABLED", False)
     assert compiled.requantizer(exact) is exact
     monkeypatch.setattr(compiled, "ENABLED", True)
-    monkeypatch.setattr(compiled, "_kernel", False)  # as when ``import numba`` failed
+    monkeypatch.setattr(compiled, "_loops", False)  # as when ``import numba`` failed
     assert not compiled.available() and compiled.requantizer(exact) is exact
 
 

@@ -7,10 +7,10 @@ reads each float32 sum once and writes its int8 once, ten to twenty times faster
 
 The loop computes exactly ``OffsetRequant``'s integers (``min(max(((x * M + offset) >> r) +
 Z_y, lo), hi)`` in int64, with ``x`` the integer-valued float32 sum), so the results are
-bit-identical; ``tests/test_compiled.py`` checks it against the numpy form on random and extreme
-sums. numba is optional (``pip install 'qtool[fast]'``): without it, or with ``ENABLED`` off,
-``requantizer`` returns the numpy form. The first use compiles the loop (about a second; numba
-caches it on disk for later runs).
+bit-identical; ``tests/test_fast_kernels.py`` checks it against the numpy form on random and
+extreme sums. The loops themselves are in qtool/ops/_loops.py. numba is optional (``pip install
+'qtool[fast]'``): without it, or with ``ENABLED`` off, ``requantizer`` returns the numpy form. The
+first use compiles the loops (a few seconds; numba caches them on disk for later runs).
 """
 
 from __future__ import annotations
@@ -19,47 +19,29 @@ import numpy as np
 
 ENABLED = True
 
-_kernel = None  # the compiled loop once built; False when numba is not installed
-_kernels = {}  # other compiled loops, built with ``_kernel``
+_loops = None  # qtool/ops/_loops.py once imported; False when numba is not installed
 _NO_TABLE = np.zeros(0, dtype=np.int8)
+_NO_BAND = np.zeros((0, 0, 0), dtype=np.float32)
 
 
 def _build():
-    global _kernel
-    if _kernel is None:
+    global _loops
+    if _loops is None:
         try:
-            import numba
+            from . import _loops as loops
         except ImportError:
-            _kernel = False
-            return _kernel
-
-        @numba.njit(nogil=True, cache=True)
-        def requantize4(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, out):  # pragma: no cover
-            n, channels, _, cols = acc.shape
-            mapped = table.size > 0
-            for b in range(n):
-                for c in range(channels):
-                    m, o, r = multiplier[c], offset[c], rshift[c]
-                    for i in range(start, stop):
-                        for j in range(cols):
-                            v = min(max(((np.int64(acc[b, c, i, j]) * m + o) >> r) + zero, lo), hi)
-                            out[b, c, i, j] = table[v & 255] if mapped else v
-
-        @numba.njit(nogil=True, cache=True)
-        def requantize2(acc, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
-            rows, channels = acc.shape
-            for i in range(rows):
-                for c in range(channels):
-                    v = ((np.int64(acc[i, c]) * multiplier[c] + offset[c]) >> rshift[c]) + zero
-                    out[i, c] = min(max(v, lo), hi)
-
-        _kernel = requantize4
-        _kernels["columns"] = requantize2
-    return _kernel
+            loops = False
+        _loops = loops
+    return _loops
 
 
 def available() -> bool:
     return ENABLED and bool(_build())
+
+
+def no_border(rows: int, cols: int) -> tuple:
+    """``border`` for ``CompiledRequant.rows`` that corrects nothing."""
+    return (0, rows, 0, cols, _NO_BAND, _NO_BAND, _NO_BAND, _NO_BAND)
 
 
 class CompiledRequant:
@@ -82,22 +64,26 @@ class CompiledRequant:
         if x.dtype != np.float32 or x.ndim not in (2, 4) or x.shape[1] != self.multiplier.size:
             return self.exact(x, out=out)
         if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column, the loop along the columns
-            _kernels["columns"](x, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo, self.hi,
-                                out)
+            _loops.requantize_columns(x, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo,
+                                      self.hi, out)
         else:
             self.rows(x, out, 0, x.shape[2])
         return out
 
-    def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None) -> None:
+    def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,
+             border: tuple | None = None) -> None:
         """Rows [start, stop) (axis 2) of [n, C, H, W] float32 ``acc`` into ``out``: the loop
         runs fastest on whole C-contiguous arrays, which a kernel splitting rows over threads can
         pass as they are. With ``table`` (256 entries, for an 8-bit output), each output is
         ``table[byte of the requantized value]``: the lookup of the elementwise steps after it
-        (the executor's chains), in the same pass."""
+        (the executor's chains), in the same pass. ``border`` adds a Conv's zero-point padding
+        correction to the border rows and columns first (``ortconv.OrtConv.border``)."""
         if table is None:
             table = _NO_TABLE.astype(out.dtype)
-        _kernel(acc, start, stop, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo, self.hi,
-                table, out)
+        if border is None:
+            border = no_border(acc.shape[2], acc.shape[3])
+        _loops.requantize_rows(acc, start, stop, self.multiplier, self.offset, self.rshift, self.exact.zero_out,
+                               self.lo, self.hi, table, border, out)
 
 
 def requantizer(exact):

@@ -122,13 +122,15 @@ class Conv(IntegerOp):
         if tail is None:
             return _mapped(_run_scanned(params, x), table)
         engine = plan.engine(x.dtype)
+        # onnxruntime's sums whole, requantized by the compiled loop with the padding's correction
+        # (channels to scan for int32 overflow need the corrected sums first: numpy adds it then)
+        whole = engine is not None and isinstance(tail.requant, compiled.CompiledRequant) and not tail.unproven.size
         if engine is not None:
-            prepare, accumulate = engine, _rows_of
+            prepare, accumulate = engine.zero_padded if whole else engine, _rows_of
         else:
             prepare, accumulate = _FLOAT32[plan.method]
             prepare = functools.partial(prepare, plan)
         prepared = prepare(x)
-        whole = engine is not None and isinstance(tail.requant, compiled.CompiledRequant)
         out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw),
                        dtype=table.dtype if whole and table is not None else params.dtype)
 
@@ -137,7 +139,7 @@ class Conv(IntegerOp):
             if tail.unproven.size:
                 check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
             if whole:  # the sums are one C-contiguous array: the compiled loop takes its rows
-                tail.requant.rows(prepared, out, start, stop, table)
+                tail.requant.rows(prepared, out, start, stop, table, engine.border)
             else:
                 tail.requant(acc, out=out[:, :, start:stop])
 

@@ -10,7 +10,8 @@ quantized kernel: the requantization stays in the executor's own integer code.
 
 The session runs ``Cast(int8/uint8 -> float) -> Conv`` with the node's strides, dilations and
 groups, and zero padding; padding with ``Z_x`` is restored after it by adding, on the border
-bands only, ``Z_x * sum(w)`` over the taps that fell on padding (integers inside the same bound).
+bands only, ``Z_x * sum(w)`` over the taps that fell on padding (integers inside the same bound):
+in numpy, or inside the compiled requantizing loop (qtool/ops/_loops.py).
 Each engine checks itself once when it is built: its sums on a seeded input of extreme values
 must equal the numpy path's; if they do not, or onnxruntime cannot build the session, the plan
 keeps the numpy path (``ENABLED`` switches the engine off, for tests).
@@ -29,14 +30,26 @@ _ELEMENT = {np.dtype(np.int8): 3, np.dtype(np.uint8): 2}  # onnx TensorProto INT
 
 class OrtConv:
     """The float32 sums of one Conv for one input shape and type: ``engine(x)`` gives
-    [n, C_out, out_h, out_w] float32, exactly ``sum q_x * q_w`` with padding ``Z_x``."""
+    [n, C_out, out_h, out_w] float32, exactly ``sum q_x * q_w`` with padding ``Z_x``;
+    ``engine.zero_padded(x)`` the same with padding 0, to which ``border`` (``first, last, lead,
+    tail, top, bottom, left, right``, see ``compiled.CompiledRequant.rows``) adds the rest."""
 
-    def __init__(self, session, bands):
+    def __init__(self, session, border):
         self.session = session
-        self.bands = bands  # (index, correction) pairs added to the border of the sums
+        self.border = border
+        first, last, lead, tail, top, bottom, left, right = border
+        everything = slice(None)
+        self.bands = [(index, band) for index, band in (
+            ((everything, everything, slice(0, first)), top),
+            ((everything, everything, slice(last, None)), bottom),
+            ((everything, everything, slice(first, last), slice(0, lead)), left),
+            ((everything, everything, slice(first, last), slice(tail, None)), right)) if band.size]
+
+    def zero_padded(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {"x": x})[0]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        acc = self.session.run(None, {"x": x})[0]
+        acc = self.zero_padded(x)
         for index, correction in self.bands:
             acc[index] += correction
         return acc
@@ -51,7 +64,7 @@ def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.
         session = _session(params, in_shape, np.dtype(dtype))
     except Exception:  # an onnxruntime without this Conv form: the numpy path runs instead
         return None
-    engine = OrtConv(session, _bands(params, in_shape, out_hw))
+    engine = OrtConv(session, _border(params, in_shape, out_hw))
     probe = _probe(in_shape, np.dtype(dtype))
     if not np.array_equal(engine(probe), reference(probe)):
         return None
@@ -83,19 +96,23 @@ def _session(params, in_shape, dtype: np.dtype):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _bands(params, in_shape, out_hw):
-    """(index, correction) for the output rows and columns whose windows reach the padding:
-    ``Z_x * sum(w)`` over the taps on padding, from an exact integer conv of the padding's
-    indicator. Empty when ``Z_x`` is 0 or there is no padding."""
+def _border(params, in_shape, out_hw):
+    """``(first, last, lead, tail, top, bottom, left, right)``: output rows [0, first) and
+    [last, out_h), and in the rows between columns [0, lead) and [tail, out_w), are those whose
+    windows reach the padding; ``top`` [C_out, first, out_w], ``bottom``, ``left`` [C_out, last -
+    first, lead] and ``right`` hold ``Z_x * sum(w)`` over the taps on padding there, from an exact
+    integer conv of the padding's indicator. Where the padding reaches rows or columns inside, the
+    whole map is ``top`` (``first = last = out_h``). Nothing to add when ``Z_x`` is 0."""
+    from .compiled import no_border
     from .conv import conv_accumulate
 
     top, left, bottom, right = params.pads
+    out_h, out_w = out_hw
     if params.zero_in == 0 or not any(params.pads):
-        return []
+        return no_border(out_h, out_w)
     n, c_in, h, w = in_shape
     (sh, sw), (dh, dw) = params.strides, params.dilations
     kh, kw = params.weight.shape[2:]
-    out_h, out_w = out_hw
     indicator = np.ones((1, c_in, top + h + bottom, left + w + right), dtype=np.int64)
     indicator[:, :, top:top + h, left:left + w] = 0
     sums, _, _ = conv_accumulate(indicator, params.weight.astype(np.int64), params.group, params.strides,
@@ -111,15 +128,11 @@ def _bands(params, in_shape, out_hw):
     last = max(first, next((r + 1 for r in range(out_h - 1, -1, -1) if not rows[r]), first))
     lead = next((c for c, hit in enumerate(cols) if not hit), out_w)
     tail = max(lead, next((c + 1 for c in range(out_w - 1, -1, -1) if not cols[c]), lead))
-    if any(rows[first:last]) or any(cols[lead:tail]):
-        return [((slice(None),) * 2, correction)]  # padding reaches inside: add the whole map
-    bands = []
-    for r, c in (((0, first), (0, out_w)), ((last, out_h), (0, out_w)),
-                 ((first, last), (0, lead)), ((first, last), (tail, out_w))):
-        if r[0] < r[1] and c[0] < c[1]:
-            index = (slice(None), slice(None), slice(*r), slice(*c))
-            bands.append((index, np.ascontiguousarray(correction[:, slice(*r), slice(*c)])))
-    return bands
+    if any(rows[first:last]) or any(cols[lead:tail]):  # padding reaches inside: the whole map
+        first = last = out_h
+    band = (lambda r, c: np.ascontiguousarray(correction[:, r, c]))  # noqa: E731
+    return (first, last, lead, tail, band(slice(0, first), slice(None)), band(slice(last, None), slice(None)),
+            band(slice(first, last), slice(0, lead)), band(slice(first, last), slice(tail, None)))
 
 
 def _probe(in_shape, dtype: np.dtype) -> np.ndarray:

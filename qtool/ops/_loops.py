@@ -1,0 +1,63 @@
+"""The compiled loops of qtool/ops/compiled.py (importing this module needs numba).
+
+Each is ``OffsetRequant``'s integer arithmetic, element by element: ``min(max(((x * M + offset)
+>> r) + Z_y, lo), hi)`` in int64 on an integer-valued float32 sum ``x``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _level(x, m, o, r, zero, lo, hi):  # pragma: no cover (compiled)
+    return min(max(((np.int64(x) * m + o) >> r) + zero, lo), hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, border, out):  # pragma: no cover
+    """Rows [start, stop) of [n, C, H, W] ``acc`` into ``out``; an output is ``table[byte]`` when
+    ``table`` has entries. ``border`` = (first, last, lead, tail, top, bottom, left, right) adds,
+    before requantizing, a per-channel correction to rows [0, first) (``top`` [C, first, W]) and
+    [last, H) (``bottom``), and in the rows between to columns [0, lead) (``left``) and [tail, W)
+    (``right``): the zero-point padding ``ortconv`` restores.
+
+    Each row goes through a small buffer: the plain loop over the whole row (it vectorizes), the
+    border's outputs again with their correction, then the lookup (a gather by byte)."""
+    n, channels, _, cols = acc.shape
+    first, last, lead, tail, top, bottom, left, right = border
+    mapped = table.size > 0
+    row = np.empty(cols, dtype=np.int32)  # levels lie in [lo, hi], inside int32
+    for b in range(n):
+        for c in range(channels):
+            m, o, r = multiplier[c], offset[c], rshift[c]
+            for i in range(start, stop):
+                for j in range(cols):
+                    row[j] = _level(acc[b, c, i, j], m, o, r, zero, lo, hi)
+                if i < first:
+                    for j in range(cols):
+                        row[j] = _level(acc[b, c, i, j] + top[c, i, j], m, o, r, zero, lo, hi)
+                elif i >= last:
+                    for j in range(cols):
+                        row[j] = _level(acc[b, c, i, j] + bottom[c, i - last, j], m, o, r, zero, lo, hi)
+                else:
+                    for j in range(lead):
+                        row[j] = _level(acc[b, c, i, j] + left[c, i - first, j], m, o, r, zero, lo, hi)
+                    for j in range(tail, cols):
+                        row[j] = _level(acc[b, c, i, j] + right[c, i - first, j - tail], m, o, r, zero, lo, hi)
+                if mapped:
+                    for j in range(cols):
+                        out[b, c, i, j] = table[np.uint8(row[j] & 255)]
+                else:
+                    for j in range(cols):
+                        out[b, c, i, j] = row[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def requantize_columns(acc, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
+    """[rows, N] ``acc`` with one channel per column (a MatMul's) into ``out``."""
+    rows, channels = acc.shape
+    for i in range(rows):
+        for c in range(channels):
+            out[i, c] = _level(acc[i, c], multiplier[c], offset[c], rshift[c], zero, lo, hi)
