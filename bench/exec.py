@@ -8,7 +8,9 @@ in both formats, then time, one sample at a time and in the same process:
 - onnxruntime on the float model (default session options: every core, all graph optimizations);
 - qtool's integer executor (``IntegerExecutor.run``) on the QDQ and on the QOperator model;
 - onnxruntime on the QOperator model, for reference.
-Each figure is the median of ``--runs`` runs after a warm-up; ratios divide by the float median.
+Each figure is the median of ``--runs`` runs, taken in five rounds in which the four take turns,
+each running its share back to back after an untimed run (``_median_seconds``); ratios divide by
+the float median.
 The last column is the executor's agreement with onnxruntime on the same QOperator model, on the
 model output: the fraction of elements exactly equal and the largest difference in output LSB.
 
@@ -18,6 +20,7 @@ Needs: pip install -e '.[bench]' and rapidocr-onnxruntime --no-deps.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -39,14 +42,24 @@ from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
 CALIBRATION = {"rec": 32, "det": 8}
 
 
-def _median_seconds(run, runs: int) -> float:
-    run()  # warm-up: sessions, specialised parameters, caches
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def _median_seconds(runners: dict, runs: int, rounds: int = 5) -> dict:
+    """The median time of each runner over ``runs`` runs, taken in ``rounds`` blocks: within a
+    round each runner runs once untimed and then its share of the runs back to back (its steady
+    state: onnxruntime's thread pool stays awake between its own runs, as in a serving loop), and
+    the runners take turns from round to round, so a change in the machine's load reaches every
+    figure alike and the ratios stay comparable. A pause before each block lets the threads an
+    onnxruntime session keeps spinning after its runs stop taking the cores from the next one."""
+    times = {name: [] for name in runners}
+    for round_ in range(rounds):
+        share = runs // rounds + (round_ < runs % rounds)
+        for name, run in runners.items():
+            time.sleep(0.2)  # the previous runner's spinning onnxruntime threads go back to sleep
+            run()  # warm-up: sessions, specialised parameters, compiled loops, caches, threads
+            for _ in range(share):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def _data(kind: str):
@@ -77,25 +90,26 @@ def bench(kind: str, runs: int, workdir: Path) -> list[tuple]:
     name = onnx.load(model).graph.input[0].name
     feeds = {name: x}
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-    base = _median_seconds(lambda: session.run(None, feeds), runs)
-    rows = [(kind, "onnxruntime, float model", base, 1.0, "")]
+    runners = {"float": lambda: session.run(None, feeds)}
+    notes = {}
     for fmt in ("qdq", "qoperator"):
         qmodel, _ = quantize(model, table, QuantizeOptions(format=fmt))
         executor = IntegerExecutor(qmodel)
-        seconds = _median_seconds(lambda: executor.run(feeds), runs)
-        note = ""
+        runners[fmt] = functools.partial(executor.run, feeds)
         if fmt == "qoperator":
             qsession = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-            ort_seconds = _median_seconds(lambda: qsession.run(None, feeds), runs)
+            runners["ort qoperator"] = functools.partial(qsession.run, None, feeds)
             got = executor.run(feeds).outputs[qmodel.graph.output[0].name]
             want = qsession.run(None, feeds)[0]
             scale = _output_scale(qmodel)
             diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
             lsb = f"{diff.max() / scale:.2f} LSB" if scale else f"{diff.max():.3g} abs"
-            note = f"output vs onnxruntime on this model: {np.mean(diff == 0):.4%} equal, max {lsb}"
-            rows.append((kind, "onnxruntime, QOperator model", ort_seconds, ort_seconds / base, ""))
-        rows.append((kind, f"qtool exec, {fmt} model", seconds, seconds / base, note))
-    return rows
+            notes[fmt] = f"output vs onnxruntime on this model: {np.mean(diff == 0):.4%} equal, max {lsb}"
+    seconds = _median_seconds(runners, runs)
+    base = seconds["float"]
+    labels = {"float": "onnxruntime, float model", "qdq": "qtool exec, qdq model",
+              "ort qoperator": "onnxruntime, QOperator model", "qoperator": "qtool exec, qoperator model"}
+    return [(kind, labels[name], seconds[name], seconds[name] / base, notes.get(name, "")) for name in labels]
 
 
 def main(argv=None) -> None:

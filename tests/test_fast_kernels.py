@@ -147,3 +147,21 @@ def test_garbage_collector_is_paused_during_a_run_only(monkeypatch):
         assert seen == [False, False] and not gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@needs_numba
+@pytest.mark.parametrize("a_shape, b_shape", [((2, 3, 4, 5), (1, 3, 1, 1)), ((2, 3, 4, 5), (2, 3, 1, 1)),
+                                              ((1, 3, 1, 1), (2, 3, 4, 5))])  # the second: swapped
+@pytest.mark.parametrize("dtypes", [("int8", "int8"), ("uint8", "int8")])
+def test_compiled_per_channel_lookup_equals_the_numpy_gather(a_shape, b_shape, dtypes, monkeypatch):
+    from qtool.ops.bytetable import lookup_pair
+
+    rng = np.random.default_rng(len(a_shape) + a_shape[0] + b_shape[0])
+    table = rng.integers(-128, 128, size=(256, 256)).astype(np.int8)
+    a = rng.integers(0, 256, size=a_shape).astype(np.uint8).view(dtypes[0])
+    b = rng.integers(0, 256, size=b_shape).astype(np.uint8).view(dtypes[1])
+    want = table[a.view(np.uint8).astype(np.int64), b.view(np.uint8).astype(np.int64)]  # broadcast indices
+    got = lookup_pair(table, a, b)
+    assert got.shape == want.shape and (got == want).all()
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    assert (lookup_pair(table, a, b) == want).all()

@@ -61,3 +61,16 @@ def requantize_columns(acc, multiplier, offset, rshift, zero, lo, hi, out):  # p
     for i in range(rows):
         for c in range(channels):
             out[i, c] = _level(acc[i, c], multiplier[c], offset[c], rshift[c], zero, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def lookup_per_channel(table, a, b, out):  # pragma: no cover
+    """``out[i, c, h, w] = table[a[i, c, h, w], b[i or 0, c]]``: a [256, 256] table of a kernel
+    on byte pairs, ``a`` [n, C, H, W] and ``b`` [1 or n, C] as raw bytes (uint8)."""
+    n, channels, rows, cols = a.shape
+    for i in range(n):
+        for c in range(channels):
+            column = b[i if b.shape[0] > 1 else 0, c]
+            for h in range(rows):
+                for w in range(cols):
+                    out[i, c, h, w] = table[a[i, c, h, w], column]

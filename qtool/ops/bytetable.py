@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from . import parallel
+from . import compiled, parallel
 
 BYTE_TYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})  # dtype objects: fast to look up
 
@@ -65,6 +65,14 @@ def lookup_pair(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return lookup(np.ascontiguousarray(table[:, b.view(np.uint8).reshape(-1)[0]]), a)
     if a.size == 1 and b.shape == shape:
         return lookup(table[a.view(np.uint8).reshape(-1)[0]], b)
+    if a.shape == shape:  # one value of b per channel (a Mul by a channel attention's weights)
+        out = compiled.lookup_per_channel(table, a, b)
+        if out is not None:
+            return out
+    elif b.shape == shape:
+        out = compiled.lookup_per_channel(table.T, b, a)
+        if out is not None:
+            return out
     flat_table = table.reshape(-1)
     if a.shape != b.shape:  # broadcasting: the index once, the gathers on the cores
         return _take(flat_table, np.bitwise_or(np.left_shift(a.view(np.uint8), 8, dtype=np.uint16),

@@ -86,6 +86,19 @@ class CompiledRequant:
                                self.lo, self.hi, table, border, out)
 
 
+def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``table[a byte, b byte]`` (a [256, 256] pair table) for ``a`` [n, C, H, W] and ``b`` one
+    value per channel ([1 or n, C, 1, 1]), as one compiled gather; None where numba is missing or
+    the shapes are not these (the caller looks up in numpy)."""
+    if not available() or a.ndim != 4 or b.ndim != 4 or b.shape[2:] != (1, 1) or b.shape[1] != a.shape[1] \
+            or b.shape[0] not in (1, a.shape[0]):
+        return None
+    out = np.empty(a.shape, dtype=table.dtype)
+    _loops.lookup_per_channel(table, np.ascontiguousarray(a).view(np.uint8),
+                              np.ascontiguousarray(b.reshape(b.shape[:2])).view(np.uint8), out)
+    return out
+
+
 def requantizer(exact):
     """``exact`` (an ``OffsetRequant``) compiled where numba is installed, else ``exact`` itself."""
     return CompiledRequant(exact) if available() else exact
