@@ -165,3 +165,30 @@ def test_compiled_per_channel_lookup_equals_the_numpy_gather(a_shape, b_shape, d
     assert got.shape == want.shape and (got == want).all()
     monkeypatch.setattr(compiled, "ENABLED", False)
     assert (lookup_pair(table, a, b) == want).all()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_onnxruntime_engine_scans_channels_whose_bias_may_overflow(workers, monkeypatch):
+    # a padded depthwise conv (split by channels over two threads) whose channel 3 has a bias 100
+    # below int32's top: its corrected sum (padding Z_x = 5 included) must be scanned, in its part
+    from qtool.ops import parallel
+
+    monkeypatch.setattr(parallel, "WORKERS", workers)
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
+    weight = np.ones((4, 1, 3, 3), dtype=np.int8)
+    p = ConvParams(weight=weight, bias=np.array([0, 0, 0, 2**31 - 1 - 100], np.int64),
+                   requant=Requant(np.full(4, 2**30, np.int64), np.full(4, 60, np.int64)), zero_in=5, zero_out=0,
+                   pads=(1, 1, 1, 1), strides=(1, 1), dilations=(1, 1), group=4, rounding="half_up", dtype="int8")
+    plan = REGISTRY["Conv"].specialize(p, [(1, 4, 3, 3)])
+    assert plan.tails[np.dtype(np.int8)].unproven.tolist() == [3]
+    assert len(plan.engine(np.dtype(np.int8)).parts) == workers
+    ok = np.full((1, 4, 3, 3), 11, dtype=np.int8)  # centre 9 * 11 = 99, corners 4 * 11 + 5 * 5 = 69
+    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    over = ok.copy()
+    over[0, 3, 0, 0] = 12  # the centre's window: 7 * 11 + 2 * 12 = 101, one past the bias's room
+    over[0, 3, 1, 1] = 12
+    with pytest.raises(OverflowError, match="accumulator"):
+        REGISTRY["Conv"].run(plan, over)
+    corner = ok.copy()
+    corner[0, 3] = 5  # padding and inputs all 5: 45 everywhere; with Z_x forgotten the corner would read 20
+    assert (REGISTRY["Conv"].run(plan, corner) == _run_scanned(p, corner)).all()

@@ -71,19 +71,24 @@ class CompiledRequant:
         return out
 
     def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,
-             border: tuple | None = None) -> None:
+             border: tuple | None = None, channels: tuple[int, int] | None = None) -> None:
         """Rows [start, stop) (axis 2) of [n, C, H, W] float32 ``acc`` into ``out``: the loop
         runs fastest on whole C-contiguous arrays, which a kernel splitting rows over threads can
         pass as they are. With ``table`` (256 entries, for an 8-bit output), each output is
         ``table[byte of the requantized value]``: the lookup of the elementwise steps after it
         (the executor's chains), in the same pass. ``border`` adds a Conv's zero-point padding
-        correction to the border rows and columns first (``ortconv.OrtConv.border``)."""
+        correction to the border rows and columns first (``ortconv.OrtConv.border``). With
+        ``channels`` (lo, hi), ``acc`` holds only those output channels, written to ``out[:, lo:hi]``."""
         if table is None:
             table = _NO_TABLE.astype(out.dtype)
         if border is None:
             border = no_border(acc.shape[2], acc.shape[3])
-        _loops.requantize_rows(acc, start, stop, self.multiplier, self.offset, self.rshift, self.exact.zero_out,
-                               self.lo, self.hi, table, border, out)
+        lo, hi = channels if channels is not None else (0, self.multiplier.size)
+        if channels is not None:
+            out = out[:, lo:hi]
+            border = border[:4] + tuple(band[lo:hi] for band in border[4:])
+        _loops.requantize_rows(acc, start, stop, self.multiplier[lo:hi], self.offset[lo:hi], self.rshift[lo:hi],
+                               self.exact.zero_out, self.lo, self.hi, table, border, out)
 
 
 def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:

@@ -122,29 +122,56 @@ class Conv(IntegerOp):
         if tail is None:
             return _mapped(_run_scanned(params, x), table)
         engine = plan.engine(x.dtype)
-        # onnxruntime's sums whole, requantized by the compiled loop with the padding's correction
-        # (channels to scan for int32 overflow need the corrected sums first: numpy adds it then)
-        whole = engine is not None and isinstance(tail.requant, compiled.CompiledRequant) and not tail.unproven.size
+        if engine is not None and isinstance(tail.requant, compiled.CompiledRequant):
+            return _run_compiled(plan, engine, tail, x, table)
         if engine is not None:
-            prepare, accumulate = engine.zero_padded if whole else engine, _rows_of
+            prepare, accumulate = engine, _rows_of
         else:
             prepare, accumulate = _FLOAT32[plan.method]
             prepare = functools.partial(prepare, plan)
         prepared = prepare(x)
-        out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw),
-                       dtype=table.dtype if whole and table is not None else params.dtype)
+        out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
 
         def rows(start: int, stop: int) -> None:
             acc = accumulate(plan, prepared, start, stop)
             if tail.unproven.size:
                 check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
-            if whole:  # the sums are one C-contiguous array: the compiled loop takes its rows
-                tail.requant.rows(prepared, out, start, stop, table, engine.border)
-            else:
-                tail.requant(acc, out=out[:, :, start:stop])
+            tail.requant(acc, out=out[:, :, start:stop])
 
         parallel.run_parts(rows, plan.row_parts)
-        return out if whole else _mapped(out, table)
+        return _mapped(out, table)
+
+
+def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: np.ndarray,
+                  table: np.ndarray | None) -> np.ndarray:
+    """onnxruntime's zero-padded sums, requantized by the compiled loop, which adds the padding's
+    correction and looks up ``table`` in the same pass: a dense conv's sums whole (onnxruntime on
+    every core), then their rows on the cores; a split depthwise conv by channel ranges, each
+    summed and requantized on its own thread. The channels to scan for int32 overflow are
+    corrected apart and scanned first."""
+    params = plan.params
+    out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw),
+                   dtype=params.dtype if table is None else table.dtype)
+
+    def scan(sums: np.ndarray, lo: int, hi: int) -> None:
+        chosen = tail.unproven[(tail.unproven >= lo) & (tail.unproven < hi)]
+        if chosen.size:
+            check_int32(engine.corrected(sums[:, chosen - lo], chosen), params.bias[chosen].reshape(-1, 1, 1))
+
+    if len(engine.parts) > 1:
+        def channels(first: int, stop: int) -> None:
+            for k in range(first, stop):
+                lo, hi, sums = engine.part(x, k)
+                scan(sums, lo, hi)
+                tail.requant.rows(sums, out, 0, plan.out_hw[0], table, engine.border, (lo, hi))
+
+        parallel.run_parts(channels, tuple((k, k + 1) for k in range(len(engine.parts))))
+    else:
+        sums = engine.zero_padded(x)
+        scan(sums, 0, out.shape[1])
+        parallel.run_parts(lambda start, stop: tail.requant.rows(sums, out, start, stop, table, engine.border),
+                           plan.row_parts)
+    return out
 
 
 def _mapped(q: np.ndarray, table: np.ndarray | None) -> np.ndarray:

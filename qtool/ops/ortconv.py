@@ -32,10 +32,15 @@ class OrtConv:
     """The float32 sums of one Conv for one input shape and type: ``engine(x)`` gives
     [n, C_out, out_h, out_w] float32, exactly ``sum q_x * q_w`` with padding ``Z_x``;
     ``engine.zero_padded(x)`` the same with padding 0, to which ``border`` (``first, last, lead,
-    tail, top, bottom, left, right``, see ``compiled.CompiledRequant.rows``) adds the rest."""
+    tail, top, bottom, left, right``, see ``compiled.CompiledRequant.rows``) adds the rest.
 
-    def __init__(self, session, border):
-        self.session = session
+    A depthwise conv large enough to split is one session per range of channels (``parts``:
+    input channels [a, b) make output channels [c, d)), each on one thread, so the kernel can run
+    the ranges on its own threads, each from its sums to its requantized outputs (``part``); a
+    dense conv is one session on every core."""
+
+    def __init__(self, parts, border):
+        self.parts = parts  # (in_lo, in_hi, out_lo, out_hi, session)
         self.border = border
         first, last, lead, tail, top, bottom, left, right = border
         everything = slice(None)
@@ -45,14 +50,24 @@ class OrtConv:
             ((everything, everything, slice(first, last), slice(0, lead)), left),
             ((everything, everything, slice(first, last), slice(tail, None)), right)) if band.size]
 
+    def part(self, x: np.ndarray, k: int) -> tuple[int, int, np.ndarray]:
+        """Output channels [lo, hi) of part ``k`` and their zero-padded sums."""
+        in_lo, in_hi, out_lo, out_hi, session = self.parts[k]
+        return out_lo, out_hi, session.run(None, {"x": x[:, in_lo:in_hi] if len(self.parts) > 1 else x})[0]
+
     def zero_padded(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {"x": x})[0]
+        sums = [self.part(x, k)[2] for k in range(len(self.parts))]
+        return sums[0] if len(sums) == 1 else np.concatenate(sums, axis=1)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        acc = self.zero_padded(x)
+        return self.corrected(self.zero_padded(x))
+
+    def corrected(self, sums: np.ndarray, channels: np.ndarray | None = None) -> np.ndarray:
+        """``sums`` (zero-padded, written in place) with the padding's correction: all output
+        channels, or the output ``channels`` that ``sums`` holds, in that order."""
         for index, correction in self.bands:
-            acc[index] += correction
-        return acc
+            sums[index] += correction if channels is None else correction[channels]
+        return sums
 
 
 def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.dtype, reference) -> OrtConv | None:
@@ -60,37 +75,53 @@ def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.
     against ``reference(x)`` (the numpy path's float32 sums); None where it is not available."""
     if not ENABLED or np.dtype(dtype) not in _ELEMENT:
         return None
+    n, c_in, h, w = in_shape
+    c_out, c_per_group = params.weight.shape[:2]
+    pieces = 1
+    if c_per_group == 1 and n * c_out * out_hw[0] * out_hw[1] >= parallel.SPLIT_FROM:
+        pieces = max(1, min(parallel.WORKERS, c_in))
+    bounds = [c_in * i // pieces for i in range(pieces + 1)]
+    per_input = c_out // c_in if c_per_group == 1 else None
+    parts = []
     try:
-        session = _session(params, in_shape, np.dtype(dtype))
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if per_input is None:  # one session for the whole conv
+                parts.append((0, c_in, 0, c_out, _session(params, in_shape, np.dtype(dtype), params.weight,
+                                                          params.group, parallel.WORKERS)))
+            else:  # depthwise: input channels [lo, hi) make outputs [lo * m, hi * m), one thread each
+                weight = params.weight[lo * per_input:hi * per_input]
+                parts.append((lo, hi, lo * per_input, hi * per_input,
+                              _session(params, (n, hi - lo, h, w), np.dtype(dtype), weight, hi - lo, 1)))
     except Exception:  # an onnxruntime without this Conv form: the numpy path runs instead
         return None
-    engine = OrtConv(session, _border(params, in_shape, out_hw))
+    engine = OrtConv(parts, _border(params, in_shape, out_hw))
     probe = _probe(in_shape, np.dtype(dtype))
     if not np.array_equal(engine(probe), reference(probe)):
         return None
     return engine
 
 
-def _session(params, in_shape, dtype: np.dtype):
+def _session(params, in_shape, dtype: np.dtype, weight: np.ndarray, group: int, threads: int):
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    c_out, _, kh, kw = params.weight.shape
+    kh, kw = weight.shape[2:]
     top, left, bottom, right = params.pads
     nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
              helper.make_node("Conv", ["xf", "w"], ["y"], kernel_shape=[kh, kw], pads=[top, left, bottom, right],
-                              strides=list(params.strides), dilations=list(params.dilations), group=params.group)]
+                              strides=list(params.strides), dilations=list(params.dilations), group=group)]
     graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", _ELEMENT[dtype], list(in_shape))],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(params.weight.astype(np.float32), "w")])
+                              [numpy_helper.from_array(weight.astype(np.float32), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = min(model.ir_version, onnx.IR_VERSION)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    # a depthwise conv is faster on one thread; a dense one gains from every core. The pool's
-    # threads sleep when idle, so they do not compete with the executor's own (ops/parallel.py).
-    options.intra_op_num_threads = 1 if params.weight.shape[1] == 1 else parallel.WORKERS
+    # a dense conv gains from every core, a depthwise one is split by channels instead (measured:
+    # onnxruntime's own split of a depthwise conv over two threads is slower than one thread). The
+    # pool's threads sleep when idle, so they do not compete with the executor's (ops/parallel.py).
+    options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
