@@ -111,10 +111,18 @@ def test_onnxruntime_engine_that_disagrees_or_fails_is_not_used(monkeypatch):
     p = _params(weight, zero_in=0)
     plan = ConvPlan.of(p, (1, 2, 3, 3))
     dtype = np.dtype(np.int8)
-    # its self-check: sums that differ from the numpy path's by one anywhere
-    wrong = lambda x: plan.numpy_sums(x) + (np.arange(18).reshape(1, 2, 3, 3) == 17)  # noqa: E731
-    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, wrong) is None
-    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is not None
+    # its self-check, whole or a row at a time: sums that differ from the numpy path's by one in
+    # the last row of the last channel
+    def wrong(x, start, stop):
+        sums = plan.numpy_sums(x, start, stop)
+        if stop == 3:
+            sums[0, 1, -1, -1] += 1
+        return sums
+
+    for rows_at_a_time in (False, True):
+        monkeypatch.setattr(ortconv, "CHECK_ELEMENTS", 1 if rows_at_a_time else 1 << 20)
+        assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, wrong) is None
+        assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is not None
 
     def broken(*args):
         raise RuntimeError("no such kernel")

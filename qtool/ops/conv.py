@@ -145,10 +145,9 @@ class Conv(IntegerOp):
 def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: np.ndarray,
                   table: np.ndarray | None) -> np.ndarray:
     """onnxruntime's zero-padded sums, requantized by the compiled loop, which adds the padding's
-    correction and looks up ``table`` in the same pass: a dense conv's sums whole (onnxruntime on
-    every core), then their rows on the cores; a split depthwise conv by channel ranges, each
-    summed and requantized on its own thread. The channels to scan for int32 overflow are
-    corrected apart and scanned first."""
+    correction and looks up ``table`` in the same pass, by ranges of output channels, each summed
+    and requantized on its own thread (``OrtConv.parts``). The channels to scan for int32 overflow
+    are corrected apart and scanned first."""
     params = plan.params
     out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw),
                    dtype=params.dtype if table is None else table.dtype)
@@ -158,19 +157,13 @@ def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: 
         if chosen.size:
             check_int32(engine.corrected(sums[:, chosen - lo], chosen), params.bias[chosen].reshape(-1, 1, 1))
 
-    if len(engine.parts) > 1:
-        def channels(first: int, stop: int) -> None:
-            for k in range(first, stop):
-                lo, hi, sums = engine.part(x, k)
-                scan(sums, lo, hi)
-                tail.requant.rows(sums, out, 0, plan.out_hw[0], table, engine.border, (lo, hi))
+    def channels(first: int, stop: int) -> None:
+        for k in range(first, stop):
+            lo, hi, sums = engine.part(x, k)
+            scan(sums, lo, hi)
+            tail.requant.rows(sums, out, 0, plan.out_hw[0], table, engine.border, (lo, hi))
 
-        parallel.run_parts(channels, tuple((k, k + 1) for k in range(len(engine.parts))))
-    else:
-        sums = engine.zero_padded(x)
-        scan(sums, 0, out.shape[1])
-        parallel.run_parts(lambda start, stop: tail.requant.rows(sums, out, start, stop, table, engine.border),
-                           plan.row_parts)
+    parallel.run_parts(channels, tuple((k, k + 1) for k in range(len(engine.parts))))
     return out
 
 
@@ -278,10 +271,11 @@ class ConvPlan:
                 ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_sums)
         return self.engines[dtype]
 
-    def numpy_sums(self, x: np.ndarray) -> np.ndarray:
-        """The float32 sums of the whole output by the numpy path (``method``)."""
+    def numpy_sums(self, x: np.ndarray, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The float32 sums of output rows [start, stop) (default all) by the numpy path
+        (``method``)."""
         prepare, accumulate = _FLOAT32[self.method]
-        return np.array(accumulate(self, prepare(self, x), 0, self.out_hw[0]))
+        return np.array(accumulate(self, prepare(self, x), start, self.out_hw[0] if stop is None else stop))
 
 
 @dataclass(frozen=True)
