@@ -2,6 +2,7 @@
 
     python bench/exec.py                  # PP-OCRv4 rec (1x3x48x320) and det (1x3x640x640)
     python bench/exec.py --models rec --runs 20
+    python bench/exec.py --no-compiled    # as installed without the 'fast' extra (numba)
 
 For each model: calibrate (minmax) on rendered lines or image crops (bench/datasets.py), quantize
 in both formats, then time, one sample at a time and in the same process:
@@ -116,7 +117,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="rec,det")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (median kept)")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="requantize in numpy, as an install without numba does (qtool/ops/compiled.py)")
     args = parser.parse_args(argv)
+    if args.no_compiled:
+        from qtool.ops import compiled
+
+        compiled.ENABLED = False
     rows = []
     with tempfile.TemporaryDirectory(prefix="qtool-bench-exec-") as tmp:
         for kind in args.models.split(","):

@@ -57,7 +57,14 @@ class OrtConv:
         return out_lo, out_hi, session.run(None, {"x": x if in_hi - in_lo == x.shape[1] else x[:, in_lo:in_hi]})[0]
 
     def zero_padded(self, x: np.ndarray) -> np.ndarray:
-        sums = [self.part(x, k)[2] for k in range(len(self.parts))]
+        """All output channels' zero-padded sums, the parts on the executor's threads."""
+        sums = [None] * len(self.parts)
+
+        def parts(first: int, stop: int) -> None:
+            for k in range(first, stop):
+                sums[k] = self.part(x, k)[2]
+
+        parallel.run_parts(parts, tuple((k, k + 1) for k in range(len(self.parts))))
         return sums[0] if len(sums) == 1 else np.concatenate(sums, axis=1)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
