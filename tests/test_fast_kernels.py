@@ -111,26 +111,86 @@ def test_onnxruntime_engine_that_disagrees_or_fails_is_not_used(monkeypatch):
     p = _params(weight, zero_in=0)
     plan = ConvPlan.of(p, (1, 2, 3, 3))
     dtype = np.dtype(np.int8)
+
     # its self-check, whole or a row at a time: sums that differ from the numpy path's by one in
     # the last row of the last channel
-    def wrong(x, start, stop):
-        sums = plan.numpy_sums(x, start, stop)
-        if stop == 3:
-            sums[0, 1, -1, -1] += 1
-        return sums
+    def wrong(x):
+        rows = plan.numpy_rows(x)
+
+        def differing(start, stop):
+            sums = rows(start, stop)
+            if stop == 3:
+                sums[0, 1, -1, -1] += 1
+            return sums
+        return differing
 
     for rows_at_a_time in (False, True):
         monkeypatch.setattr(ortconv, "CHECK_ELEMENTS", 1 if rows_at_a_time else 1 << 20)
         assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, wrong) is None
-        assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is not None
+        assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_rows) is not None
+
+    # onnxruntime that cannot run the session it built, or cannot build it
+    class Unrunnable:
+        def run(self, *args):
+            raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(ortconv, "_session", lambda *args: Unrunnable())
+    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_rows) is None
 
     def broken(*args):
         raise RuntimeError("no such kernel")
 
     monkeypatch.setattr(ortconv, "_session", broken)
-    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_sums) is None
+    assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_rows) is None
     x = np.arange(18, dtype=np.int8).reshape(1, 2, 3, 3)
     assert plan.engine(dtype) is None and (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+
+
+def test_qtool_runs_without_numba(tmp_path):
+    # a process where ``import numba`` fails: qtool imports, the executor requantizes in numpy
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["numba"] = None  # import numba raises ImportError
+import numpy as np
+from qtool.ops import REGISTRY, compiled
+from qtool.ops.conv import ConvParams, _run_scanned
+from qtool.fixedpoint import Requant
+assert not compiled.available()
+w = np.arange(-8, 10, dtype=np.int8).reshape(2, 1, 3, 3)
+p = ConvParams(w, np.array([3, -3]), Requant(np.full(2, 2**30), np.full(2, 12)), -4, 1, (1, 1, 1, 1), (1, 1),
+               (1, 1), 2, "half_up", "int8")
+x = np.arange(-40, 40, dtype=np.int8).reshape(1, 2, 5, 8)
+plan = REGISTRY["Conv"].specialize(p, [x.shape])
+assert (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+assert "numba" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("requant", ["numpy", "compiled"])
+def test_onnxruntime_engine_with_numpy_requantization_scans_too(requant, monkeypatch):
+    # the unproven channel's check on the engine's corrected sums, whichever requantizes
+    from qtool.ops import parallel
+
+    if requant == "compiled" and not compiled.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(compiled, "ENABLED", requant == "compiled")
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
+    weight = np.ones((2, 2, 3, 3), dtype=np.int8)
+    p = ConvParams(weight=weight, bias=np.array([0, 2**31 - 1 - 300], np.int64),
+                   requant=Requant(np.full(2, 2**30, np.int64), np.full(2, 60, np.int64)), zero_in=-9, zero_out=0,
+                   pads=(1, 0, 2, 1), strides=(1, 1), dilations=(1, 1), group=1, rounding="half_up", dtype="int8")
+    plan = REGISTRY["Conv"].specialize(p, [(1, 2, 4, 4)])
+    assert plan.tails[np.dtype(np.int8)].unproven.tolist() == [1] and plan.engine(np.dtype(np.int8)) is not None
+    ok = np.full((1, 2, 4, 4), 16, dtype=np.int8)  # 18 taps of 16 = 288 inside; -9 on padding
+    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    with pytest.raises(OverflowError, match="accumulator"):
+        REGISTRY["Conv"].run(plan, np.full((1, 2, 4, 4), 17, dtype=np.int8))  # 18 * 17 = 306
 
 
 def test_garbage_collector_is_paused_during_a_run_only(monkeypatch):
@@ -200,3 +260,37 @@ def test_onnxruntime_engine_scans_channels_whose_bias_may_overflow(workers, monk
     corner = ok.copy()
     corner[0, 3] = 5  # padding and inputs all 5: 45 everywhere; with Z_x forgotten the corner would read 20
     assert (REGISTRY["Conv"].run(plan, corner) == _run_scanned(p, corner)).all()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("kernel, pads, strides, dilations", [
+    ((3, 2), (1, 0, 2, 1), (2, 1), (1, 2)), ((2, 2), (0, 0, 0, 0), (2, 2), (1, 1)), ((1, 3), (0, 1, 0, 1), (1, 3), (1, 1)),
+])
+def test_window_tap_sums_equal_the_patch_sums(dtype, kernel, pads, strides, dilations):
+    from qtool.ops.pool import Window
+
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(kernel[0] * 10 + strides[0])
+    x = rng.integers(info.min, info.max, size=(2, 3, 7, 9), endpoint=True).astype(dtype)
+    x[0, 0] = info.max  # the extreme sums
+    window = Window(kernel, pads, strides, dilations)
+    fill = int(info.min)
+    got = window.tap_sums(x, fill)
+    want = window.patches(x, fill).astype(np.int64).sum(axis=2)
+    assert got.dtype == np.int32 and got.shape == want.shape and (got == want).all()
+
+
+def test_global_average_pool_sums_in_int64_when_int32_may_not_hold():
+    # 129 * 256 uint16 values of 65535 sum past int32: the int32 accumulator overflows and the
+    # kernel must say so, where a sum taken in int32 would have wrapped into a wrong average
+    from qtool.fixedpoint import quantize_multiplier
+    from qtool.ops.pool import AvgPoolParams, GlobalAveragePool
+
+    x = np.full((1, 1, 129, 256), 65535, dtype=np.uint16)
+    assert 65535 * x.size > 2**31
+    p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / x.size)), 0, 0, "half_up", "uint16")
+    with pytest.raises(OverflowError, match="accumulator"):
+        GlobalAveragePool().run(p, x)
+    fits = x[:, :, :100]  # 25,600 values: 1.68e9, inside int32
+    p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / fits.size)), 0, 0, "half_up", "uint16")
+    assert GlobalAveragePool().run(p, np.ascontiguousarray(fits)).reshape(-1).tolist() == [65535]

@@ -180,12 +180,14 @@ def per_tensor(qp: QParams, what: str) -> QParams:
 
 
 def _register_all() -> None:
-    """Import every module of this package: each registers its op classes."""
+    """Import every module of this package: each registers its op classes. Private modules
+    (``_loops``: compiled loops that need the optional numba) are imported by their users."""
     import importlib
     import pkgutil
 
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        importlib.import_module(f"{__name__}.{info.name}")
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
 _register_all()

@@ -3,7 +3,8 @@
 ``OffsetRequant`` in numpy makes six passes over int64 arrays (cast, multiply, add, shift, clip,
 cast back), and numpy's int64 multiply has no vector instruction on AVX2 machines: on PP-OCRv4 it
 costs as much as the convolutions themselves. The same integer arithmetic as one compiled loop
-reads each float32 sum once and writes its int8 once, ten to twenty times faster.
+reads each float32 sum once (a Conv's border outputs twice) and writes its int8 once, ten to
+twenty times faster.
 
 The loop computes exactly ``OffsetRequant``'s integers (``min(max(((x * M + offset) >> r) +
 Z_y, lo), hi)`` in int64, with ``x`` the integer-valued float32 sum), so the results are
@@ -29,7 +30,7 @@ def _build():
     if _loops is None:
         try:
             from . import _loops as loops
-        except ImportError:
+        except Exception:  # no numba (ImportError), or numba unable to set up its disk cache
             loops = False
         _loops = loops
     return _loops
@@ -51,6 +52,8 @@ class CompiledRequant:
     def __init__(self, exact):
         self.exact = exact
         shape = np.broadcast(exact.multiplier, exact.offset, exact.rshift).shape
+        # where the channels lie: [C, 1, 1] along axis 1 of [n, C, H, W] sums, [N] along the columns
+        self.layout = "rows" if len(shape) == 3 and shape[1:] == (1, 1) else "columns" if len(shape) == 1 else None
         self.multiplier, self.offset, self.rshift = (
             np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int64), shape).reshape(-1))
             for v in (exact.multiplier, exact.offset, exact.rshift))
@@ -61,7 +64,8 @@ class CompiledRequant:
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(x.shape, dtype=self.exact.dtype)
-        if x.dtype != np.float32 or x.ndim not in (2, 4) or x.shape[1] != self.multiplier.size:
+        if x.dtype != np.float32 or (x.ndim, self.layout) not in ((2, "columns"), (4, "rows")) \
+                or x.shape[1] != self.multiplier.size:
             return self.exact(x, out=out)
         if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column, the loop along the columns
             _loops.requantize_columns(x, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo,
@@ -79,6 +83,8 @@ class CompiledRequant:
         (the executor's chains), in the same pass. ``border`` adds a Conv's zero-point padding
         correction to the border rows and columns first (``ortconv.OrtConv.border``). With
         ``channels`` (lo, hi), ``acc`` holds only those output channels, written to ``out[:, lo:hi]``."""
+        if self.layout != "rows":
+            raise ValueError("these requantization parameters are not one per channel of [n, C, H, W] sums")
         if table is None:
             table = _NO_TABLE.astype(out.dtype)
         if border is None:

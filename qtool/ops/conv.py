@@ -268,14 +268,19 @@ class ConvPlan:
         them (qtool/ops/ortconv.py), built on first use; None where the numpy path runs."""
         if dtype not in self.engines:
             self.engines[dtype] = None if dtype not in self.tails else \
-                ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_sums)
+                ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_rows)
         return self.engines[dtype]
 
-    def numpy_sums(self, x: np.ndarray, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """The float32 sums of output rows [start, stop) (default all) by the numpy path
-        (``method``)."""
+    def numpy_rows(self, x: np.ndarray):
+        """``rows(start, stop)``: the float32 sums of output rows [start, stop) of input ``x`` by
+        the numpy path (``method``), its input prepared once."""
         prepare, accumulate = _FLOAT32[self.method]
-        return np.array(accumulate(self, prepare(self, x), start, self.out_hw[0] if stop is None else stop))
+        prepared = prepare(self, x)
+        return lambda start, stop: np.array(accumulate(self, prepared, start, stop))
+
+    def numpy_sums(self, x: np.ndarray) -> np.ndarray:
+        """The float32 sums of the whole output by the numpy path."""
+        return self.numpy_rows(x)(0, self.out_hw[0])
 
 
 @dataclass(frozen=True)
