@@ -304,8 +304,8 @@ class IntegerExecutor:
         for step in steps:
             for name in step.inputs:
                 readers[name] = readers.get(name, 0) + 1
-        producers = {step.outputs[0]: step for step in steps
-                     if step.kind == "integer" and getattr(step.op, "takes_table", False) and len(step.outputs) == 1}
+        producers = {step.outputs[0]: step for step in steps if step.kind == "integer"
+                     and getattr(step.op, "takes_table", False) and len(step.outputs) == 1}
         fused, folded = {}, set()
         for step in steps:
             source = step.inputs[0] if step.kind == "chain" else None

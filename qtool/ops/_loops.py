@@ -16,7 +16,8 @@ def _level(x, m, o, r, zero, lo, hi):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, cache=True)
-def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, border, out):  # pragma: no cover
+def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, border,
+                    out):  # pragma: no cover
     """Rows [start, stop) of [n, C, H, W] ``acc`` into ``out``; an output is ``table[byte]`` when
     ``table`` has entries. ``border`` = (first, last, lead, tail, top, bottom, left, right) adds,
     before requantizing, a per-channel correction to rows [0, first) (``top`` [C, first, W]) and
@@ -45,7 +46,8 @@ def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, 
                     for j in range(lead):
                         row[j] = _level(acc[b, c, i, j] + left[c, i - first, j], m, o, r, zero, lo, hi)
                     for j in range(tail, cols):
-                        row[j] = _level(acc[b, c, i, j] + right[c, i - first, j - tail], m, o, r, zero, lo, hi)
+                        extra = right[c, i - first, j - tail]
+                        row[j] = _level(acc[b, c, i, j] + extra, m, o, r, zero, lo, hi)
                 if mapped:
                     for j in range(cols):
                         out[b, c, i, j] = table[np.uint8(row[j] & 255)]

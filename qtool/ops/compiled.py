@@ -53,7 +53,11 @@ class CompiledRequant:
         self.exact = exact
         shape = np.broadcast(exact.multiplier, exact.offset, exact.rshift).shape
         # where the channels lie: [C, 1, 1] along axis 1 of [n, C, H, W] sums, [N] along the columns
-        self.layout = "rows" if len(shape) == 3 and shape[1:] == (1, 1) else "columns" if len(shape) == 1 else None
+        self.layout = None
+        if len(shape) == 3 and shape[1:] == (1, 1):
+            self.layout = "rows"
+        elif len(shape) == 1:
+            self.layout = "columns"
         self.multiplier, self.offset, self.rshift = (
             np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int64), shape).reshape(-1))
             for v in (exact.multiplier, exact.offset, exact.rshift))
@@ -68,8 +72,8 @@ class CompiledRequant:
                 or x.shape[1] != self.multiplier.size:
             return self.exact(x, out=out)
         if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column, the loop along the columns
-            _loops.requantize_columns(x, self.multiplier, self.offset, self.rshift, self.exact.zero_out, self.lo,
-                                      self.hi, out)
+            _loops.requantize_columns(x, self.multiplier, self.offset, self.rshift, self.exact.zero_out,
+                                      self.lo, self.hi, out)
         else:
             self.rows(x, out, 0, x.shape[2])
         return out
@@ -93,8 +97,8 @@ class CompiledRequant:
         if channels is not None:
             out = out[:, lo:hi]
             border = border[:4] + tuple(band[lo:hi] for band in border[4:])
-        _loops.requantize_rows(acc, start, stop, self.multiplier[lo:hi], self.offset[lo:hi], self.rshift[lo:hi],
-                               self.exact.zero_out, self.lo, self.hi, table, border, out)
+        _loops.requantize_rows(acc, start, stop, self.multiplier[lo:hi], self.offset[lo:hi],
+                               self.rshift[lo:hi], self.exact.zero_out, self.lo, self.hi, table, border, out)
 
 
 def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:

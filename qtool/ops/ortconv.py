@@ -13,8 +13,8 @@ groups, and zero padding; padding with ``Z_x`` is restored after it by adding, o
 bands only, ``Z_x * sum(w)`` over the taps that fell on padding (integers inside the same bound):
 in numpy, or inside the compiled requantizing loop (qtool/ops/_loops.py).
 Each engine checks itself once when it is built: its sums on a seeded input of extreme values
-must equal the numpy path's; if they do not, or onnxruntime cannot build the session, the plan
-keeps the numpy path (``ENABLED`` switches the engine off, for tests).
+must equal the numpy path's; if they do not, or onnxruntime cannot build or run the sessions, the
+plan keeps the numpy path (``ENABLED`` switches the engine off, for tests).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class OrtConv:
     def part(self, x: np.ndarray, k: int) -> tuple[int, int, np.ndarray]:
         """Output channels [lo, hi) of part ``k`` and their zero-padded sums."""
         in_lo, in_hi, out_lo, out_hi, session = self.parts[k]
-        return out_lo, out_hi, session.run(None, {"x": x if in_hi - in_lo == x.shape[1] else x[:, in_lo:in_hi]})[0]
+        own = x if in_hi - in_lo == x.shape[1] else x[:, in_lo:in_hi]
+        return out_lo, out_hi, session.run(None, {"x": own})[0]
 
     def zero_padded(self, x: np.ndarray) -> np.ndarray:
         """All output channels' zero-padded sums, the parts on the executor's threads."""
@@ -78,7 +79,8 @@ class OrtConv:
         return sums
 
 
-def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.dtype, reference) -> OrtConv | None:
+def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.dtype,
+          reference) -> OrtConv | None:
     """An engine for ``params`` (``ConvParams``) on inputs of ``in_shape`` and ``dtype``, checked
     against ``reference(x)(start, stop)`` (the numpy path's float32 sums of output rows [start,
     stop) of input ``x``, compared a band of rows at a time so that its patches stay small); None
@@ -101,8 +103,8 @@ def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.
                 parts.append((lo, hi, lo * per_input, hi * per_input,
                               _session(params, (n, hi - lo, h, w), np.dtype(dtype), weight, hi - lo)))
             else:  # outputs [lo, hi) from every input channel
-                parts.append((0, c_in, lo, hi,
-                              _session(params, in_shape, np.dtype(dtype), params.weight[lo:hi], params.group)))
+                session = _session(params, in_shape, np.dtype(dtype), params.weight[lo:hi], params.group)
+                parts.append((0, c_in, lo, hi, session))
     except Exception:  # an onnxruntime without this Conv form: the numpy path runs instead
         return None
     engine = OrtConv(parts, _border(params, in_shape, out_hw))
@@ -129,24 +131,25 @@ def _session(params, in_shape, dtype: np.dtype, weight: np.ndarray, group: int):
     kh, kw = weight.shape[2:]
     top, left, bottom, right = params.pads
     nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
-             helper.make_node("Conv", ["xf", "w"], ["y"], kernel_shape=[kh, kw], pads=[top, left, bottom, right],
-                              strides=list(params.strides), dilations=list(params.dilations), group=group)]
-    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", _ELEMENT[dtype], list(in_shape))],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+             helper.make_node("Conv", ["xf", "w"], ["y"], kernel_shape=[kh, kw],
+                              pads=[top, left, bottom, right], strides=list(params.strides),
+                              dilations=list(params.dilations), group=group)]
+    x = helper.make_tensor_value_info("x", _ELEMENT[dtype], list(in_shape))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "conv", [x], [y],
                               [numpy_helper.from_array(weight.astype(np.float32), "w")])
     # IR 8 and opset 13: what every onnxruntime this project supports (>= 1.17) reads
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    # one thread: the kernel runs the parts on its own threads (ops/parallel.py). A session with a
-    # pool of its own would add a thread per conv, each with its own malloc arena holding on to
-    # freed buffers (PP-OCRv4 det: 0.77 GB peak that way, against 0.29 GB for the numpy path), and
-    # onnxruntime's split of a depthwise conv over two threads is slower than one thread anyway.
+    # one thread: the kernel runs the parts on its own threads (ops/parallel.py); a pool per
+    # session would add a thread per conv, and onnxruntime's own split of a depthwise conv over
+    # two threads measured slower than one thread.
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # no memory arena: each session would keep its largest buffers for good, one set per conv
-    # (PP-OCRv4 det: 1.2 GB peak with arenas, against 0.24 GB for the numpy path)
+    # (PP-OCRv4 det: 1.2 GB peak with arenas, 0.6 GB without)
     options.enable_cpu_mem_arena = False
     options.enable_mem_pattern = False
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -192,5 +195,6 @@ def _probe(in_shape, dtype: np.dtype) -> np.ndarray:
     """Extreme values of ``dtype`` (its two ends, and a few in between), seeded."""
     info = np.iinfo(dtype)
     rng = np.random.default_rng(0)
-    values = np.array([info.min, info.max, info.min, info.max, 0, 1, -1 if info.min < 0 else 2], dtype=np.int64)
+    values = np.array([info.min, info.max, info.min, info.max, 0, 1, -1 if info.min < 0 else 2],
+                      dtype=np.int64)
     return values[rng.integers(0, len(values), size=in_shape)].astype(dtype)

@@ -43,7 +43,8 @@ class Window:
         acc = np.zeros((*x.shape[:2], out_h, out_w), dtype=np.int32)
         for i in range(kh):
             for j in range(kw):
-                acc += x[:, :, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+                rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
+                acc += x[:, :, rows, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
         return acc
 
 
