@@ -16,13 +16,20 @@ first use compiles the loops (a few seconds; numba caches them on disk for later
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 ENABLED = True
 
 _loops = None  # qtool/ops/_loops.py once imported; False when numba is not installed
-_NO_TABLE = np.zeros(0, dtype=np.int8)
 _NO_BAND = np.zeros((0, 0, 0), dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_table(dtype: np.dtype) -> np.ndarray:
+    """The empty ``table`` of an output type: no lookup (the loop's argument types stay fixed)."""
+    return np.zeros(0, dtype=dtype)
 
 
 def _build():
@@ -90,7 +97,7 @@ class CompiledRequant:
         if self.layout != "rows":
             raise ValueError("these requantization parameters are not one per channel of [n, C, H, W] sums")
         if table is None:
-            table = _NO_TABLE.astype(out.dtype)
+            table = _no_table(out.dtype)
         if border is None:
             border = no_border(acc.shape[2], acc.shape[3])
         lo, hi = channels if channels is not None else (0, self.multiplier.size)

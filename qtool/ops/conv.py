@@ -6,6 +6,9 @@ padding fills with ``Z_x`` (real zero) and the weights need zero point 0.
 The kernel sums on float32 where the weights prove it exact and the accumulator in range
 (``ConvPlan``, set up once per input shape), and requantizes with the bias and zero point folded
 into one multiply, add and shift (``OffsetRequant``); otherwise exactly, scanning for overflow.
+The float32 sums come from onnxruntime's Conv where it is available (qtool/ops/ortconv.py), else
+from numpy; the requantization runs as a compiled loop where numba is installed
+(qtool/ops/compiled.py).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: 
             scan(sums, lo, hi)
             tail.requant.rows(sums, out, 0, plan.out_hw[0], table, engine.border, (lo, hi))
 
-    parallel.run_parts(channels, tuple((k, k + 1) for k in range(len(engine.parts))))
+    parallel.run_parts(channels, engine.part_ranges)
     return out
 
 
@@ -205,7 +208,8 @@ class ConvPlan:
 
     The float32 path prepares its input once (padded, and for the taps as float32), then computes
     the output row ranges ``row_parts`` on the cores (qtool/ops/parallel.py), each from its
-    patches and products to the int8 it writes.
+    patches and products to the int8 it writes. Where onnxruntime's Conv checks out for an input
+    type (``engine``), it computes the sums instead, by ranges of output channels.
     """
 
     params: ConvParams

@@ -42,6 +42,7 @@ class OrtConv:
 
     def __init__(self, parts, border):
         self.parts = parts  # (in_lo, in_hi, out_lo, out_hi, session)
+        self.part_ranges = tuple((k, k + 1) for k in range(len(parts)))  # for parallel.run_parts
         self.border = border
         first, last, lead, tail, top, bottom, left, right = border
         everything = slice(None)
@@ -65,7 +66,7 @@ class OrtConv:
             for k in range(first, stop):
                 sums[k] = self.part(x, k)[2]
 
-        parallel.run_parts(parts, tuple((k, k + 1) for k in range(len(self.parts))))
+        parallel.run_parts(parts, self.part_ranges)
         return sums[0] if len(sums) == 1 else np.concatenate(sums, axis=1)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
