@@ -265,10 +265,7 @@ class IntegerExecutor:
     def _chain(self, steps: list[Step]) -> list[Step]:
         """``steps`` with each run of two or more chainable steps replaced by one "chain" step, placed
         where its last step was (every input of the run exists by then)."""
-        readers: dict[str, int] = {name: 1 for name in self.output_names}
-        for step in steps:
-            for name in step.inputs:
-                readers[name] = readers.get(name, 0) + 1
+        readers = self._readers(steps)
         runs: list[list[Step]] = []
         open_runs: dict[str, list[Step]] = {}  # output of a run's last step -> the run
         for step in steps:
@@ -296,14 +293,19 @@ class IntegerExecutor:
                 chained.append(step)
         return chained
 
-    def _fuse_chains(self, steps: list[Step]) -> list[Step]:
-        """``steps`` with each chain whose input is the 8-bit output of a kernel that takes a table
-        (a Conv), and read by nothing else, folded into that kernel's step: the kernel then writes
-        the chain's lookup as it requantizes, one pass instead of two."""
+    def _readers(self, steps: list[Step]) -> dict[str, int]:
+        """How many steps read each tensor, a graph output counting as one reader."""
         readers: dict[str, int] = {name: 1 for name in self.output_names}
         for step in steps:
             for name in step.inputs:
                 readers[name] = readers.get(name, 0) + 1
+        return readers
+
+    def _fuse_chains(self, steps: list[Step]) -> list[Step]:
+        """``steps`` with each chain whose input is the 8-bit output of a kernel that takes a table
+        (a Conv), and read by nothing else, folded into that kernel's step: the kernel then writes
+        the chain's lookup as it requantizes, one pass instead of two."""
+        readers = self._readers(steps)
         producers = {step.outputs[0]: step for step in steps if step.kind == "integer"
                      and getattr(step.op, "takes_table", False) and len(step.outputs) == 1}
         fused, folded = {}, set()
