@@ -241,6 +241,11 @@ def quantize(
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
     strict: bool = typer.Option(False, "--strict", help="Fail (exit 2), listing every op that "
                                 "cannot run integer-only, unless named by --keep-float."),
+    target: str = typer.Option("portable", "--target", help="What the model is written for: portable "
+                               "(uint8 activations and weights, zero point 128: exact in onnxruntime "
+                               "on every x86-64 and arm64 CPU), x86-vnni (int8: onnxruntime's u8 x s8 "
+                               "kernels, exact only with VNNI) or exact (int8, for an integer device "
+                               "with int32 accumulation). The same integers either way."),
     params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
                                               "parameters per op as JSON."),
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
@@ -270,7 +275,7 @@ def quantize(
 ):
     """Rewrite MODEL as quantized ONNX using TABLE, ready for onnxruntime and qtool exec.
 
-    The model carries int8 weights, int32 biases, scales and zero points, the rounding mode and
+    The model carries 8-bit weights, int32 biases, scales and zero points, the rounding mode and
     multiplier width, and (metadata 'qtool.params') the integer parameters of every op: (S, Z) of
     inputs and outputs, per-channel multiplier and rshift, zero-point-compensated int32 bias, LUTs.
 
@@ -281,6 +286,7 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --symmetric --multiplier-bits 8
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --keep-float Gemm --strict
       qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --target x86-vnni   # int8 form
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # bias correction
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
@@ -299,7 +305,7 @@ def quantize(
     from .table import read_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                              tuple(keep_float), format, strict)
+                              tuple(keep_float), format, strict, target)
     try:
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")

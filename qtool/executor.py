@@ -30,7 +30,7 @@ from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported,
 from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
-from .qparams import QParams, dequantize_array, quantize_array
+from .qparams import QParams, centered, dequantize_array, quantize_array
 
 
 FOREIGN_ROUNDING = "half_to_even"
@@ -233,6 +233,8 @@ class IntegerExecutor:
             if source is not None and source.op_type == "DequantizeLinear":
                 qp = self._qparams_of(source)
                 value = self.constants.get(source.input[0])
+                if value is not None and isinstance(consts.get(i), Weight):
+                    value, qp = centered(value, qp)  # uint8 weights (zero point 128): int8 again
                 operands.append(Operand(qp, value))
                 if value is None or not isinstance(consts.get(i), (Weight, Bias)):
                     run_inputs.append(source.input[0])  # activations and quantized operands

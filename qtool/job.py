@@ -27,6 +27,7 @@ from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
+from .targets import TARGETS
 from .search import choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
@@ -64,6 +65,7 @@ SCHEMA = {
         "keep_float": (list, False),
         "format": (("choice", FORMATS), False),
         "strict": (bool, False),
+        "target": (("choice", tuple(TARGETS)), False),
         "bias_correction": (bool, False),
         "bias_samples": ("posint", False),
         "target_sqnr": (float, False),
@@ -521,7 +523,7 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     cal, opt = plan.calibrate, plan.options
     quantize = (f"{opt.format}, {'per-channel' if opt.per_channel else 'per-tensor'}, "
                 f"{'symmetric' if opt.symmetric else 'asymmetric'} {opt.activation_type}, "
-                f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}")
+                f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
     qz = plan.settings.get("quantize", {})

@@ -52,7 +52,7 @@ import onnx
 from .ops import REGISTRY, IntegerOp, NodeView, Operand, Raw, Unsupported
 from .ops.accumulate import ConvInteger, MatMulInteger
 from .ops.rawint import GatherTable, IntArith, IntCast
-from .qparams import QParams
+from .qparams import QParams, centered
 
 QUANTIZED_SUFFIX = "_quantized"
 INTEGER_TYPES = ("int8", "uint8", "int16", "uint16", "int32")
@@ -232,22 +232,16 @@ class QOperatorLowering:
         return self.qp(node, s, z, self.dtypes.get(node.input[t]))
 
     def _weight(self, node, t: int, s: int, z: int, axis: int) -> Operand:
-        """A constant quantized weight, its zero point subtracted at setup (int16) if not 0."""
+        """A constant quantized weight, its zero point subtracted at setup if not 0."""
         w = self.constants.get(node.input[t])
         if w is None:
             raise Unsupported(f"{node.op_type} weight '{node.input[t]}' is not a constant")
         if w.dtype.kind not in "iu":
             raise Unsupported(f"{node.op_type} weight '{node.input[t]}' is {w.dtype}")
         qp = self.qp(node, s, z, str(w.dtype), axis)
-        zero = np.asarray(qp.zero_point, dtype=np.int64)
-        if np.any(zero != 0):
-            shape = [1] * w.ndim
-            if zero.size > 1:
-                shape[axis] = -1
-            w = (w.astype(np.int16) - zero.reshape(shape).astype(np.int16)).astype(np.int16)
+        w, qp = centered(w, qp)
         per_channel = np.size(qp.scale) > 1
-        return Operand(QParams(qp.scale, np.zeros(np.shape(qp.scale), np.int64) if per_channel else 0,
-                               str(w.dtype), axis if per_channel else None), w)
+        return Operand(QParams(qp.scale, qp.zero_point, str(w.dtype), axis if per_channel else None), w)
 
     def _bias(self, node, index: int, x: QParams, weight: Operand, channels: int) -> Operand | None:
         """int32 bias at scale ``S_x * S_w`` (per output channel), computed as the kernels do."""

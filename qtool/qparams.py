@@ -101,3 +101,20 @@ def _broadcastable(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
         shape[qp.axis] = -1
         scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
     return scale, zero_point
+
+
+def centered(q: np.ndarray, qp: QParams) -> tuple[np.ndarray, QParams]:
+    """A constant's integers with its zero point subtracted (``q − Z``, the same reals with Z = 0):
+    int8 where the values fit (uint8 weights with zero point 128), else int16. Setup only."""
+    zero = np.asarray(qp.zero_point, dtype=np.int64)
+    per_channel = np.size(qp.scale) > 1
+    if not np.any(zero != 0):
+        return q, qp
+    shape = [1] * q.ndim
+    if zero.size > 1:
+        shape[qp.axis] = -1
+    moved = q.astype(np.int16) - zero.reshape(shape).astype(np.int16)
+    fits = moved.size == 0 or (moved.min() >= -128 and moved.max() <= 127)
+    moved = moved.astype(np.int8 if fits else np.int16)
+    return moved, QParams(qp.scale, np.zeros(np.shape(qp.scale), np.int64) if per_channel else 0,
+                          str(moved.dtype), qp.axis if per_channel else None)

@@ -28,6 +28,8 @@ from .params import PARAMS_KEY, integer_params, lookup_tables
 from .qoperator import to_qoperator
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
+from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
+from .targets.form import to_unsigned
 
 ACTIVATION_TYPES = ("int8", "uint8")
 FORMATS = ("qdq", "qoperator")
@@ -49,8 +51,10 @@ class QuantizeOptions:
     keep_float: tuple[str, ...] = ()
     format: str = "qdq"
     strict: bool = False
+    target: str = DEFAULT_TARGET  # qtool/targets: the form the model is written in
 
     def check(self) -> None:
+        get_target(self.target)
         if self.format not in FORMATS:
             raise QtoolError(f"unknown format '{self.format}'; choose one of {', '.join(FORMATS)}")
         if self.activation_type not in ACTIVATION_TYPES:
@@ -121,8 +125,11 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     corrections = dict(bias_corrections or {})
     _add_zero_biases(model, corrections)
     rewritten = _Rewriter(model, table, options, report, table_name, corrections).run()
+    if get_target(options.target).unsigned:
+        to_unsigned(rewritten)
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
-            "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest}
+            "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
+            TARGET_KEY: options.target}
     for key, value in meta.items():
         rewritten.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     _check(rewritten)

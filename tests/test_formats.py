@@ -58,15 +58,17 @@ def _dq_inputs(model, tensor):
     return [_init(model, n) if i else n for i, n in enumerate(node.input)]
 
 
-def test_conv_parameters_match_a_hand_derivation(tmp_path, demo_model, demo_table):
-    qmodel, _ = quantize(demo_model, demo_table)
+@pytest.mark.parametrize("target, dtype", [("portable", "uint8"), ("exact", "int8")])
+def test_conv_parameters_match_a_hand_derivation(tmp_path, demo_model, demo_table, target, dtype):
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(target=target))
     params = model_params(qmodel)
     assert params["rounding"] == "half_up" and params["multiplier_bits"] == 32
     conv = next(op for op in params["ops"] if op["node"] == "conv1")
     node = next(n for n in qmodel.graph.node if n.name == "conv1")
     x_q, x_scale, x_zero = _dq_inputs(qmodel, node.input[0])
-    w_q, w_scale, _ = _dq_inputs(qmodel, node.input[1])
-    w_q = _init(qmodel, w_q)
+    w_q, w_scale, w_zero = _dq_inputs(qmodel, node.input[1])
+    assert w_q.endswith("_quantized") and np.all(w_zero == (128 if dtype == "uint8" else 0))
+    w_q = _init(qmodel, w_q).astype(np.int64) - w_zero.astype(np.int64).reshape(-1, 1, 1, 1)
     b_q, b_scale, _ = _dq_inputs(qmodel, node.input[2])
     b_q = _init(qmodel, b_q)
     q_out = next(n for n in qmodel.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == node.output[0])
@@ -82,7 +84,7 @@ def test_conv_parameters_match_a_hand_derivation(tmp_path, demo_model, demo_tabl
         # the int32 bias in accumulator units, minus Z_x * sum(q_w)
         assert float(b_scale[c]) == pytest.approx(float(x_scale) * float(w_scale[c]), rel=1e-6)
         assert conv["params"]["bias"][c] == int(b_q[c]) - int(x_zero) * int(w_q[c].astype(np.int64).sum())
-    assert conv["inputs"][0]["qparams"] == {"scale": float(x_scale), "zero_point": int(x_zero), "dtype": "int8"}
+    assert conv["inputs"][0]["qparams"] == {"scale": float(x_scale), "zero_point": int(x_zero), "dtype": dtype}
     assert "weight" not in conv["params"]  # int8 weights stay in the model
 
 
@@ -98,7 +100,8 @@ def test_params_are_embedded_and_written_by_params_out(tmp_path, demo_model, dem
     embedded = json.loads(next(p.value for p in qmodel.metadata_props if p.key == PARAMS_KEY))
     assert written == embedded
     assert [op["op_type"] for op in written["ops"]].count("Conv") == 4
-    assert all(op["outputs"][0]["qparams"]["dtype"] == "int8" for op in written["ops"])
+    # the default target (portable) writes uint8 activations
+    assert all(op["outputs"][0]["qparams"]["dtype"] == "uint8" for op in written["ops"])
 
 
 def test_params_out_unwritable_leaves_nothing(tmp_path, demo_model, demo_table):

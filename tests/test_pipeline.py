@@ -16,7 +16,7 @@ from qtool.verify import verify
 
 
 def _weight_of(qmodel, node_name):
-    """(int8 weight, scale) feeding a node's input 1 through its DequantizeLinear."""
+    """(stored weight, scale) feeding a node's input 1 through its DequantizeLinear."""
     inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
     node = next(n for n in qmodel.graph.node if n.name == node_name)
     dq = next(n for n in qmodel.graph.node if n.output[0] == node.input[1])
@@ -48,10 +48,12 @@ def test_quantized_model_is_valid_onnx_that_onnxruntime_runs(demo_model, demo_ta
     assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= ops
     assert "BatchNormalization" not in ops  # folded by onnxruntime's basic optimizer
     weight, scale = _weight_of(qmodel, "conv1")
-    assert weight.dtype == np.int8 and weight.shape == (16, 1, 3, 3)
+    # the portable target: uint8 weights with zero point 128 (int8 + 128)
+    assert weight.dtype == np.uint8 and weight.shape == (16, 1, 3, 3)
     assert scale.shape == (16,)  # per output channel
     meta = {p.key: p.value for p in qmodel.metadata_props}
     assert meta["qtool.rounding"] == "half_up" and meta["qtool.multiplier_bits"] == "32"
+    assert meta["qtool.target"] == "portable"
     x = np.load(demo_heldout)["input"][:4]
     y = ort.InferenceSession(qmodel.SerializeToString()).run(None, {"input": x})[0]
     assert y.shape == (4, 10)
@@ -61,7 +63,7 @@ def test_quantized_model_is_valid_onnx_that_onnxruntime_runs(demo_model, demo_ta
 def test_per_tensor_weights(demo_model, demo_table):
     qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(per_channel=False))
     weight, scale = _weight_of(qmodel, "conv1")
-    assert scale.shape == () and np.abs(weight).max() == 127
+    assert scale.shape == () and np.abs(weight.astype(np.int64) - 128).max() == 127
 
 
 @pytest.mark.parametrize("method, fmt", [("minmax", "qdq"), ("kl", "qoperator")])
@@ -105,7 +107,7 @@ def test_table_round_trips_through_json(tmp_path, demo_table):
 
 def test_relu_shares_range_with_its_producer(demo_model, demo_table):
     # backward propagation: conv1's output takes relu1's range, so asymmetric Z = -128 (real 0)
-    qmodel, _ = quantize(demo_model, demo_table)
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(target="exact"))
     inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
     assert inits["bn1_out_zero_point"] == inits["relu1_out_zero_point"] == -128
     assert inits["bn1_out_scale"] == inits["relu1_out_scale"]
