@@ -478,6 +478,11 @@ def verify(
                                                   "of the compared ones (each op costs two "
                                                   "onnxruntime runs over them). Default: 16."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    target: str = typer.Option("exact", "--target", help="Arithmetic of the executor: exact "
+                               "(int32 accumulation, the integer device), x86-avx2 (onnxruntime's "
+                               "u8 x s8 products on an x86 CPU without VNNI: adjacent pairs added in "
+                               "int16 with saturation, as an AVX2 host computes) or host (whichever "
+                               "of the two this machine's onnxruntime uses)."),
 ):
     """Compare the float model with the integer executor, output by output and tensor by tensor.
 
@@ -489,6 +494,7 @@ def verify(
       qtool verify model.onnx model.q.onnx --data heldout.npz --labels label --tolerance 0.999,30
       qtool verify model.onnx model.q.onnx --data heldout.npz --ort --report report.html
       qtool verify model.onnx model.q.onnx --data heldout.npz --analyze --report report.html
+      qtool verify model.onnx model.q.onnx --data heldout.npz --target x86-avx2   # as on AVX2
     """
     from .html_report import render_html
     from .verify import format_report, parse_tolerance, verify as run
@@ -500,7 +506,8 @@ def verify(
             check_writable(report_path)
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
                      progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
-                     analyze_samples=16 if analyze_samples is None else analyze_samples)
+                     analyze_samples=16 if analyze_samples is None else analyze_samples,
+                     arithmetic=target)
         if report_path is not None:
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
     except QtoolError as e:
@@ -518,12 +525,18 @@ def exec_(
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
                                                        "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
+    target: str = typer.Option("exact", "--target", help="Arithmetic of the executor: exact "
+                               "(int32 accumulation, the integer device), x86-avx2 (onnxruntime's "
+                               "u8 x s8 products on an x86 CPU without VNNI: adjacent pairs added in "
+                               "int16 with saturation, as an AVX2 host computes) or host (whichever "
+                               "of the two this machine's onnxruntime uses)."),
 ):
     """Run QMODEL on the integer-only executor and save its outputs.
 
     \b
     Examples:
       qtool exec model.q.onnx --input x.npz -o y.npz
+      qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
     from .data import load_dataset
     from .executor import IntegerExecutor
@@ -532,7 +545,7 @@ def exec_(
     try:
         check_writable(output)
         model = load_model(qmodel)
-        executor = IntegerExecutor(model)
+        executor = IntegerExecutor(model, arithmetic=target)
         data = load_dataset(inputs, model)
         result = executor.run(data.batch(0, len(data)))
         buffer = io.BytesIO()

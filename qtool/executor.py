@@ -30,6 +30,7 @@ from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported,
 from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
+from .targets import check_arithmetic, x86
 from .qparams import QParams, centered, dequantize_array, quantize_array
 
 
@@ -103,7 +104,10 @@ def _metadata(model: onnx.ModelProto) -> dict[str, str]:
 
 
 class IntegerExecutor:
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, arithmetic: str = "exact"):
+        """``arithmetic``: ``exact`` (the integer device), ``x86-avx2`` (onnxruntime's u8 x s8
+        products on a CPU without VNNI, qtool/targets/x86.py) or ``host`` (whichever of the two this
+        machine's onnxruntime computes)."""
         meta = _metadata(model)
         # a model qtool did not quantize follows ONNX, which rounds half to even everywhere
         # (QuantizeLinear, QLinearConv's reference); qtool's own models say which mode they use
@@ -122,7 +126,10 @@ class IntegerExecutor:
         self.lowering = None  # _qparams_of, which QOperatorLowering calls, checks for it
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
+        self.arithmetic = x86.host_arithmetic() if check_arithmetic(arithmetic) == "host" else arithmetic
         self.steps = self._prune(self._lower())
+        if self.arithmetic == "x86-avx2":
+            self._emulate_pair_saturation()
         self._chained_steps = self._fuse_chains(self._chain(self.steps))
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
@@ -185,6 +192,12 @@ class IntegerExecutor:
                                   reason=reason))
                 self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
         return steps
+
+    def _emulate_pair_saturation(self) -> None:
+        """Each Conv / Gemm / MatMul with a constant int8 weight computes as onnxruntime's u8 x s8
+        kernels do on AVX2 (in place: its op becomes ``x86.PairSaturating``)."""
+        for step, offset in list(x86.saturating_steps(self)):
+            step.op = x86.PairSaturating(step.op, offset)
 
     def _qoperator_step(self, node: onnx.NodeProto, qdq_reason: str):
         """A QOperator node or a plain op on integer tensors as an integer step (qoperator_exec)."""

@@ -29,6 +29,7 @@ from .qoperator import to_qoperator
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
 from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
+from .targets import x86
 from .targets.form import to_unsigned
 
 ACTIVATION_TYPES = ("int8", "uint8")
@@ -83,6 +84,9 @@ class QuantizeReport:
     bias_correction: dict | None = None  # qtool.bias_correction's summary, when it ran
     search: dict | None = None  # qtool.search's result, when it ran
     method_choice: dict | None = None  # qtool.search.choose_methods's summary, when it ran
+    target: str = DEFAULT_TARGET
+    # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
+    hazards: list[dict] = field(default_factory=list)
     # activations that share (S, Z), their range the union of the members' (not in to_dict)
     qparam_groups: list[list[str]] = field(default_factory=list)
 
@@ -90,7 +94,8 @@ class QuantizeReport:
         out = {"format": self.format, "quantized": self.quantized,
                "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
-               "size_before": self.size_before, "size_after": self.size_after}
+               "size_before": self.size_before, "size_after": self.size_after,
+               "target": self.target, "saturation_hazards": self.hazards}
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
@@ -136,6 +141,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
+    _list_hazards(report, executor, options.target)
     if options.strict:
         _enforce_strict(report, options)
     params = integer_params(rewritten, executor)
@@ -194,6 +200,20 @@ def _reconcile(report: QuantizeReport, executor: IntegerExecutor) -> None:
             report.kept_float.append((op_type, name, reason))
             report.quantized[op_type] -= 1
     report.quantized = {t: n for t, n in report.quantized.items() if n}
+
+
+def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str) -> None:
+    report.target = target
+    report.hazards = [h.to_dict() for h in x86.hazards(executor)]
+    if not report.hazards:
+        return
+    layers = report.hazards
+    shown = ", ".join(f"{h['node']} ({h['channels_at_risk']}/{h['channels']} channels)" for h in layers[:3])
+    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    report.warnings.append(
+        f"target {target}: {len(layers)} of {sum(report.quantized.get(t, 0) for t in ('Conv', 'Gemm', 'MatMul'))} "
+        f"Conv/Gemm/MatMul layers can saturate in onnxruntime on x86 CPUs without VNNI (u8 x s8 "
+        f"pairs beyond int16): {shown}{more}; --target portable avoids it")
 
 
 def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:

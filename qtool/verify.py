@@ -17,6 +17,7 @@ from .executor import IntegerExecutor
 from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
+from .targets.ortview import ort_notes
 
 
 @dataclass
@@ -120,6 +121,8 @@ class VerifyReport:
     accuracy: dict | None = None
     failures: list[str] = field(default_factory=list)
     ort: list[OrtCheck] | None = None  # with verify(..., run_ort=True)
+    arithmetic: str = "exact"  # the executor's (qtool/targets)
+    ort_notes: list[str] = field(default_factory=list)  # the host, onnxruntime's rewrites, causes
     analysis: Analysis | None = None  # with verify(..., run_analyze=True)
 
     @property
@@ -139,7 +142,10 @@ class VerifyReport:
              "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
              "accuracy": self.accuracy,
              "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
+             "arithmetic": self.arithmetic,
              "failures": self.failures}
+        if self.ort is not None:
+            d["ort_notes"] = self.ort_notes
         if self.analysis is not None:
             d["analysis"] = self.analysis.to_dict()
         return d
@@ -167,11 +173,12 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
            num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
            preprocess=None, run_ort: bool = False, run_analyze: bool = False,
-           analyze_samples: int | None = 16) -> VerifyReport:
+           analyze_samples: int | None = 16, arithmetic: str = "exact") -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
     integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
     with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
-    model on the first ``analyze_samples`` of the compared samples."""
+    model on the first ``analyze_samples`` of the compared samples. ``arithmetic``: the executor's
+    (exact, x86-avx2 or host; qtool/targets)."""
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
@@ -180,7 +187,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                              "preprocessing; verify without it")
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
-    executor = IntegerExecutor(qmodel)
+    executor = IntegerExecutor(qmodel, arithmetic=arithmetic)
     _check_same_interface(model, qmodel, executor.output_names, float_path, qmodel_path)
     data = load_dataset(data_path, model, preprocess)
     input_names = {vi.name for vi in graph_inputs(model)}
@@ -232,7 +239,10 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             start += n
             bar.update(n)
     report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
-                          ort=ort_checks if run_ort else None, analysis=analysis)
+                          ort=ort_checks if run_ort else None, analysis=analysis,
+                          arithmetic=executor.arithmetic)
+    if run_ort:
+        report.ort_notes = ort_notes(qmodel, executor, ort_checks)
     if labels is not None:
         report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
                            "integer": 100.0 * correct_int / total}
@@ -321,6 +331,7 @@ def format_report(report: VerifyReport) -> str:
         for c in report.ort:
             lines.append(f"{c.name:<32} {c.vs_float.cosine:>9.6f} {c.vs_float.sqnr:>8.2f} "
                          f"{format_diff(c):>12} {100 * c.equal_fraction:>7.2f}%")
+        lines += [f"  {note}" for note in report.ort_notes]
     if report.accuracy:
         a = report.accuracy
         lines += ["", f"top-1 accuracy on '{a['labels']}': float {a['float']:.2f}%, "
