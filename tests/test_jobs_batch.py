@@ -167,8 +167,10 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize.target_sqnr: expected a number, got 'high'"]),
     (lambda s: s["jobs"][0].update(quantize={"try_methods": ["mse", "kll"]}),
      ["jobs[0].quantize.try_methods[1]: unknown 'kll'; choose one of"]),
+    (lambda s: s["jobs"][0].update(quantize={"target": "avx2"}),
+     ["jobs[0].quantize.target: unknown 'avx2'; choose one of portable, x86-vnni, exact"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
-        "pkg", "type", "format", "max-float", "target", "try-methods"])
+        "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
