@@ -197,7 +197,7 @@ class IntegerExecutor:
         """Each Conv / Gemm / MatMul with a constant int8 weight computes as onnxruntime's u8 x s8
         kernels do on AVX2 (in place: its op becomes ``x86.PairSaturating``)."""
         for step, offset in list(x86.saturating_steps(self)):
-            step.op = x86.PairSaturating(step.op, offset)
+            step.op = x86.PairSaturating(offset, x86.weight_risk(step.params))
 
     def _qoperator_step(self, node: onnx.NodeProto, qdq_reason: str):
         """A QOperator node or a plain op on integer tensors as an integer step (qoperator_exec)."""

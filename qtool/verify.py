@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from .analyze import Analysis, analyze, format_analysis
@@ -205,7 +208,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
     runner = FloatRunner(model, [c.name for c in tensors])
-    ort_session = _ort_session(qmodel, qmodel_path) if run_ort else None
+    ort_session, ort_graph = _ort_session(qmodel, qmodel_path) if run_ort else (None, None)
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
@@ -242,7 +245,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic)
     if run_ort:
-        report.ort_notes = ort_notes(qmodel, executor, ort_checks)
+        report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks)
     if labels is not None:
         report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
                            "integer": 100.0 * correct_int / total}
@@ -269,17 +272,24 @@ def _check_same_interface(model, qmodel, qoutputs, float_path, qmodel_path) -> N
                              f"was it quantized from another model?")
 
 
-def _ort_session(qmodel, path) -> ort.InferenceSession:
+def _ort_session(qmodel, path) -> tuple[ort.InferenceSession, onnx.ModelProto | None]:
     """onnxruntime on the quantized model as it would be deployed (default optimizations, which
-    fuse QDQ groups into its own integer kernels)."""
+    fuse QDQ groups into its own integer kernels), and the graph it built (None if unreadable)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    try:
-        return ort.InferenceSession(qmodel.SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
-    except Exception as e:
-        raise QtoolError(f"onnxruntime cannot load quantized model '{path}': "
-                         f"{first_line(e)}") from None
+    with tempfile.TemporaryDirectory() as folder:
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        try:
+            session = ort.InferenceSession(qmodel.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise QtoolError(f"onnxruntime cannot load quantized model '{path}': "
+                             f"{first_line(e)}") from None
+        try:  # only a description of what onnxruntime runs (verify --ort's notes)
+            optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+        except Exception:
+            optimized = None
+    return session, optimized
 
 
 def _ort_run(session: ort.InferenceSession, feeds: dict, path) -> dict[str, np.ndarray]:

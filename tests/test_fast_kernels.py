@@ -10,7 +10,7 @@ import pytest
 
 from qtool.fixedpoint import Requant, offset_requant
 from qtool.ops import REGISTRY, compiled, ortconv
-from qtool.ops.conv import ConvParams, ConvPlan, _run_scanned
+from qtool.ops.conv import ConvParams, ConvPlan, run_scanned
 
 needs_numba = pytest.mark.skipif(not compiled.available(), reason="numba is not installed")
 
@@ -102,7 +102,7 @@ def test_onnxruntime_engine_restores_the_zero_point_padding(shape, c_out, kernel
     plan = REGISTRY["Conv"].specialize(p, [shape])
     assert plan.engine(np.dtype(np.int8)) is not None
     x = rng.integers(-128, 128, size=shape).astype(np.int8)
-    assert (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+    assert (REGISTRY["Conv"].run(plan, x) == run_scanned(p, x)).all()
     assert np.array_equal(plan.engine(np.dtype(np.int8))(x), plan.numpy_sums(x))
 
 
@@ -143,7 +143,7 @@ def test_onnxruntime_engine_that_disagrees_or_fails_is_not_used(monkeypatch):
     monkeypatch.setattr(ortconv, "_session", broken)
     assert ortconv.build(p, plan.in_shape, plan.out_hw, dtype, plan.numpy_rows) is None
     x = np.arange(18, dtype=np.int8).reshape(1, 2, 3, 3)
-    assert plan.engine(dtype) is None and (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+    assert plan.engine(dtype) is None and (REGISTRY["Conv"].run(plan, x) == run_scanned(p, x)).all()
 
 
 def test_qtool_runs_without_numba(tmp_path):
@@ -156,7 +156,7 @@ import sys
 sys.modules["numba"] = None  # import numba raises ImportError
 import numpy as np
 from qtool.ops import REGISTRY, compiled
-from qtool.ops.conv import ConvParams, _run_scanned
+from qtool.ops.conv import ConvParams, run_scanned
 from qtool.fixedpoint import Requant
 assert not compiled.available()
 w = np.arange(-8, 10, dtype=np.int8).reshape(2, 1, 3, 3)
@@ -164,7 +164,7 @@ p = ConvParams(w, np.array([3, -3]), Requant(np.full(2, 2**30), np.full(2, 12)),
                (1, 1), 2, "half_up", "int8")
 x = np.arange(-40, 40, dtype=np.int8).reshape(1, 2, 5, 8)
 plan = REGISTRY["Conv"].specialize(p, [x.shape])
-assert (REGISTRY["Conv"].run(plan, x) == _run_scanned(p, x)).all()
+assert (REGISTRY["Conv"].run(plan, x) == run_scanned(p, x)).all()
 assert "numba" not in [m for m in sys.modules if sys.modules[m] is not None]
 print("ok")
 """
@@ -188,7 +188,7 @@ def test_onnxruntime_engine_with_numpy_requantization_scans_too(requant, monkeyp
     plan = REGISTRY["Conv"].specialize(p, [(1, 2, 4, 4)])
     assert plan.tails[np.dtype(np.int8)].unproven.tolist() == [1] and plan.engine(np.dtype(np.int8)) is not None
     ok = np.full((1, 2, 4, 4), 16, dtype=np.int8)  # 18 taps of 16 = 288 inside; -9 on padding
-    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    assert (REGISTRY["Conv"].run(plan, ok) == run_scanned(p, ok)).all()
     with pytest.raises(OverflowError, match="accumulator"):
         REGISTRY["Conv"].run(plan, np.full((1, 2, 4, 4), 17, dtype=np.int8))  # 18 * 17 = 306
 
@@ -251,7 +251,7 @@ def test_onnxruntime_engine_scans_channels_whose_bias_may_overflow(workers, monk
     assert plan.tails[np.dtype(np.int8)].unproven.tolist() == [3]
     assert len(plan.engine(np.dtype(np.int8)).parts) == workers
     ok = np.full((1, 4, 3, 3), 11, dtype=np.int8)  # centre 9 * 11 = 99, corners 4 * 11 + 5 * 5 = 69
-    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    assert (REGISTRY["Conv"].run(plan, ok) == run_scanned(p, ok)).all()
     over = ok.copy()
     over[0, 3, 0, 0] = 12  # the centre's window: 7 * 11 + 2 * 12 = 101, one past the bias's room
     over[0, 3, 1, 1] = 12
@@ -259,7 +259,7 @@ def test_onnxruntime_engine_scans_channels_whose_bias_may_overflow(workers, monk
         REGISTRY["Conv"].run(plan, over)
     corner = ok.copy()
     corner[0, 3] = 5  # padding and inputs all 5: 45 everywhere; with Z_x forgotten the corner would read 20
-    assert (REGISTRY["Conv"].run(plan, corner) == _run_scanned(p, corner)).all()
+    assert (REGISTRY["Conv"].run(plan, corner) == run_scanned(p, corner)).all()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])

@@ -340,7 +340,7 @@ def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, s
     assert plan.method.startswith(method) and np.dtype(dtype) in plan.tails
     assert len(plan.row_parts) == min(threads, plan.out_hw[0])
     got = REGISTRY["Conv"].run(plan, x)
-    want = conv._run_scanned(p, x)
+    want = conv.run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got == want).all()
     assert (plan.engine(np.dtype(dtype)) is not None) == (summing == "onnxruntime")
@@ -358,9 +358,9 @@ def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):
     plan = REGISTRY["Conv"].specialize(p, [(1, 3, 2, 2)])
     assert plan.tails[np.dtype("int8")].unproven.tolist() == [0]
     ok = np.full((1, 3, 2, 2), 33, dtype=np.int8)  # sum 99
-    from qtool.ops.conv import _run_scanned
+    from qtool.ops.conv import run_scanned
 
-    assert (REGISTRY["Conv"].run(plan, ok) == _run_scanned(p, ok)).all()
+    assert (REGISTRY["Conv"].run(plan, ok) == run_scanned(p, ok)).all()
     over = ok.copy()
     over[0, :, 1, 1] = 34  # sum 102
     with pytest.raises(OverflowError, match="accumulator"):
@@ -402,5 +402,5 @@ def test_matmul_float32_path_equals_the_scanned_path(op_type, shape, dtype, thre
     plan = REGISTRY[op_type].specialize(p, [x.shape])
     assert np.dtype(dtype) in plan.tails
     got = REGISTRY[op_type].run(plan, x)
-    want = gemm._run_scanned(p, x)
+    want = gemm.run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()

@@ -387,7 +387,7 @@ def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, gro
                                                             dilations, pads, output_padding, shuffle, dtype,
                                                             zero_in, threads, monkeypatch):
     from qtool.ops import parallel
-    from qtool.ops.convtranspose import _run_scanned
+    from qtool.ops.convtranspose import run_scanned
 
     monkeypatch.setattr(parallel, "WORKERS", threads)  # input rows in 3 ranges, on the pool
     monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
@@ -405,7 +405,7 @@ def test_convtranspose_float32_path_equals_the_scanned_path(c_in, per_group, gro
     plan = REGISTRY["ConvTranspose"].specialize(p, [x.shape])
     assert plan.shuffle == shuffle and np.dtype(dtype) in plan.tails
     got = REGISTRY["ConvTranspose"].run(plan, x)
-    want = _run_scanned(p, x)
+    want = run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
 
 

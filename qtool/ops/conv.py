@@ -123,7 +123,7 @@ class Conv(IntegerOp):
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:
-            return _mapped(_run_scanned(params, x), table)
+            return _mapped(run_scanned(params, x), table)
         engine = plan.engine(x.dtype)
         if engine is not None and isinstance(tail.requant, compiled.CompiledRequant):
             return _run_compiled(plan, engine, tail, x, table)
@@ -174,13 +174,17 @@ def _mapped(q: np.ndarray, table: np.ndarray | None) -> np.ndarray:
     return q if table is None else lookup(table, q)
 
 
-def _run_scanned(p: ConvParams, x: np.ndarray) -> np.ndarray:
+def run_scanned(p: ConvParams, x: np.ndarray, extra=None) -> np.ndarray:
     """The path without static bounds: exact accumulation (``int_matmul`` picks float32 or float64
-    from the operands' actual maxima), and ``requantize`` scans the accumulator for overflow."""
+    from the operands' actual maxima), and ``requantize`` scans the accumulator for overflow.
+    ``extra(x)``, if given, returns int64 [n, C_out, out_h * out_w] added to the accumulator: what
+    a target's arithmetic changes (qtool/targets/x86.py)."""
     n, c_out = x.shape[0], p.weight.shape[0]
     top, left, bottom, right = p.pads
     padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=p.zero_in)
     acc, out_h, out_w = conv_accumulate(padded, p.weight, p.group, p.strides, p.dilations)
+    if extra is not None:
+        acc = acc + extra(x)
     acc = acc + p.bias[None, :, None]
     y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
     return saturate(y + p.zero_out, p.dtype).reshape(n, c_out, out_h, out_w)

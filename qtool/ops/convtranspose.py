@@ -116,7 +116,7 @@ class ConvTranspose(IntegerOp):
         params, plan = plan_for(p, x, ConvTransposePlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:
-            return _run_scanned(params, x)
+            return run_scanned(params, x)
         n, _, h, w = x.shape
         _, per_group, kh, kw = params.weight.shape
         c_out = per_group * params.group
@@ -137,7 +137,7 @@ class ConvTranspose(IntegerOp):
         return out
 
 
-def _run_scanned(p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
+def run_scanned(p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:
     """Exact int64 sums with the zero-point map, and ``requantize``, which scans for overflow."""
     n, c_in, h, w = x.shape
     _, per_group, kh, kw = p.weight.shape

@@ -53,7 +53,7 @@ def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
     params, plan = plan_for(p, x, MatMulPlan)
     tail = plan.tails.get(x.dtype)
     if tail is None:
-        return _run_scanned(params, x)
+        return run_scanned(params, x)
     k, n = params.weight.shape
     rows = x.reshape(-1, k).astype(np.float32)
     out = np.empty((rows.shape[0], n), dtype=params.dtype)
@@ -68,9 +68,13 @@ def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
     return out.reshape(*x.shape[:-1], n)
 
 
-def _run_scanned(p: MatMulParams, x: np.ndarray) -> np.ndarray:
-    """Exact products (``int_matmul``) and ``requantize``, which scans for overflow."""
-    acc = int_matmul(x, p.weight) + p.bias
+def run_scanned(p: MatMulParams, x: np.ndarray, extra=None) -> np.ndarray:
+    """Exact products (``int_matmul``) and ``requantize``, which scans for overflow. ``extra(x)``,
+    if given, returns int64 [..., N] added to the accumulator (qtool/targets/x86.py)."""
+    acc = int_matmul(x, p.weight)
+    if extra is not None:
+        acc = acc + extra(x)
+    acc = acc + p.bias
     y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
     return saturate(y + p.zero_out, p.dtype)
 

@@ -1,15 +1,12 @@
 """What onnxruntime makes of a quantized model on this machine, for ``verify --ort``: the CPU it
-runs on, the graph its default session options build (fused QDQ groups, float weights it
-quantized), and why it disagrees with the integer executor when saturation explains it."""
+runs on, what the graph its default session options built says (fused QDQ groups, float weights
+it quantized), and why it disagrees with the integer executor when saturation explains it."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import Counter
 
 import onnx
-import onnxruntime as ort
 
 from . import x86
 
@@ -18,20 +15,6 @@ AGREEMENT = 0.99
 _FUSED = ("QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QLinearAveragePool",
           "QLinearGlobalAveragePool", "QLinearSigmoid", "QLinearLeakyRelu", "QLinearConcat",
           "QLinearSoftmax", "QLinearWhere", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
-
-
-def optimized_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """The graph onnxruntime runs with default session options (None if it cannot be dumped)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "optimized.onnx")
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.optimized_model_filepath = path
-        try:
-            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            return onnx.load(path, load_external_data=False)
-        except Exception:  # the session itself is checked by verify; this is only a description
-            return None
 
 
 def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto) -> list[str]:
@@ -59,9 +42,9 @@ def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto) -> list[st
     return notes
 
 
-def ort_notes(qmodel: onnx.ModelProto, executor, checks) -> list[str]:
+def ort_notes(qmodel: onnx.ModelProto, optimized: onnx.ModelProto | None, executor, checks) -> list[str]:
+    """``optimized``: the graph onnxruntime built for ``qmodel`` with default session options."""
     notes = [x86.describe_host()]
-    optimized = optimized_graph(qmodel)
     if optimized is not None:
         notes += graph_changes(qmodel, optimized)
     disagree = any(c.equal_fraction < AGREEMENT or (c.unit == "lsb" and c.max_diff > 1) for c in checks)

@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ..fixedpoint import requantize, saturate
-from ..ops.conv import ConvParams, conv_accumulate
-from ..ops.gemm import MatMulParams
-from ..ops.intmatmul import int_matmul
+from ..ops.conv import ConvParams, run_scanned as conv_run_scanned
+from ..ops.gemm import MatMulParams, run_scanned as matmul_run_scanned
 
 INT16_MIN, INT16_MAX = -32768, 32767
 RAW_MAX = 255  # the largest uint8 activation byte
@@ -94,14 +92,26 @@ def _conv_rows(x_raw: np.ndarray, p: ConvParams, pad_value: int) -> tuple[np.nda
 
 
 # -- kernels for the executor --------------------------------------------------------------------
+def weight_risk(params) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per group of a Conv (one for a Gemm/MatMul): the weight as [K, N] in the kernel's K order
+    and its ``risky_pairs``. Empty for a depthwise conv, whose kernels are exact."""
+    if isinstance(params, MatMulParams):
+        return [(params.weight, risky_pairs(params.weight))]
+    c_out, c_g = params.weight.shape[:2]
+    if c_g == 1 and c_out == params.group:
+        return []
+    return [(w_k, risky_pairs(w_k)) for w_k in conv_weight_k(params.weight, params.group)]
+
+
 @dataclass(frozen=True)
 class PairSaturating:
     """An integer Conv / Gemm / MatMul (constant weight) step as onnxruntime computes it on AVX2:
-    the exact accumulator plus ``saturation_loss``, then the kernel's own requantization.
-    ``offset``: raw byte minus q (128 for an int8 activation, 0 for uint8)."""
+    the kernel's exact scanned path (``run_scanned``) with ``saturation_loss`` added to its
+    accumulator. ``offset``: raw byte minus q (128 for an int8 activation, 0 for uint8);
+    ``risk``: ``weight_risk`` of the step's parameters, found at setup."""
 
-    op: object
     offset: int
+    risk: list
     takes_table = False
     op_type = "PairSaturating"
 
@@ -113,73 +123,36 @@ class PairSaturating:
 
     def run(self, p, x: np.ndarray) -> np.ndarray:
         if isinstance(p, ConvParams):
-            return self._conv(p, x)
-        return self._matmul(p, x)
+            return conv_run_scanned(p, x, functools.partial(self._conv_loss, p))
+        return matmul_run_scanned(p, x, self._matmul_loss)
 
-    def _conv(self, p: ConvParams, x: np.ndarray) -> np.ndarray:
-        n, c_out = x.shape[0], p.weight.shape[0]
-        top, left, bottom, right = p.pads
-        padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=p.zero_in)
-        acc, out_h, out_w = conv_accumulate(padded, p.weight, p.group, p.strides, p.dilations)
-        c_g = p.weight.shape[1]
-        if not (c_g == 1 and c_out == p.group):  # depthwise kernels widen to int16 first: exact
-            rows, _, _ = _conv_rows(x.astype(np.int64) + self.offset, p, p.zero_in + self.offset)
-            per = c_out // p.group
-            for g, (w_k, risky) in enumerate(_conv_risk(p.weight, p.group)):
-                if not risky.any():
-                    continue
+    def _conv_loss(self, p: ConvParams, x: np.ndarray) -> np.ndarray:
+        """int64 [n, C_out, out_h·out_w]: what saturation takes from each output's sum."""
+        c_out, c_g = p.weight.shape[:2]
+        rows, out_h, out_w = _conv_rows(x.astype(np.int64) + self.offset, p, p.zero_in + self.offset)
+        n, per = x.shape[0], c_out // p.group
+        loss = np.zeros((n, c_out, out_h * out_w), np.int64)
+        for g, (w_k, risky) in enumerate(self.risk):
+            if risky.any():
                 a = rows[:, :, :, g * c_g:(g + 1) * c_g].reshape(-1, w_k.shape[0])
-                loss = saturation_loss(a, w_k, risky).reshape(n, -1, per)
-                acc[:, g * per:(g + 1) * per] += loss.transpose(0, 2, 1)
-        acc = acc + p.bias[None, :, None]
-        y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
-        return saturate(y + p.zero_out, p.dtype).reshape(n, c_out, out_h, out_w)
+                loss[:, g * per:(g + 1) * per] = saturation_loss(a, w_k, risky).reshape(n, -1, per) \
+                    .transpose(0, 2, 1)
+        return loss
 
-    def _matmul(self, p: MatMulParams, x: np.ndarray) -> np.ndarray:
-        k = p.weight.shape[0]
-        rows = x.reshape(-1, k)
-        acc = int_matmul(rows, p.weight) + p.bias
-        risky = _matmul_risk(p.weight)
-        if risky.any():
-            acc = acc + saturation_loss(rows.astype(np.int64) + self.offset, p.weight, risky)
-        y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
-        return saturate(y + p.zero_out, p.dtype).reshape(*x.shape[:-1], -1)
-
-
-def _conv_risk(weight: np.ndarray, group: int):
-    return _cached_risk(weight, group)
-
-
-def _matmul_risk(weight: np.ndarray) -> np.ndarray:
-    return _cached_risk(weight, 0)
-
-
-_RISK_CACHE: dict[tuple[int, int], tuple[np.ndarray, object]] = {}
-
-
-def _cached_risk(weight: np.ndarray, group: int):
-    """Risky pairs per weight array (kept alive with it), computed once."""
-    key = (id(weight), group)
-    hit = _RISK_CACHE.get(key)
-    if hit is not None and hit[0] is weight:
-        return hit[1]
-    if group:
-        value = [(w_k, risky_pairs(w_k)) for w_k in conv_weight_k(weight, group)]
-    else:
-        value = risky_pairs(weight)
-    _RISK_CACHE[key] = (weight, value)
-    return value
+    def _matmul_loss(self, x: np.ndarray) -> np.ndarray:
+        (w_k, risky), = self.risk
+        rows = x.reshape(-1, w_k.shape[0]).astype(np.int64) + self.offset
+        return saturation_loss(rows, w_k, risky).reshape(*x.shape[:-1], -1)
 
 
 # -- which steps onnxruntime runs that way ------------------------------------------------------
-def stored_types(model: onnx.ModelProto, node: onnx.NodeProto, constants: dict, dtypes: dict
-                 ) -> tuple[str | None, str | None]:
+def stored_types(executor, node: onnx.NodeProto) -> tuple[str | None, str | None]:
     """(activation type, weight type) as stored in the model for a Conv/Gemm/MatMul QDQ group or
     a QLinearConv / QLinearMatMul / QGemm node; None where not an 8-bit constant-weight product."""
-    producer = {o: n for n in model.graph.node for o in n.output}
+    constants, dtypes = executor.constants, executor.lowering.dtypes
     if node.op_type in ("Conv", "Gemm", "MatMul"):
-        dq_x, dq_w = (producer.get(name) for name in node.input[:2])
-        if dq_x is None or dq_w is None or "DequantizeLinear" not in (dq_x.op_type, dq_w.op_type) \
+        dq_x, dq_w = (executor.producer.get(name) for name in node.input[:2])
+        if dq_x is None or dq_w is None or dq_x.op_type != "DequantizeLinear" \
                 or dq_w.op_type != "DequantizeLinear" or dq_w.input[0] not in constants:
             return None, None
         return dtypes.get(dq_x.input[0]), str(constants[dq_w.input[0]].dtype)
@@ -206,9 +179,7 @@ def saturating_steps(executor):
         if step.kind != "integer" or step.node.op_type not in EMULATED \
                 or not isinstance(step.params, (ConvParams, MatMulParams)):
             continue
-        activation, weight = stored_types(executor.model, step.node, executor.constants,
-                                          executor.lowering.dtypes)
-        offset = saturating(step.node, activation, weight)
+        offset = saturating(step.node, *stored_types(executor, step.node))
         if offset is not None:
             yield step, offset
 
@@ -236,14 +207,10 @@ def hazards(executor) -> list[Hazard]:
     onnxruntime multiplies."""
     found = []
     for step, _ in saturating_steps(executor):
-        p = step.params
-        if isinstance(p, ConvParams):
-            c_out = p.weight.shape[0]
-            if p.weight.shape[1] == 1 and c_out == p.group:
-                continue
-            risky = np.concatenate([r for _, r in _conv_risk(p.weight, p.group)], axis=1)
-        else:
-            risky = _matmul_risk(p.weight)
+        risk = weight_risk(step.params)
+        if not risk:
+            continue
+        risky = np.concatenate([r for _, r in risk], axis=1)
         if risky.any():
             found.append(Hazard(step.node.name, step.node.op_type, int(risky.any(axis=0).sum()),
                                 risky.shape[1], int(risky.sum()), risky.size))
