@@ -33,6 +33,13 @@ def _fail(e: QtoolError) -> typer.Exit:
     return typer.Exit(e.exit_code)
 
 
+def _key_value(option: str, entry: str) -> tuple[str, str]:
+    key, sep, value = entry.partition("=")
+    if not sep or not key.strip():
+        raise QtoolError(f"{option} '{entry}': expected KEY=VALUE")
+    return key.strip(), value.strip()
+
+
 def _log(message: str) -> None:
     typer.echo(message, err=True)
 
@@ -374,7 +381,10 @@ def quantize(
     typer.echo(f"float:   {len(report.kept_float)} ops")
     for line in float_node_lines(report.kept_float):
         typer.echo(line)
-    if report.format == "qoperator":
+    if report.guarded:
+        typer.echo(f"guarded: {len(report.guarded)} float ops read their input through Flatten -> "
+                   f"Reshape, so that onnxruntime keeps their weights float")
+    if report.format == "qoperator" and report.qdq_groups:
         typer.echo(f"qoperator: {len(report.qdq_groups)} integer ops without a quantized-operator "
                    f"form stay DequantizeLinear -> op -> QuantizeLinear")
         for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
@@ -471,7 +481,13 @@ def verify(
                                                "one self-contained HTML page (with an SQNR plot "
                                                "when matplotlib is installed)."),
     run_ort: bool = typer.Option(False, "--ort", help="Also run onnxruntime on QMODEL: its outputs "
-                                 "against the float model and against the integer executor."),
+                                 "against the float model and against the integer executor, and "
+                                 "which of its graph passes changed the model."),
+    ort_config: Optional[List[str]] = typer.Option(None, "--ort-config", metavar="KEY=VALUE",
+                                                   help="A session config entry for --ort's "
+                                                   "onnxruntime session, as you deploy it "
+                                                   "(repeatable), e.g. "
+                                                   "session.x64quantprecision=1."),
     run_analyze: bool = typer.Option(False, "--analyze", help="Also rank the quantized ops by "
                                      "sensitivity, as qtool analyze does (QMODEL must be QDQ)."),
     analyze_samples: Optional[int] = typer.Option(None, help="Samples --analyze scores on, the first "
@@ -493,6 +509,7 @@ def verify(
       qtool verify model.onnx model.q.onnx --data heldout.npz
       qtool verify model.onnx model.q.onnx --data heldout.npz --labels label --tolerance 0.999,30
       qtool verify model.onnx model.q.onnx --data heldout.npz --ort --report report.html
+      qtool verify model.onnx model.q.onnx --data heldout.npz --ort --ort-config session.disable_quant_qdq=1
       qtool verify model.onnx model.q.onnx --data heldout.npz --analyze --report report.html
       qtool verify model.onnx model.q.onnx --data heldout.npz --target x86-avx2   # as on AVX2
     """
@@ -502,12 +519,15 @@ def verify(
     try:
         if analyze_samples is not None and not run_analyze:
             raise QtoolError("--analyze-samples is for --analyze; add --analyze or drop it")
+        if ort_config and not run_ort:
+            raise QtoolError("--ort-config is for --ort; add --ort or drop it")
+        config = dict(_key_value("--ort-config", entry) for entry in ort_config or [])
         if report_path is not None:
             check_writable(report_path)
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
                      progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
-                     arithmetic=target)
+                     arithmetic=target, ort_config=config)
         if report_path is not None:
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
     except QtoolError as e:

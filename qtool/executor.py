@@ -31,6 +31,7 @@ from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .targets import check_arithmetic, x86
+from .targets.form import is_guard
 from .qparams import QParams, centered, dequantize_array, quantize_array
 
 
@@ -255,6 +256,8 @@ class IntegerExecutor:
                 operands.append(Operand(None, self.constants.get(name)))
                 if consts[i].at_run:
                     run_inputs.append(name)
+            elif source is not None and is_guard(source) and len(node.input) > 1:
+                return None, f"weight '{node.input[1]}' is float"  # kept float by quantize
             else:
                 return None, f"input '{name}' is not quantized"
         outputs = [self._qparams_of(q) for q in q_nodes]
@@ -488,8 +491,10 @@ class IntegerExecutor:
 
     # -- reporting ---------------------------------------------------------------------------------
     def float_nodes(self) -> list[tuple[str, str, str]]:
-        """Nodes that run in float: (op_type, name, why)."""
-        return [(s.node.op_type, s.node.name, s.reason) for s in self.steps if s.kind == "float"]
+        """Nodes that run in float: (op_type, name, why); not the identities that keep onnxruntime
+        from quantizing a float op's weights (targets.form.guard_float_ops)."""
+        return [(s.node.op_type, s.node.name, s.reason) for s in self.steps
+                if s.kind == "float" and not is_guard(s.node)]
 
     def integer_tensors(self) -> dict[str, "TensorInfo"]:
         """Float tensor name -> how the executor holds it, for every integer tensor."""

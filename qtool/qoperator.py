@@ -107,7 +107,7 @@ class _Converter:
                 replacement = self.convert(node, outs)
             if replacement is None:
                 nodes.append(node)
-                if all(outs) and node.output:
+                if all(outs) and node.output and all(self.dq_of(n) for n in node.input if n):
                     self.result.unchanged.append((node.op_type, node.name))
                 continue
             nodes.extend(replacement)

@@ -30,7 +30,7 @@ from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array,
 from .table import Table
 from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
 from .targets import x86
-from .targets.form import to_unsigned
+from .targets.form import guard_float_ops, to_unsigned
 
 ACTIVATION_TYPES = ("int8", "uint8")
 FORMATS = ("qdq", "qoperator")
@@ -87,6 +87,9 @@ class QuantizeReport:
     target: str = DEFAULT_TARGET
     # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
     hazards: list[dict] = field(default_factory=list)
+    # float-kept ops whose input was routed through an identity so that onnxruntime keeps their
+    # float weights (targets.form.guard_float_ops)
+    guarded: list[str] = field(default_factory=list)
     # activations that share (S, Z), their range the union of the members' (not in to_dict)
     qparam_groups: list[list[str]] = field(default_factory=list)
 
@@ -95,7 +98,8 @@ class QuantizeReport:
                "kept_float": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.kept_float],
                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
                "size_before": self.size_before, "size_after": self.size_after,
-               "target": self.target, "saturation_hazards": self.hazards}
+               "target": self.target, "saturation_hazards": self.hazards,
+               "float_weights_guarded": self.guarded}
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
@@ -132,6 +136,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     rewritten = _Rewriter(model, table, options, report, table_name, corrections).run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
+    report.guarded = guard_float_ops(rewritten)
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
             TARGET_KEY: options.target}

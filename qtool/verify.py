@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from .analyze import Analysis, analyze, format_analysis
@@ -20,7 +17,7 @@ from .executor import IntegerExecutor
 from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
-from .targets.ortview import ort_notes
+from .targets.ortview import deployed_session, ort_notes
 
 
 @dataclass
@@ -176,12 +173,14 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
            num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
            preprocess=None, run_ort: bool = False, run_analyze: bool = False,
-           analyze_samples: int | None = 16, arithmetic: str = "exact") -> VerifyReport:
+           analyze_samples: int | None = 16, arithmetic: str = "exact",
+           ort_config: dict[str, str] | None = None) -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
     integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
     with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
     model on the first ``analyze_samples`` of the compared samples. ``arithmetic``: the executor's
-    (exact, x86-avx2 or host; qtool/targets)."""
+    (exact, x86-avx2 or host; qtool/targets). ``ort_config``: session config entries for
+    onnxruntime's session (e.g. ``session.x64quantprecision``), as a user deploys it."""
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
@@ -208,7 +207,8 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
     runner = FloatRunner(model, [c.name for c in tensors])
-    ort_session, ort_graph = _ort_session(qmodel, qmodel_path) if run_ort else (None, None)
+    ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
+                                          else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
@@ -245,7 +245,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic)
     if run_ort:
-        report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks)
+        report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
     if labels is not None:
         report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
                            "integer": 100.0 * correct_int / total}
@@ -272,24 +272,14 @@ def _check_same_interface(model, qmodel, qoutputs, float_path, qmodel_path) -> N
                              f"was it quantized from another model?")
 
 
-def _ort_session(qmodel, path) -> tuple[ort.InferenceSession, onnx.ModelProto | None]:
+def _ort_session(qmodel, path, config: dict[str, str] | None):
     """onnxruntime on the quantized model as it would be deployed (default optimizations, which
-    fuse QDQ groups into its own integer kernels), and the graph it built (None if unreadable)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    with tempfile.TemporaryDirectory() as folder:
-        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
-        try:
-            session = ort.InferenceSession(qmodel.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-        except Exception as e:
-            raise QtoolError(f"onnxruntime cannot load quantized model '{path}': "
-                             f"{first_line(e)}") from None
-        try:  # only a description of what onnxruntime runs (verify --ort's notes)
-            optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
-        except Exception:
-            optimized = None
-    return session, optimized
+    fuse QDQ groups into its own integer kernels, and the user's session config entries): the
+    session, the graph it built and the passes that changed it (targets.ortview)."""
+    try:
+        return deployed_session(qmodel, config)
+    except Exception as e:
+        raise QtoolError(f"onnxruntime cannot load quantized model '{path}': {first_line(e)}") from None
 
 
 def _ort_run(session: ort.InferenceSession, feeds: dict, path) -> dict[str, np.ndarray]:

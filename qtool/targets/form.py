@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..model import without_weights
+
 _Q_DQ = ("QuantizeLinear", "DequantizeLinear")
 
 
@@ -49,3 +51,97 @@ def to_unsigned(model: onnx.ModelProto) -> int:
         if info.name in retyped and info.type.tensor_type.elem_type == int8:
             info.type.tensor_type.elem_type = onnx.TensorProto.UINT8
     return changed
+
+
+# -- float-kept ops that onnxruntime would quantize -----------------------------------------------
+
+_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # MatMul + Add becomes a Gemm in onnxruntime
+GUARD_SUFFIX = "_float_guard"
+
+
+def is_guard(node: onnx.NodeProto) -> bool:
+    """One of the identity nodes ``guard_float_ops`` writes."""
+    return node.op_type in ("Flatten", "Reshape", "Max") and GUARD_SUFFIX in node.name
+
+
+def _guard_shape(info: onnx.ValueInfoProto | None) -> list[int] | None:
+    """Reshape's target restoring a tensor after ``Flatten(axis=1)``: 0 (copy) for the first axis,
+    known sizes as they are, -1 for at most one unknown size; None when that cannot be said."""
+    if info is None or not info.type.tensor_type.HasField("shape"):
+        return None
+    dims = info.type.tensor_type.shape.dim
+    if len(dims) < 2:
+        return None
+    spec = [0] + [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in dims[1:]]
+    return spec if spec.count(-1) <= 1 else None
+
+
+def exposed_float_ops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The float Conv/ConvTranspose/Gemm/MatMul nodes (float initializer weight) whose input comes
+    straight from a DequantizeLinear: those whose weights onnxruntime quantizes."""
+    return [model.graph.node[i] for i in _exposed(model)]
+
+
+def _exposed(model: onnx.ModelProto) -> list[int]:
+    graph = model.graph
+    float_inits = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    return [i for i, node in enumerate(graph.node)
+            if node.op_type in _WEIGHTED and node.domain in ("", "ai.onnx") and len(node.input) > 1
+            and node.input[1] in float_inits and node.input[0] in dequantized]
+
+
+def guard_float_ops(model: onnx.ModelProto) -> list[str]:
+    """Route, in place, the input of every float-kept Conv/ConvTranspose/Gemm/MatMul that reads a
+    DequantizeLinear directly through ``Flatten(axis=1) -> Reshape`` back to its shape.
+
+    onnxruntime's WeightBiasQuantization pass (graph level 1: it runs even at ORT_ENABLE_BASIC)
+    quantizes the float weights of such a node to int8 when its input comes straight from a
+    DequantizeLinear, so the model onnxruntime runs is not the one written. The pair computes the
+    identity, costs no copy in onnxruntime, and onnxruntime neither removes it nor moves the
+    DequantizeLinear across it. When the shape is not known well enough for the Reshape (rank < 2
+    or two unknown sizes after the first), a one-input ``Max`` (a copy) does the same. A second
+    reader of the DequantizeLinear output, such as a Shape node, is avoided: it would cost the
+    neighbouring integer op its fusion. Returns the names of the guarded nodes.
+    """
+    graph = model.graph
+    exposed = set(_exposed(model))
+    if not exposed:
+        return []
+    inferred = without_weights(onnx.shape_inference.infer_shapes, model).graph
+    shapes = {v.name: v for v in list(inferred.value_info) + list(inferred.input) + list(inferred.output)}
+    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    taken |= {n.name for n in graph.node} | {i.name for i in graph.input}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        return name
+
+    guarded_input: dict[str, str] = {}  # DequantizeLinear output -> its guarded copy
+    guarded: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(graph.node):
+        if i in exposed:
+            source = node.input[0]
+            if source not in guarded_input:
+                base = fresh(source + GUARD_SUFFIX)
+                spec = _guard_shape(shapes.get(source))
+                if spec is None:
+                    nodes.append(onnx.helper.make_node("Max", [source], [base], name=fresh(base + "_copy")))
+                else:
+                    flat, target = fresh(base + "_flat"), fresh(base + "_shape")
+                    graph.initializer.append(numpy_helper.from_array(np.array(spec, np.int64), target))
+                    nodes.append(onnx.helper.make_node("Flatten", [source], [flat], axis=1,
+                                                       name=fresh(base + "_flatten")))
+                    nodes.append(onnx.helper.make_node("Reshape", [flat, target], [base],
+                                                       name=fresh(base + "_reshape")))
+                guarded_input[source] = base
+            node.input[0] = guarded_input[source]
+            guarded.append(node.name)
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return guarded

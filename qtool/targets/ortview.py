@@ -4,11 +4,17 @@ it quantized), and why it disagrees with the integer executor when saturation ex
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 from collections import Counter
 
 import onnx
+import onnxruntime as ort
 
 from . import x86
+from .form import exposed_float_ops
 
 # a disagreement larger than this share of unequal elements, or than 1 LSB, gets a cause
 AGREEMENT = 0.99
@@ -17,10 +23,50 @@ _FUSED = ("QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "
           "QLinearSoftmax", "QLinearWhere", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 
-def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto) -> list[str]:
+# passes that report a change on nearly every graph without changing what it computes
+_TRIVIAL_PASSES = ("ConstantSharing",)
+
+
+def deployed_session(model: onnx.ModelProto, config: dict[str, str] | None = None
+                     ) -> tuple[ort.InferenceSession, onnx.ModelProto | None, list[str]]:
+    """onnxruntime's CPU session for ``model`` as a user creates it (default options, plus the
+    session config entries ``config``), the graph it built (None if unreadable) and the names of
+    the graph passes that changed the model, read from its INFO log ("GraphTransformer NAME
+    modified: 1"), which onnxruntime writes to the process's file descriptor 2 while the session
+    is built. Raises onnxruntime's own error when it cannot load the model."""
+    options = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
+    options.log_severity_level = 1
+    with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        log = os.path.join(folder, "log.txt")
+        sys.stderr.flush()
+        saved = os.dup(2)
+        target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, 2)
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+        finally:
+            os.dup2(saved, 2)
+            os.close(target)
+            os.close(saved)
+        with open(log, errors="replace") as f:
+            passes = re.findall(r"GraphTransformer (\S+) modified: 1", f.read())
+        try:  # only a description of what onnxruntime runs
+            optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+        except Exception:
+            optimized = None
+    names = list(dict.fromkeys(p for p in passes if p not in _TRIVIAL_PASSES))
+    return session, optimized, names
+
+
+def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto, passes: list[str]) -> list[str]:
     """onnxruntime's rewrites named by what they left: fused integer ops, and float-kept
-    Conv/ConvTranspose/Gemm whose float weights now come from a DequantizeLinear (its
-    WeightBiasQuantization pass, which runs even at ORT_ENABLE_BASIC)."""
+    Conv/ConvTranspose/Gemm whose float weights it quantized (its WeightBiasQuantization pass,
+    which runs even at ORT_ENABLE_BASIC: named in ``passes`` when the log was read, else seen as a
+    node that now reads its weight from a DequantizeLinear)."""
     before = Counter(n.op_type for n in model.graph.node)
     after = Counter(n.op_type for n in optimized.graph.node)
     notes = []
@@ -28,25 +74,32 @@ def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto) -> list[st
     if fused:
         notes.append("onnxruntime fused QDQ groups into " +
                      ", ".join(f"{n} {t}" for t, n in fused.items()))
-    inits = {i.name for i in model.graph.initializer}
-    float_weights = {n.name for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose", "Gemm")
-                     and len(n.input) > 1 and n.input[1] in inits}
-    producer = {o: n for n in optimized.graph.node for o in n.output}
-    requantized = [n.name for n in optimized.graph.node if n.name in float_weights and len(n.input) > 1
-                   and getattr(producer.get(n.input[1]), "op_type", "") == "DequantizeLinear"]
+    exposed = [n.name for n in exposed_float_ops(model)]
+    if "WeightBiasQuantization" in passes:
+        requantized = exposed
+    else:
+        producer = {o: n for n in optimized.graph.node for o in n.output}
+        now = {n.name: n for n in optimized.graph.node}
+        requantized = [name for name in exposed if name in now and len(now[name].input) > 1
+                       and getattr(producer.get(now[name].input[1]), "op_type", "") == "DequantizeLinear"]
     if requantized:
         notes.append(f"onnxruntime quantized the float weights of {len(requantized)} float-kept "
                      f"node(s) ({', '.join(requantized[:3])}{' ...' if len(requantized) > 3 else ''}; "
                      f"its WeightBiasQuantization pass: session option session.disable_quant_qdq=1 "
-                     f"or disabled_optimizers=['WeightBiasQuantization'] runs them as written)")
+                     f"or disabled_optimizers=['WeightBiasQuantization'] runs them as written, and "
+                     f"qtool quantize writes them guarded)")
     return notes
 
 
-def ort_notes(qmodel: onnx.ModelProto, optimized: onnx.ModelProto | None, executor, checks) -> list[str]:
-    """``optimized``: the graph onnxruntime built for ``qmodel`` with default session options."""
+def ort_notes(qmodel: onnx.ModelProto, optimized: onnx.ModelProto | None, executor, checks,
+              passes: list[str] = ()) -> list[str]:
+    """``optimized``: the graph onnxruntime built for ``qmodel`` with the user's session options;
+    ``passes``: onnxruntime's graph passes that changed it."""
     notes = [x86.describe_host()]
+    if passes:
+        notes.append("onnxruntime's graph passes that changed the model: " + ", ".join(passes))
     if optimized is not None:
-        notes += graph_changes(qmodel, optimized)
+        notes += graph_changes(qmodel, optimized, passes)
     disagree = any(c.equal_fraction < AGREEMENT or (c.unit == "lsb" and c.max_diff > 1) for c in checks)
     if disagree and executor.arithmetic == "exact" and x86.ort_saturates():
         layers = x86.hazards(executor)
