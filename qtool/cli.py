@@ -3,13 +3,11 @@ stderr and an exit code; data goes to stdout, progress and logs to stderr."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
 from typing import List, Optional
 
-import numpy as np
 import typer
 
 from . import __version__
@@ -544,7 +542,9 @@ def exec_(
     output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
                                                        "outputs) as JSON on stdout."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No report and no progress bar on "
+                                                             "stderr."),
+    batch_size: int = typer.Option(8, help="Samples per run."),
     target: str = typer.Option("exact", "--target", help="Arithmetic of the executor: exact "
                                "(int32 accumulation, the integer device), x86-avx2 (onnxruntime's "
                                "u8 x s8 products on an x86 CPU without VNNI: adjacent pairs added in "
@@ -553,25 +553,44 @@ def exec_(
 ):
     """Run QMODEL on the integer-only executor and save its outputs.
 
+    Samples are on the first axis of each array and run --batch-size at a time; the outputs are
+    written as they come (memory does not grow with the number of samples). An array shaped
+    exactly as its model input (every size fixed) is fed whole to every run when the arrays'
+    first axes disagree: a state, or inputs of different fixed sizes run once as they are.
+
     \b
     Examples:
       qtool exec model.q.onnx --input x.npz -o y.npz
+      qtool exec model.q.onnx --input images/ -o y.npz --batch-size 1
       qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
-    from .data import load_dataset
+    from .data import check_sampling, load_dataset
     from .executor import IntegerExecutor
+    from .fileio import NpzWriter
     from .model import load_model
+    from .report import progress_bar
 
+    writer = None
     try:
+        check_sampling(None, batch_size)
         check_writable(output)
         model = load_model(qmodel)
         executor = IntegerExecutor(model, arithmetic=target)
         data = load_dataset(inputs, model)
-        result = executor.run(data.batch(0, len(data)))
-        buffer = io.BytesIO()
-        np.savez(buffer, **result.outputs)
-        atomic_write(output, buffer.getvalue())
+        as_they_are = len(getattr(data, "whole", ())) == len(executor.input_names)
+        writer = NpzWriter(output, None if as_they_are else len(data))
+        shapes = {}
+        with progress_bar(len(data), "exec", not quiet) as bar:
+            for feeds in data.batches(batch_size):
+                outputs = executor.run(feeds).outputs
+                shapes = {name: list(value.shape) if as_they_are else [len(data), *value.shape[1:]]
+                          for name, value in outputs.items()}
+                writer.append(outputs)
+                bar.update(min(batch_size, len(data) - bar.n))
+        writer.close()
     except QtoolError as e:
+        if writer is not None:
+            writer.discard()
         raise _fail(e)
     if not any(step.kind == "integer" for step in executor.steps):
         _log(f"warning: no op of '{qmodel}' ran integer; is it a float model? (see qtool quantize)")
@@ -580,7 +599,7 @@ def exec_(
         typer.echo(json.dumps({
             "steps": len(executor.steps), "integer_steps": sum(s.kind == "integer" for s in executor.steps),
             "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in floats],
-            "outputs": {name: list(value.shape) for name, value in result.outputs.items()},
+            "outputs": shapes,
             "output": str(output)}, indent=1))
     elif not quiet:
         _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")

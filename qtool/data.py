@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,20 +43,26 @@ class Dataset:
 
 
 class ArrayDataset(Dataset):
-    """An .npz (or .npy) held in memory."""
+    """An .npz (or .npy); large arrays stay in the file (memory maps, see read_npz) and each batch
+    is read, and converted to the model's input type, when it comes."""
 
     def __init__(self, path: Path, arrays: dict[str, np.ndarray], extra: dict[str, np.ndarray],
-                 keys: list[str]):
+                 keys: list[str], dtypes: dict[str, np.dtype] | None = None):
         self.path, self.arrays, self.extra, self.keys = path, arrays, extra, keys
+        self.dtypes = dtypes or {}
+        self.whole: set[str] = set()  # inputs fed as they are to every run (see load_dataset)
 
     def __len__(self) -> int:
-        return len(next(iter(self.arrays.values())))
+        counts = [len(a) for name, a in self.arrays.items() if name not in self.whole]
+        return counts[0] if counts else 1
 
     def sample_shape(self, name: str) -> list[int]:
-        return list(self.arrays[name].shape[1:])
+        return list(self.arrays[name].shape[0 if name in self.whole else 1:])
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        return {name: a[start:stop] for name, a in self.arrays.items()}
+        return {name: np.ascontiguousarray(a[:] if name in self.whole else a[start:stop],
+                                           dtype=self.dtypes.get(name, a.dtype))
+                for name, a in self.arrays.items()}
 
 
 class FileDataset(Dataset):
@@ -177,12 +186,23 @@ def _array_reader(model: onnx.ModelProto):
     return read
 
 
-def read_npz(path: str | Path) -> dict[str, np.ndarray]:
-    """All arrays of an ``.npz`` (or one ``.npy``), refusing pickled objects."""
+# arrays larger than this are read from the file batch by batch rather than loaded whole
+LAZY_BYTES = 16 << 20
+
+
+def read_npz(path: str | Path, lazy: bool = False) -> dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` (or one ``.npy``), refusing pickled objects.
+
+    ``lazy``: arrays over ``LAZY_BYTES`` come as ``RowFile``s, read a batch of rows at a time
+    (a member stored uncompressed, as ``np.savez`` writes it, in place; a compressed one is first
+    inflated into a temporary file), so that memory does not grow with the number of samples.
+    """
     path = Path(path)
     if not path.is_file():
         raise QtoolError(f"data file '{path}' not found")
     try:
+        if lazy:
+            return _mapped(path)
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
             return {path.stem: loaded}
@@ -197,6 +217,84 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file") from None
     except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file ({e})") from None
+
+
+class RowFile:
+    """A C-ordered array stored in a file, read a slice of rows at a time (``a[i:j]`` is an
+    ndarray). Plain reads rather than a memory map: pages of a map that were read stay in the
+    process's resident set, which then grows with the samples read."""
+
+    def __init__(self, file, offset: int, shape: tuple, dtype: np.dtype):
+        self._file = file  # kept open (a temporary file is gone once closed)
+        self.offset, self.shape, self.dtype = offset, tuple(shape), np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("RowFile reads contiguous slices of rows")
+        start, stop, _ = key.indices(len(self))
+        stop = max(start, stop)
+        data = os.pread(self._file.fileno(), (stop - start) * self.row_bytes,
+                        self.offset + start * self.row_bytes)
+        return np.frombuffer(bytearray(data), self.dtype).reshape((stop - start,) + self.shape[1:])
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def _mapped(path: Path) -> dict[str, np.ndarray]:
+    if not zipfile.is_zipfile(path):
+        raw = open(path, "rb")
+        shape, dtype, fortran = _npy_header(raw)
+        if shape is None or fortran or not shape or _nbytes(shape, dtype) <= LAZY_BYTES:
+            raw.close()
+            return read_npz(path)
+        return {path.stem: RowFile(raw, raw.tell(), shape, dtype)}
+    arrays = {}
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+            with archive.open(info) as member:
+                shape, dtype, fortran = _npy_header(member)
+            if shape is None or fortran or not shape or _nbytes(shape, dtype) <= LAZY_BYTES:
+                with archive.open(info) as member:
+                    arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
+            elif info.compress_type == zipfile.ZIP_STORED:
+                raw = open(path, "rb")
+                raw.seek(info.header_offset)
+                local = raw.read(30)  # the local file header: its name and extra field lengths
+                raw.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+                         + int.from_bytes(local[28:30], "little"))
+                _npy_header(raw)
+                arrays[name] = RowFile(raw, raw.tell(), shape, dtype)
+            else:  # compressed: inflated once into a temporary file, deleted when closed
+                tmp = tempfile.TemporaryFile(prefix="qtool-data-")
+                with archive.open(info) as member:
+                    _npy_header(member)
+                    shutil.copyfileobj(member, tmp, 1 << 20)
+                arrays[name] = RowFile(tmp, 0, shape, dtype)
+    return arrays
+
+
+def _npy_header(f) -> tuple[tuple | None, np.dtype | None, bool]:
+    """(shape, dtype, fortran order) of the .npy at ``f``'s position, read up to its data; shape
+    None when it holds objects (read_array then refuses it) or has a header version this does not
+    read (read_array then reads it whole)."""
+    version = np.lib.format.read_magic(f)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        return None, None, False
+    shape, fortran, dtype = readers[version](f)
+    return (None, None, False) if dtype.hasobject else (shape, dtype, fortran)
+
+
+def _nbytes(shape: tuple, dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def _starts_with(path: Path, prefix: bytes) -> bool:
@@ -230,18 +328,25 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
         if arrays:
             return FileDataset(path, arrays, _array_reader(model), model)
         raise QtoolError(f"data folder '{path}' holds no .npy, .npz or image files")
-    arrays = read_npz(path)
+    arrays = read_npz(path, lazy=True)
     inputs = graph_inputs(model)
     chosen = _match_inputs(path, arrays, inputs)
     used = {id(a) for a in chosen.values()}
     extra = {k: a for k, a in arrays.items() if id(a) not in used}
-    counts = set()
-    for vi in inputs:
-        chosen[vi.name] = _check_array(path, vi, chosen[vi.name])
-        counts.add(len(chosen[vi.name]))
+    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], convert=False).dtype for vi in inputs}
+    dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
+    # an array shaped exactly as its model input (every dim fixed) is fed whole to every run when
+    # the sample counts disagree: a state, or inputs of different fixed leading sizes
+    whole = {vi.name for vi in inputs if tuple(input_shape(vi)) == tuple(chosen[vi.name].shape)}
+    counts = {len(chosen[vi.name]) for vi in inputs}
     if len(counts) > 1:
-        raise QtoolError(f"data file '{path}': inputs have different sample counts {sorted(counts)}")
-    return ArrayDataset(path, chosen, extra, list(arrays))
+        dataset.whole = whole
+        counts = {len(chosen[vi.name]) for vi in inputs if vi.name not in whole}
+    if len(counts) > 1:
+        raise QtoolError(f"data file '{path}': inputs have different sample counts {sorted(counts)} "
+                         f"(an array shaped exactly as its model input, every size fixed, is fed "
+                         f"whole to every run)")
+    return dataset
 
 
 def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str, np.ndarray]:
@@ -257,7 +362,10 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
                      f"(model inputs: {', '.join(names)}; arrays: {', '.join(arrays)})")
 
 
-def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.ndarray:
+def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, convert: bool = True) -> np.ndarray:
+    """``a`` checked against the model input: numbers, shape, finite values (read in chunks, so a
+    memory-mapped array is not loaded whole); converted to the input's float type, or with
+    ``convert=False`` only an empty array of that type returned (the caller converts by batch)."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
@@ -276,14 +384,18 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.ndarr
         if isinstance(want, int) and want > 0 and got != want:
             raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
                              f"model expects {_shape_text(expected)} (axis {axis} differs)")
-    if elem in _NP_TYPES:
-        a = a.astype(_NP_TYPES[elem], copy=False)
-        bad = ~np.isfinite(a)
-        if bad.any():
-            sample = int(np.argwhere(bad)[0][0])
-            raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf "
-                             f"(first in sample {sample})")
-    return a
+    dtype = np.dtype(_NP_TYPES[elem]) if elem in _NP_TYPES else a.dtype
+    if dtype.kind == "f":
+        rows = max(1, LAZY_BYTES // max(1, a[:1].nbytes))
+        for start in range(0, len(a), rows):
+            chunk = a[start:start + rows].astype(dtype, copy=False)
+            finite = np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
+            if not finite.all():
+                raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf "
+                                 f"(first in sample {start + int(np.argmin(finite))})")
+    if not convert:
+        return np.empty(0, dtype)
+    return a.astype(dtype, copy=False)
 
 
 def _shape_text(shape) -> str:

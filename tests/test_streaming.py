@@ -1,0 +1,148 @@
+"""Bounded memory: data files read a batch at a time, exec's outputs written as they come (issue 14)."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import qtool.data as data_module
+from qtool.data import RowFile, load_dataset
+from qtool.executor import IntegerExecutor
+from qtool.quantize import quantize
+from test_cli import assert_no_crash, assert_user_error, invoke, snapshot
+
+
+def _relu_model(shape=("N", 3, 8, 8)) -> onnx.ModelProto:
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))])
+    return helper.make_model(graph)
+
+
+@pytest.fixture
+def small_lazy(monkeypatch):
+    """Every array over 1 KB is read lazily."""
+    monkeypatch.setattr(data_module, "LAZY_BYTES", 1024)
+
+
+@pytest.mark.parametrize("form", ["savez", "savez_compressed", "npy"])
+def test_large_arrays_are_read_batch_by_batch(tmp_path, small_lazy, form):
+    x = np.random.default_rng(0).normal(size=(37, 3, 8, 8))  # float64: converted per batch
+    labels = np.arange(37)
+    path = tmp_path / ("x.npy" if form == "npy" else "x.npz")
+    if form == "npy":
+        np.save(path, x)
+    else:
+        getattr(np, form)(path, x=x, label=labels)
+    data = load_dataset(path, _relu_model())
+    assert isinstance(data.arrays["x"], RowFile)
+    assert len(data) == 37 and data.sample_shape("x") == [3, 8, 8]
+    got = np.concatenate([b["x"] for b in data.batches(5)])
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, x.astype(np.float32))
+    if form != "npy":
+        np.testing.assert_array_equal(data.extra["label"][:], labels)
+
+
+def test_nan_is_found_in_a_later_chunk(tmp_path, small_lazy):
+    x = np.ones((40, 3, 8, 8), np.float32)
+    x[29, 1, 2, 3] = np.inf
+    np.savez(tmp_path / "x.npz", x=x)
+    with pytest.raises(Exception, match=r"has NaN or Inf \(first in sample 29\)"):
+        load_dataset(tmp_path / "x.npz", _relu_model())
+
+
+def test_object_arrays_are_refused_when_read_lazily(tmp_path, small_lazy):
+    np.savez(tmp_path / "x.npz", x=np.array([{"a": 1}] * 300, dtype=object))
+    result = invoke("calibrate", _save(tmp_path, _relu_model()), "--data", tmp_path / "x.npz",
+                    "-o", tmp_path / "t.yaml")
+    assert_user_error(result, "holds pickled objects")
+
+
+def _save(folder, model, name="m.onnx"):
+    onnx.save(model, folder / name)
+    return folder / name
+
+
+@pytest.fixture(scope="module")
+def demo_q(tmp_path_factory, demo_model, demo_table):
+    folder = tmp_path_factory.mktemp("stream")
+    qmodel, _ = quantize(demo_model, demo_table)
+    onnx.save(qmodel, folder / "q.onnx")
+    return folder / "q.onnx"
+
+
+def test_exec_in_batches_writes_what_one_run_computes(tmp_path, demo_q, demo_heldout):
+    x = np.load(demo_heldout)["input"][:50]
+    np.savez(tmp_path / "x.npz", input=x)
+    whole = IntegerExecutor(onnx.load(demo_q)).run({"input": x}).outputs
+    digests = set()
+    for batch in (1, 7, 64):
+        out = tmp_path / f"y{batch}.npz"
+        result = invoke("exec", demo_q, "--input", tmp_path / "x.npz", "-o", out, "--batch-size", batch, "-q")
+        assert result.exit_code == 0, result.output
+        with np.load(out) as y:
+            assert sorted(y.files) == sorted(whole)
+            for name, value in whole.items():
+                np.testing.assert_array_equal(y[name], value)
+        with zipfile.ZipFile(out) as archive:  # as np.savez stores it
+            assert {i.compress_type for i in archive.infolist()} == {zipfile.ZIP_STORED}
+        digests.add(hashlib.sha256(out.read_bytes()).hexdigest())
+    assert len(digests) == 1  # the same bytes whatever the batch size, on every run
+
+
+def test_exec_failure_leaves_nothing(tmp_path, demo_q):
+    np.savez(tmp_path / "x.npz", input=np.zeros((4, 1, 5, 5), np.float32))  # the wrong image size
+    before = snapshot(tmp_path)
+    result = invoke("exec", demo_q, "--input", tmp_path / "x.npz", "-o", tmp_path / "y.npz")
+    assert_no_crash(result)
+    assert result.exit_code == 2
+    assert snapshot(tmp_path) == before
+
+
+def test_exec_batch_size_must_be_positive(tmp_path, demo_q, demo_heldout):
+    assert_user_error(invoke("exec", demo_q, "--input", demo_heldout, "-o", tmp_path / "y.npz",
+                             "--batch-size", 0), "batch size must be >= 1")
+
+
+def _qlinear_matmul() -> onnx.ModelProto:
+    """ONNX's QLinearMatMul node case shapes: a [2,4] x b [4,3], both fixed."""
+    inits = [numpy_helper.from_array(np.array(v, dtype), n) for n, v, dtype in (
+        ("a_s", 0.0066, np.float32), ("a_z", 113, np.uint8), ("b_s", 0.00705, np.float32),
+        ("b_z", 114, np.uint8), ("y_s", 0.0107, np.float32), ("y_z", 118, np.uint8))]
+    node = helper.make_node("QLinearMatMul", ["a", "a_s", "a_z", "b", "b_s", "b_z", "y_s", "y_z"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 4]),
+                                            helper.make_tensor_value_info("b", TensorProto.UINT8, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [2, 3])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_exec_feeds_arrays_shaped_as_the_inputs_as_they_are(tmp_path):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, (2, 4), dtype=np.uint8)
+    b = rng.integers(0, 256, (4, 3), dtype=np.uint8)
+    np.savez(tmp_path / "x.npz", a=a, b=b)
+    model = _save(tmp_path, _qlinear_matmul())
+    result = invoke("exec", model, "--input", tmp_path / "x.npz", "-o", tmp_path / "y.npz", "-q")
+    assert result.exit_code == 0, result.output
+    # onnxruntime's u8 x u8 QLinearMatMul is exact on every CPU
+    expected = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"a": a, "b": b})[0]
+    got = np.load(tmp_path / "y.npz")["y"]
+    assert got.shape == (2, 3)
+    assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1  # fixed-point multiplier vs float
+
+
+def test_exec_different_sample_counts_is_a_user_error(tmp_path):
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "g",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in "ab"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    model = _save(tmp_path, helper.make_model(graph))
+    np.savez(tmp_path / "x.npz", a=np.zeros((2, 4), np.float32), b=np.zeros((3, 4), np.float32))
+    assert_user_error(invoke("calibrate", model, "--data", tmp_path / "x.npz", "-o", tmp_path / "t.yaml"),
+                      "inputs have different sample counts [2, 3]")
