@@ -28,6 +28,7 @@ import onnx
 import calibrators
 
 from . import __version__, stats_graph
+from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, check_memory, choose_batch
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
@@ -213,6 +214,32 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
     return (fixed if batch is None else model), shapes
 
 
+def activation_bytes(typed: onnx.ModelProto, batch: int = 1) -> int:
+    """Bytes of one sample's float activations in ``typed`` (from ``_fix_dims`` with ``batch``):
+    the tensors whose sizes inference found, divided by the batch."""
+    infos = {vi.name: vi for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
+    total = 0
+    for name in float_tensors(typed):
+        dims = input_shape(infos[name]) if name in infos else []
+        if dims and all(isinstance(d, int) and d > 0 for d in dims):
+            total += math.prod(dims) * 4
+    return total // max(1, batch)
+
+
+def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
+                  memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None
+                  ) -> tuple[int, str]:
+    """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
+    from the activations' size and ``memory_mb`` (qtool/batching.py); and a line for the log
+    when chosen. ``typed``: (``_fix_dims``'s model, its batch) when the caller has one."""
+    fixed = fixed_batch(model)
+    if fixed or requested:
+        return fixed or requested, ""
+    check_memory(memory_mb)
+    shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
+    return choose_batch(activation_bytes(shaped, batch), factor, memory_mb, cap)
+
+
 def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:
     """The tensors of ``names`` that ``qtool quantize`` may need a range for: graph inputs and
     outputs, and the activations of every node with an integer kernel that accepts the node
@@ -259,16 +286,21 @@ def _model_and_data(model_path, data_path, preprocess):
 
 
 def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax",
-            params: dict | None = None, num_samples: int | None = None, batch_size: int = 32,
+            params: dict | None = None, num_samples: int | None = None, batch_size: int | None = None,
             progress: bool = True, preprocess=None, log=None,
-            histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR) -> Statistics:
+            histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR,
+            memory_mb: int = DEFAULT_MEMORY_MB) -> Statistics:
+    """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``."""
     new_calibrator = calibrator_factory(method, params)
     new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
+    check_memory(memory_mb)
     model, data = _model_and_data(model_path, data_path, preprocess)
-    batch_size = fixed_batch(model) or batch_size
     total = len(data) if num_samples is None else min(num_samples, len(data))
-    typed, shapes = _fix_dims(model, data, min(batch_size, total))
+    shape_batch = min(fixed_batch(model) or batch_size or CALIBRATE_BATCH_CAP, total)
+    typed, shapes = _fix_dims(model, data, shape_batch)
+    batch_size, note = default_batch(model, data, batch_size, CALIBRATE_FACTOR, memory_mb,
+                                     CALIBRATE_BATCH_CAP, (typed, shape_batch))
     if log is not None:
         for vi in graph_inputs(model):
             declared = ["N" if i == 0 else (d if d else "?") for i, d in enumerate(input_shape(vi))]
@@ -289,6 +321,8 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             update.close(check=False)
             raise
         update.close()
+    if log is not None and note and total > 1:
+        log(note)
     return stats
 
 
@@ -376,7 +410,7 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
 
 
 def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minmax",
-              num_samples: int | None = None, batch_size: int = 32, progress: bool = True,
+              num_samples: int | None = None, batch_size: int | None = None, progress: bool = True,
               params: dict | None = None, preprocess=None) -> Table:
     return collect(model_path, data_path, method, params, num_samples, batch_size, progress,
                    preprocess).table()

@@ -15,6 +15,7 @@ from .errors import EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
 from .report import float_node_lines
+from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 EXIT_CODES = "Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option)."
 
@@ -86,7 +87,11 @@ def calibrate(
     param: List[str] = typer.Option([], help="Method parameter NAME=VALUE (repeatable), e.g. "
                                              "percentile=99.9, variant=tpu_mlir."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
-    batch_size: int = typer.Option(32, help="Samples per onnxruntime run."),
+    batch_size: Optional[int] = typer.Option(None, help="Samples per onnxruntime run. Default: "
+                                             "chosen from --memory (at most "
+                                             f"{CALIBRATE_BATCH_CAP}), and logged."),
+    memory: int = typer.Option(DEFAULT_MEMORY_MB, "--memory", metavar="MB",
+                               help="Peak memory the default batch size aims to stay under."),
     stats_out: Optional[Path] = typer.Option(None, help="Also save the raw statistics (.npz) for "
                                                         "qtool merge."),
     histogram_samples: int = typer.Option(4096, help="Histogram methods: values binned per sample "
@@ -134,7 +139,7 @@ def calibrate(
             raise QtoolError(f"--histogram-samples must be >= 0, got {histogram_samples}")
         stats = collect(model, data, method, parse_params(param), num_samples, batch_size,
                         progress=not quiet, preprocess=pre, log=None if quiet else _log,
-                        histogram_samples=histogram_samples)
+                        histogram_samples=histogram_samples, memory_mb=memory)
         table = stats.table()
         if stats_out is not None:
             stats.save(stats_out)
@@ -472,8 +477,12 @@ def verify(
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
-    batch_size: int = typer.Option(8, help="Samples per run (every compared tensor of a batch is "
-                                           "held in memory)."),
+    batch_size: Optional[int] = typer.Option(None, help="Samples per run (every compared tensor "
+                                             "of a batch is held in memory). Default: chosen "
+                                             "from --memory (at most "
+                                             f"{VERIFY_BATCH_CAP}), and logged."),
+    memory: int = typer.Option(DEFAULT_MEMORY_MB, "--memory", metavar="MB",
+                               help="Peak memory the default batch size aims to stay under."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as "
                                                "one self-contained HTML page (with an SQNR plot "
@@ -525,7 +534,8 @@ def verify(
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
                      progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
-                     arithmetic=target, ort_config=config)
+                     arithmetic=target, ort_config=config, memory_mb=memory,
+                     log=_log)
         if report_path is not None:
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
     except QtoolError as e:
@@ -544,7 +554,10 @@ def exec_(
                                                        "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report and no progress bar on "
                                                              "stderr."),
-    batch_size: int = typer.Option(8, help="Samples per run."),
+    batch_size: Optional[int] = typer.Option(None, help="Samples per run. Default: chosen from "
+                                             f"--memory (at most {EXEC_BATCH_CAP}), and logged."),
+    memory: int = typer.Option(DEFAULT_MEMORY_MB, "--memory", metavar="MB",
+                               help="Peak memory the default batch size aims to stay under."),
     target: str = typer.Option("exact", "--target", help="Arithmetic of the executor: exact "
                                "(int32 accumulation, the integer device), x86-avx2 (onnxruntime's "
                                "u8 x s8 products on an x86 CPU without VNNI: adjacent pairs added in "
@@ -564,6 +577,8 @@ def exec_(
       qtool exec model.q.onnx --input images/ -o y.npz --batch-size 1
       qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
+    from .batching import EXEC_FACTOR
+    from .calibrate import default_batch
     from .data import check_sampling, load_dataset
     from .executor import IntegerExecutor
     from .fileio import NpzWriter
@@ -578,6 +593,8 @@ def exec_(
         executor = IntegerExecutor(model, arithmetic=target)
         data = load_dataset(inputs, model)
         as_they_are = len(getattr(data, "whole", ())) == len(executor.input_names)
+        batch_size, note = ((1, "") if as_they_are else
+                            default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP))
         writer = NpzWriter(output, None if as_they_are else len(data))
         shapes = {}
         with progress_bar(len(data), "exec", not quiet) as bar:
@@ -588,6 +605,8 @@ def exec_(
                 writer.append(outputs)
                 bar.update(min(batch_size, len(data) - bar.n))
         writer.close()
+        if note and len(data) > 1 and not quiet and not as_json:
+            _log(note)
     except QtoolError as e:
         if writer is not None:
             writer.discard()

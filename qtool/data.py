@@ -35,11 +35,11 @@ class Dataset:
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def batches(self, batch_size: int, limit: int | None = None):
-        """Feeds of at most ``batch_size`` samples, in order."""
+    def batches(self, batch_size: int, limit: int | None = None, start: int = 0):
+        """Feeds of at most ``batch_size`` samples, in order, from sample ``start``."""
         total = len(self) if limit is None else min(limit, len(self))
-        for start in range(0, total, batch_size):
-            yield self.batch(start, min(start + batch_size, total))
+        for first in range(start, total, batch_size):
+            yield self.batch(first, min(first + batch_size, total))
 
 
 class ArrayDataset(Dataset):
@@ -302,9 +302,9 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
         return f.read(len(prefix)) == prefix
 
 
-def check_sampling(num_samples: int | None, batch_size: int) -> None:
+def check_sampling(num_samples: int | None, batch_size: int | None) -> None:
     """Reject counts that would compare nothing or loop forever, before any work starts."""
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise QtoolError(f"batch size must be >= 1, got {batch_size}")
     if num_samples is not None and num_samples < 1:
         raise QtoolError(f"number of samples must be >= 1, got {num_samples}")

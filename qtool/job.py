@@ -31,7 +31,6 @@ from .targets import TARGETS
 from .search import choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table import write_table
-from .verify import DEFAULT_BATCH as VERIFY_BATCH
 from .verify import VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)
@@ -377,7 +376,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     table = collect(plan.model, plan.calibrate_data, cal.get("method", "minmax"), cal.get("params"),
-                    cal.get("num_samples"), cal.get("batch_size", 32), progress, plan.preprocess,
+                    cal.get("num_samples"), cal.get("batch_size"), progress, plan.preprocess,
                     histogram_samples=cal.get("histogram_samples", DEFAULT_SAMPLES_PER_TENSOR)).table()
     write_table(table, plan.table)
     written.append(plan.table)
@@ -392,7 +391,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     if qz.get("try_methods"):
         table, choice = choose_methods(plan.model, table, qz["try_methods"], plan.options, str(plan.table),
                                        plan.calibrate_data, samples, batch, progress, plan.preprocess,
-                                       cal.get("batch_size", 32))
+                                       cal.get("batch_size"))
         write_table(table, plan.table)  # the table the model is quantized from
     if "target_sqnr" in qz or "max_float_layers" in qz:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
@@ -422,7 +421,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
-                    ver.get("num_samples"), ver.get("batch_size", VERIFY_BATCH), progress, plan.preprocess)
+                    ver.get("num_samples"), ver.get("batch_size"), progress, plan.preprocess)
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
     drop = ver.get("max_accuracy_drop")

@@ -210,7 +210,7 @@ class MethodChoice:
 
 def choose_methods(model_path, table: Table, methods: list[str], options, table_name: str, data_path,
                    num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
-                   preprocess=None, calibrate_batch: int = 32,
+                   preprocess=None, calibrate_batch: int | None = None,
                    bias_corrections: dict | None = None) -> tuple[Table, MethodChoice]:
     """Per activation, the calibration method (``table``'s or one of ``methods``, calibrated here
     on DATA) whose range gives the best output SQNR, one tensor at a time in graph order with the

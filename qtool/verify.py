@@ -10,10 +10,12 @@ import numpy as np
 import onnxruntime as ort
 
 from .analyze import Analysis, analyze, format_analysis
-from .calibrate import fixed_batch
+from .calibrate import default_batch
 from .data import check_sampling, load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
+from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
+from .ops import blas
 from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
@@ -152,7 +154,6 @@ class VerifyReport:
 
 
 # verify copies every compared tensor out of onnxruntime (PP-OCRv4 rec: about 200 MB a sample)
-DEFAULT_BATCH = 8
 # ops of the sensitivity ranking in the text and HTML reports (the JSON report has them all)
 ANALYSIS_TOP = 10
 
@@ -171,16 +172,18 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
 
 def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
            tolerance: tuple[float, float | None] = (0.99, None), labels: str | None = None,
-           num_samples: int | None = None, batch_size: int = DEFAULT_BATCH, progress: bool = True,
+           num_samples: int | None = None, batch_size: int | None = None, progress: bool = True,
            preprocess=None, run_ort: bool = False, run_analyze: bool = False,
            analyze_samples: int | None = 16, arithmetic: str = "exact",
-           ort_config: dict[str, str] | None = None) -> VerifyReport:
+           ort_config: dict[str, str] | None = None, memory_mb: int = DEFAULT_MEMORY_MB,
+           log=None) -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
     integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
     with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
     model on the first ``analyze_samples`` of the compared samples. ``arithmetic``: the executor's
     (exact, x86-avx2 or host; qtool/targets). ``ort_config``: session config entries for
-    onnxruntime's session (e.g. ``session.x64quantprecision``), as a user deploys it."""
+    onnxruntime's session (e.g. ``session.x64quantprecision``), as a user deploys it.
+    ``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``."""
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
@@ -212,13 +215,16 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
-    batch_size = fixed_batch(model) or batch_size
+    batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP)
     analysis = None
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
         samples = total if analyze_samples is None else min(analyze_samples, total)
-        analysis = analyze(float_path, qmodel, data_path, samples, batch_size, progress)
+        analysis = analyze(float_path, qmodel, data_path, samples, batch_size,
+                           progress)
     correct_float = correct_int = 0
-    with progress_bar(total, "verify", progress) as bar:
+    # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
+    # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
+    with progress_bar(total, "verify", progress) as bar, blas.single_threaded():
         start = 0
         for feeds in data.batches(batch_size, total):
             reference = runner.run(feeds)
@@ -241,6 +247,8 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 correct_int += int((result.outputs[first].argmax(-1) == truth).sum())
             start += n
             bar.update(n)
+    if log is not None and note and total > 1:
+        log(note)
     report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import zipfile
 
 import numpy as np
@@ -146,3 +147,47 @@ def test_exec_different_sample_counts_is_a_user_error(tmp_path):
     np.savez(tmp_path / "x.npz", a=np.zeros((2, 4), np.float32), b=np.zeros((3, 4), np.float32))
     assert_user_error(invoke("calibrate", model, "--data", tmp_path / "x.npz", "-o", tmp_path / "t.yaml"),
                       "inputs have different sample counts [2, 3]")
+
+
+# -- default batch sizes (qtool/batching.py) ---------------------------------------------------------
+
+def test_choose_batch_fits_the_budget():
+    from qtool.batching import choose_batch
+
+    assert choose_batch(10 << 20, 2.0, 512, 8)[0] == 8  # 20 MB a sample: 25 fit, capped
+    assert choose_batch(100 << 20, 2.0, 512, 8)[0] == 2  # 200 MB a sample
+    assert choose_batch(1 << 30, 4.0, 512, 8)[0] == 1  # never below 1
+    assert choose_batch(0, 1.0, 512, 8)[0] == 8
+
+
+@pytest.mark.parametrize("command", ["calibrate", "exec", "verify"])
+def test_memory_budget_must_be_positive(tmp_path, demo_model, demo_q, demo_heldout, command):
+    args = {"calibrate": ("calibrate", demo_model, "--data", demo_heldout, "-o", tmp_path / "t.yaml"),
+            "exec": ("exec", demo_q, "--input", demo_heldout, "-o", tmp_path / "y.npz"),
+            "verify": ("verify", demo_model, demo_q, "--data", demo_heldout)}[command]
+    assert_user_error(invoke(*args, "--memory", 0), "--memory must be at least 1 MB, got 0")
+
+
+def test_default_batch_is_logged_and_follows_the_budget(tmp_path, demo_model, demo_heldout):
+    wide = invoke("calibrate", demo_model, "--data", demo_heldout, "-o", tmp_path / "demo.yaml")
+    assert wide.exit_code == 0, wide.output
+    assert re.search(r"batch size 8 \(about [0-9.]+ MB a sample; --memory 512\)", wide.stderr)
+    # 2 MB of activations a sample (input and output of a Relu): a 1 MB budget runs one at a time
+    model = _save(tmp_path, _relu_model(("N", 16, 128, 128)))
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(2).normal(size=(6, 16, 128, 128)).astype(np.float32))
+    tables = []
+    for extra in ((), ("--memory", 1), ("--batch-size", 5)):
+        out = tmp_path / f"t{len(tables)}.yaml"
+        result = invoke("calibrate", model, "--data", tmp_path / "x.npz", "-o", out, *extra)
+        assert result.exit_code == 0, result.output
+        chosen = re.search(r"batch size (\d+) ", result.stderr)
+        assert (chosen and chosen.group(1)) == {0: "8", 1: "1", 2: None}[len(tables)], result.stderr
+        tables.append(out.read_bytes())
+    assert tables[0] == tables[1] == tables[2]  # the batch size does not change the table
+    assert invoke("quantize", model, "-t", tmp_path / "t0.yaml", "-o", tmp_path / "q.onnx").exit_code == 0
+    ran = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "x.npz", "-o", tmp_path / "y.npz",
+                 "--memory", 1)
+    assert "batch size 1 " in ran.stderr, ran.stderr
+    checked = invoke("verify", model, tmp_path / "q.onnx", "--data", tmp_path / "x.npz", "-q", "--memory", 1)
+    assert_no_crash(checked)
+    assert "batch size 1 " in checked.stderr, checked.stderr
