@@ -57,8 +57,9 @@ import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-# `import datasets` (Pillow, scikit-image) happens in make_data: the --ort-child baseline runs
-# this file too and must import no more than onnxruntime and numpy.
+# `import datasets` (Pillow, scikit-image) happens only in child processes (make_data, model_path):
+# the --ort-child baseline runs this file too and must import no more than onnxruntime and numpy,
+# and the parent stays small (its resident set is every child's floor of peak RSS).
 
 MODELS = ("rec", "det")
 COMMANDS = ("calibrate-minmax", "calibrate-kl", "exec", "verify", "quantize-data")
@@ -162,24 +163,33 @@ def _data_path(work: Path, kind: str, n: int, seed: int, det_size: int) -> Path:
     return work / "data" / f"{stem}_n{n}_s{seed}.npz"
 
 
+def write_data(kind: str, seed: int, det_size: int, paths: list[str]) -> None:
+    """(``--make-data``, in a child process) Generate max(n) samples once and write the first n of
+    them to each ``PATH`` named ..._n{n}_...: a builder's first k samples do not depend on n."""
+    counts = [int(Path(p).stem.split("_n")[1].split("_")[0]) for p in paths]
+    x = _samples(kind, max(counts), seed, det_size)
+    for n, path in zip(counts, paths):
+        np.savez(path, **{INPUT: x[:n]})
+
+
 def make_data(work: Path, kind: str, samples: list[int], det_size: int) -> tuple[dict[int, Path], Path]:
     """The timed data files (one per sample count) and the calibration file, reusing those in WORK.
 
-    The largest set is generated once and sliced: a builder's first k samples do not depend on n.
+    They are generated in a child process: Linux counts the parent's resident set at fork as the
+    floor of every child's peak RSS (ru_maxrss survives fork and exec), so the parent must never
+    hold the arrays.
     """
     paths = {n: _data_path(work, kind, n, DATA_SEED, det_size) for n in samples}
     calib = _data_path(work, kind, CALIB_SAMPLES, CALIB_SEED, det_size)
     calib.parent.mkdir(parents=True, exist_ok=True)
     missing = [n for n, p in paths.items() if not p.exists()]
-    if missing:
-        print(f"[{kind}] generating {max(missing)} samples (seed {DATA_SEED})", file=sys.stderr)
-        x = _samples(kind, max(missing), DATA_SEED, det_size)
-        for n in missing:
-            np.savez(paths[n], **{INPUT: x[:n]})
-        del x
+    jobs = [(DATA_SEED, [paths[n] for n in missing])] if missing else []
     if not calib.exists():
-        print(f"[{kind}] generating {CALIB_SAMPLES} calibration samples (seed {CALIB_SEED})", file=sys.stderr)
-        np.savez(calib, **{INPUT: _samples(kind, CALIB_SAMPLES, CALIB_SEED, det_size)})
+        jobs.append((CALIB_SEED, [calib]))
+    for seed, targets in jobs:
+        print(f"[{kind}] generating {', '.join(p.name for p in targets)}", file=sys.stderr)
+        subprocess.run([sys.executable, __file__, "--make-data", kind, str(seed), str(det_size),
+                        *map(str, targets)], check=True)
     return paths, calib
 
 
@@ -322,14 +332,19 @@ def _list(value: str, allowed: tuple[str, ...], what: str, parser: argparse.Argu
     return items
 
 
-def run_bench(args, models: list[str], samples: list[int], commands: list[str], work: Path) -> None:
-    import datasets
+def model_path(kind: str) -> str:
+    """bench/datasets.py's model_path, asked of a child process (see make_data)."""
+    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import datasets; print(datasets.model_path({kind!r}))"
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
+
+def run_bench(args, models: list[str], samples: list[int], commands: list[str], work: Path) -> None:
     qtool = qtool_exe()
     rows: list[Row] = []
     log: list[str] = []
     for kind in models:
-        model = datasets.model_path(kind)
+        model = model_path(kind)
         paths, calib = make_data(work, kind, samples, args.det_size)
         folder = work / "runs" / kind
         table, qmodel, prep = prepare(qtool, model, calib, folder / "prepare")
@@ -364,7 +379,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every command (median kept)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--ort-child", nargs=3, metavar=("MODEL", "DATA", "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--make-data", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.make_data:
+        kind, seed, det_size, *paths = args.make_data
+        write_data(kind, int(seed), int(det_size), paths)
+        return
     if args.ort_child:
         model, data, batch = args.ort_child
         ort_child(model, data, int(batch))
