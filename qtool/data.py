@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +45,7 @@ class Dataset:
 
 
 class ArrayDataset(Dataset):
-    """An .npz (or .npy); large arrays stay in the file (memory maps, see read_npz) and each batch
+    """An .npz (or .npy); large arrays stay in the file (``RowFile``, see read_npz) and each batch
     is read, and converted to the model's input type, when it comes."""
 
     def __init__(self, path: Path, arrays: dict[str, np.ndarray], extra: dict[str, np.ndarray],
@@ -215,7 +217,7 @@ def read_npz(path: str | Path, lazy: bool = False) -> dict[str, np.ndarray]:
             raise QtoolError(f"data file '{path}' holds pickled objects (object arrays); refusing "
                              "to load it: only plain numeric arrays are read (allow_pickle=False)") from None
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file") from None
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as e:
         raise QtoolError(f"data file '{path}' is not a valid .npz/.npy file ({e})") from None
 
 
@@ -224,11 +226,15 @@ class RowFile:
     ndarray). Plain reads rather than a memory map: pages of a map that were read stay in the
     process's resident set, which then grows with the samples read."""
 
-    def __init__(self, file, offset: int, shape: tuple, dtype: np.dtype):
+    def __init__(self, file, offset: int, shape: tuple, dtype: np.dtype, path: Path):
         self._file = file  # kept open (a temporary file is gone once closed)
+        self._lock = threading.Lock()  # one seek + read at a time
         self.offset, self.shape, self.dtype = offset, tuple(shape), np.dtype(dtype)
         self.ndim = len(self.shape)
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        if os.fstat(file.fileno()).st_size < offset + self.shape[0] * self.row_bytes:
+            raise QtoolError(f"data file '{path}' is truncated: an array of shape "
+                             f"{list(self.shape)} does not fit in it")
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -238,9 +244,13 @@ class RowFile:
             raise TypeError("RowFile reads contiguous slices of rows")
         start, stop, _ = key.indices(len(self))
         stop = max(start, stop)
-        data = os.pread(self._file.fileno(), (stop - start) * self.row_bytes,
-                        self.offset + start * self.row_bytes)
-        return np.frombuffer(bytearray(data), self.dtype).reshape((stop - start,) + self.shape[1:])
+        out = np.empty((stop - start,) + self.shape[1:], self.dtype)
+        if out.size == 0:
+            return out
+        with self._lock:
+            self._file.seek(self.offset + start * self.row_bytes)
+            self._file.readinto(memoryview(out).cast("B"))
+        return out
 
     def __array__(self, dtype=None, copy=None):
         whole = self[:]
@@ -254,7 +264,7 @@ def _mapped(path: Path) -> dict[str, np.ndarray]:
         if shape is None or fortran or not shape or _nbytes(shape, dtype) <= LAZY_BYTES:
             raw.close()
             return read_npz(path)
-        return {path.stem: RowFile(raw, raw.tell(), shape, dtype)}
+        return {path.stem: RowFile(raw, raw.tell(), shape, dtype, path)}
     arrays = {}
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
@@ -271,13 +281,14 @@ def _mapped(path: Path) -> dict[str, np.ndarray]:
                 raw.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little")
                          + int.from_bytes(local[28:30], "little"))
                 _npy_header(raw)
-                arrays[name] = RowFile(raw, raw.tell(), shape, dtype)
+                arrays[name] = RowFile(raw, raw.tell(), shape, dtype, path)
             else:  # compressed: inflated once into a temporary file, deleted when closed
                 tmp = tempfile.TemporaryFile(prefix="qtool-data-")
                 with archive.open(info) as member:
                     _npy_header(member)
                     shutil.copyfileobj(member, tmp, 1 << 20)
-                arrays[name] = RowFile(tmp, 0, shape, dtype)
+                tmp.flush()
+                arrays[name] = RowFile(tmp, 0, shape, dtype, path)
     return arrays
 
 

@@ -191,3 +191,25 @@ def test_default_batch_is_logged_and_follows_the_budget(tmp_path, demo_model, de
     checked = invoke("verify", model, tmp_path / "q.onnx", "--data", tmp_path / "x.npz", "-q", "--memory", 1)
     assert_no_crash(checked)
     assert "batch size 1 " in checked.stderr, checked.stderr
+
+
+@pytest.mark.parametrize("form", ["savez", "savez_compressed"])
+def test_a_damaged_large_file_is_a_user_error(tmp_path, small_lazy, form):
+    x = np.random.default_rng(5).normal(size=(40, 3, 8, 8)).astype(np.float32)
+    getattr(np, form)(tmp_path / "x.npz", x=x)
+    raw = bytearray((tmp_path / "x.npz").read_bytes())
+    if form == "savez":  # a stored member whose header promises ten times the bytes it holds
+        cut = tmp_path / "cut.npz"
+        with zipfile.ZipFile(cut, "w", zipfile.ZIP_STORED) as archive:
+            with archive.open(zipfile.ZipInfo("x.npy"), "w") as member:
+                header = {"descr": "<f4", "fortran_order": False, "shape": (400, 3, 8, 8)}
+                np.lib.format.write_array_header_2_0(member, header)
+                member.write(x.tobytes())  # a tenth of what the header promises
+        damaged, message = cut, "is truncated"
+    else:  # flip bytes inside the deflated stream
+        middle = len(raw) // 2
+        raw[middle:middle + 64] = bytes(64)
+        (tmp_path / "bad.npz").write_bytes(bytes(raw))
+        damaged, message = tmp_path / "bad.npz", "is not a valid .npz/.npy file"
+    model = _save(tmp_path, _relu_model())
+    assert_user_error(invoke("calibrate", model, "--data", damaged, "-o", tmp_path / "t.yaml"), message)
