@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,11 +228,15 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     dequantize = _byte_dequantizer()
     # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
     # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
-    with progress_bar(total, "verify", progress) as bar, blas.single_threaded():
+    with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as float_side:
         start = 0
         for feeds in data.batches(batch_size, total):
-            reference = runner.run(feeds)
+            # the float side on a second thread while the executor runs (onnxruntime releases
+            # the GIL): the same computations, side by side
+            pending = float_side.submit(runner.run, feeds)
             result = executor.run(feeds, keep_integer=True)
+            reference = pending.result()
             for c in outputs:
                 if c.name not in reference:
                     raise QtoolError(f"the float model has no output '{c.name}'")
