@@ -3,9 +3,9 @@
 A command estimates what one sample costs from the model and the data: the bytes of every float
 activation of one sample (shapes inferred with the data's sizes), times what the command holds
 per activation byte, measured on PP-OCRv4 rec as the growth of peak RSS per extra sample in a
-batch: calibrate ~0.25 (onnxruntime's arena; the statistics are reduced inside the graph), exec
-~0.8 (the live activations and the kernels' temporaries), verify ~3.7 (every float and integer
-tensor of the batch side by side, and the executor's temporaries). The batch is the largest, up
+batch and rounded up for other models: calibrate ~0.25 (onnxruntime's arena; the statistics are
+reduced inside the graph), exec ~0.8 (the live activations and the kernels' temporaries), verify
+~3.7 (every float and integer tensor of the batch side by side, and the executor's temporaries). The batch is the largest, up
 to a cap beyond which nothing ran faster, whose estimate fits the budget; at least 1. The choice
 depends only on the model, the data's shapes and the options, so every run makes the same one:
 the float reference (onnxruntime) computes in the last bits differently at different batch

@@ -93,7 +93,8 @@ class FileDataset(Dataset):
             if len(shapes) > 1:
                 raise QtoolError(f"data folder '{self.path}': samples for input '{name}' have "
                                  f"different shapes {sorted(shapes)}; use --batch-size 1")
-            feeds[name] = _check_array(self.files[start], vi, np.stack([s[name] for s in samples]))
+            stacked = np.stack([s[name] for s in samples])
+            feeds[name] = stacked.astype(_check_array(self.files[start], vi, stacked), copy=False)
         return feeds
 
 
@@ -344,7 +345,7 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     chosen = _match_inputs(path, arrays, inputs)
     used = {id(a) for a in chosen.values()}
     extra = {k: a for k, a in arrays.items() if id(a) not in used}
-    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], convert=False).dtype for vi in inputs}
+    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name]) for vi in inputs}
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
     # an array shaped exactly as its model input (every dim fixed) is fed whole to every run when
     # the sample counts disagree: a state, or inputs of different fixed leading sizes
@@ -373,10 +374,10 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
                      f"(model inputs: {', '.join(names)}; arrays: {', '.join(arrays)})")
 
 
-def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, convert: bool = True) -> np.ndarray:
-    """``a`` checked against the model input: numbers, shape, finite values (read in chunks, so a
-    memory-mapped array is not loaded whole); converted to the input's float type, or with
-    ``convert=False`` only an empty array of that type returned (the caller converts by batch)."""
+def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.dtype:
+    """``a`` checked against the model input (numbers, shape, finite values: read in chunks, so a
+    large array in a file is not loaded whole); returns the type to feed it as (the input's float
+    type for floats), for the caller to convert."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
@@ -404,9 +405,7 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, convert: bo
             if not finite.all():
                 raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf "
                                  f"(first in sample {start + int(np.argmin(finite))})")
-    if not convert:
-        return np.empty(0, dtype)
-    return a.astype(dtype, copy=False)
+    return dtype
 
 
 def _shape_text(shape) -> str:

@@ -79,8 +79,6 @@ class Chain:
 class Result:
     outputs: dict[str, np.ndarray]
     integer: dict[str, np.ndarray] = field(default_factory=dict)  # key -> integer tensor
-    # the most bytes of activations held at once during the run (kept integer tensors included)
-    peak_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -134,7 +132,8 @@ class IntegerExecutor:
         if self.arithmetic == "x86-avx2":
             self._emulate_pair_saturation()
         self._chained_steps = self._fuse_chains(self._chain(self.steps))
-        self._release_cache: dict[int, tuple[list, list[list[str]]]] = {}
+        # per step of each list, the values no later step reads: freed after it runs
+        self._frees = {True: self._releases(self.steps), False: self._releases(self._chained_steps)}
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
 
     # -- lowering ----------------------------------------------------------------------------------
@@ -365,44 +364,32 @@ class IntegerExecutor:
             env[name] = feeds[name]
         result = Result({})
         steps = self.steps if keep_integer else self._chained_steps
-        # bytes of the activations in env, and of those kept for the caller
-        live, kept = sum(np.asarray(feeds[name]).nbytes for name in self.input_names), 0
-        for step, done in zip(steps, self._releases(steps)):
+        for step, done in zip(steps, self._frees[keep_integer]):
             values = [env[n] for n in step.inputs]
             outputs = self._run_step(step, values)
             for name, value in zip(step.outputs, outputs):
                 env[name] = value
-                live += np.asarray(value).nbytes
             if keep_integer and step.kind in ("integer", "quantize"):
                 result.integer.update((k, v) for k, v in zip(step.keys, outputs) if k is not None)
-                kept += sum(np.asarray(v).nbytes for k, v in zip(step.keys, outputs) if k is not None)
-            result.peak_bytes = max(result.peak_bytes, live + kept)
             del values, outputs
-            for name in done:  # activations no later step reads: memory is the live set, not the sum
-                value = env.pop(name, None)
-                if value is not None:
-                    live -= np.asarray(value).nbytes
+            for name in done:  # memory is the live set of activations, not their sum
+                env.pop(name, None)
         result.outputs = {name: env[name] for name in self.output_names}
         return result
 
     def _releases(self, steps: list[Step]) -> list[list[str]]:
-        """Per step, the values that are not needed after it (read last there, or never read):
-        neither constants nor model outputs. Computed once per step list."""
-        key = id(steps)
-        held = self._release_cache.get(key)
-        cached = held[1] if held is not None and held[0] is steps else None
-        if cached is None:
-            last = {}
-            for i, step in enumerate(steps):
-                for name in list(step.inputs) + list(step.outputs):
-                    last[name] = i
-            keep = set(self.constants) | set(self.output_names)
-            cached = [[] for _ in steps]
-            for name, i in last.items():
-                if name not in keep:
-                    cached[i].append(name)
-            self._release_cache[key] = (steps, cached)
-        return cached
+        """Per step, the values not needed after it (read last there, or never read), neither
+        constants nor model outputs."""
+        last = {}
+        for i, step in enumerate(steps):
+            for name in (*step.inputs, *step.outputs):
+                last[name] = i
+        keep = set(self.constants) | set(self.output_names)
+        frees: list[list[str]] = [[] for _ in steps]
+        for name, i in last.items():
+            if name not in keep:
+                frees[i].append(name)
+        return frees
 
     def _run_step(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
         if step.kind == "chain":
