@@ -28,7 +28,7 @@ from .errors import QtoolError
 from .model import graph_inputs, initializers
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
-from .ops.bytetable import BYTE_TYPES, byte_values, lookup
+from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .targets import check_arithmetic, x86
 from .targets.form import is_guard
@@ -439,10 +439,7 @@ class IntegerExecutor:
         qp = step.qparams[0]
         if qp.axis is not None or q.dtype not in BYTE_TYPES:
             return self._dequantized(q, qp, step.params)
-        table = step.specialized.get(q.dtype)
-        if table is None:
-            table = step.specialized[q.dtype] = self._dequantized(byte_values(q.dtype), qp, step.params)
-        return lookup(table, q)
+        return byte_mapped(lambda v: self._dequantized(v, qp, step.params), q, step.specialized)
 
     def _run_fused(self, step: Step, params, values: list[np.ndarray]) -> np.ndarray:
         """An integer step with the chain after it: through the chain's table where it has one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -57,6 +58,18 @@ def atomic_write(path: str | Path, data: bytes) -> None:
         f.write(data)
 
 
+@dataclasses.dataclass
+class _Part:
+    """One array of an NpzWriter: its temporary .npy (header written), what each batch must be,
+    and how far it got."""
+
+    file: object
+    dtype: np.dtype
+    row: tuple | None  # the shape of one row; None: the array comes in one piece
+    expected: int  # rows (pieces, for a whole array) to come
+    done: int = 0
+
+
 class NpzWriter:
     """An ``.npz`` of arrays that arrive in batches along their first axis, in bounded memory:
     each array goes to a temporary ``.npy`` as its batches come, and ``close`` stores them
@@ -68,52 +81,50 @@ class NpzWriter:
     def __init__(self, path: str | Path, total: int | None):
         """``total``: the rows every array will have; None: each array comes in one piece."""
         self.path, self.total = Path(path), total
-        # name -> [temporary file, dtype, shape of a row, rows written, rows expected]
-        self.parts: dict[str, list] = {}
+        self.parts: dict[str, _Part] = {}
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
             value = np.ascontiguousarray(value)
-            if name not in self.parts:
-                part = tempfile.TemporaryFile(prefix="qtool-out-")
+            part = self.parts.get(name)
+            if part is None:
                 whole = self.total is None  # written as it is, any shape
-                shape = value.shape if whole else (self.total,) + value.shape[1:]
+                part = self.parts[name] = _Part(tempfile.TemporaryFile(prefix="qtool-out-"), value.dtype,
+                                                None if whole else value.shape[1:],
+                                                1 if whole else self.total)
                 header = {"descr": np.lib.format.dtype_to_descr(value.dtype), "fortran_order": False,
-                          "shape": shape}
-                np.lib.format.write_array_header_2_0(part, header)
-                self.parts[name] = [part, value.dtype, None if whole else value.shape[1:], 0,
-                                    1 if whole else self.total]
-            part, dtype, row, done, expected = self.parts[name]
-            if row is None:
-                if done:
+                          "shape": value.shape if whole else (self.total,) + value.shape[1:]}
+                np.lib.format.write_array_header_2_0(part.file, header)
+            if part.row is None:
+                if part.done:
                     raise RuntimeError(f"NpzWriter: output '{name}' given twice")
-                part.write(value.tobytes())
-                self.parts[name][3] = 1
+                part.file.write(value.tobytes())
+                part.done = 1
                 continue
-            if value.shape[1:] != row or value.dtype != dtype:
+            if value.shape[1:] != part.row or value.dtype != part.dtype:
                 raise QtoolError(f"output '{name}' is {value.dtype} {list(value.shape[1:])} per sample in "
-                                 f"samples {done}-{done + len(value) - 1} but {dtype} {list(row)} "
-                                 f"before; outputs that differ between batches cannot be stacked into "
-                                 f"one array (use --batch-size 1 and one sample per file)")
-            part.write(value.tobytes())
-            self.parts[name][3] = done + len(value)
+                                 f"samples {part.done}-{part.done + len(value) - 1} but {part.dtype} "
+                                 f"{list(part.row)} before; outputs that differ between batches cannot "
+                                 f"be stacked into one array (use --batch-size 1 and one sample per file)")
+            part.file.write(value.tobytes())
+            part.done += len(value)
 
     def close(self) -> None:
-        short = [n for n, (_, _, _, rows, expected) in self.parts.items() if rows != expected]
+        short = [(n, p) for n, p in self.parts.items() if p.done != p.expected]
         if short:  # a bug in the caller, not a user error
-            raise RuntimeError(f"NpzWriter: output '{short[0]}' got {self.parts[short[0]][3]} of "
-                               f"{self.parts[short[0]][4]} samples")
+            name, part = short[0]
+            raise RuntimeError(f"NpzWriter: output '{name}' got {part.done} of {part.expected} samples")
         try:
             with atomic_file(self.path) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
-                for name, (part, *_rest) in self.parts.items():
-                    part.seek(0)
+                for name, part in self.parts.items():
+                    part.file.seek(0)
                     info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
                     with archive.open(info, "w", force_zip64=True) as member:
-                        shutil.copyfileobj(part, member, 1 << 20)
+                        shutil.copyfileobj(part.file, member, 1 << 20)
         finally:
             self.discard()
 
     def discard(self) -> None:
-        for part, *_rest in self.parts.values():
-            part.close()
+        for part in self.parts.values():
+            part.file.close()
         self.parts = {}

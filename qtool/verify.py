@@ -17,7 +17,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
 from .ops import blas
-from .ops.bytetable import BYTE_TYPES, byte_values, lookup
+from .ops.bytetable import BYTE_TYPES, byte_mapped
 from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
 from .qparams import QParams, dequantize_array
 from .report import float_node_lines, progress_bar
@@ -225,7 +225,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
         analysis = analyze(float_path, qmodel, data_path, samples, batch_size,
                            progress)
     correct_float = correct_int = 0
-    dequantize = _byte_dequantizer()
+    tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (_dequantized)
     # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
     # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
     with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), \
@@ -242,7 +242,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                     raise QtoolError(f"the float model has no output '{c.name}'")
                 c.update(reference[c.name], result.outputs[c.name])
             for c in tensors:
-                c.update(reference[c.name], dequantize(result.integer[c.name], c.qparams))
+                c.update(reference[c.name], _dequantized(result.integer[c.name], c.qparams, tables[c.name]))
             if ort_session is not None:
                 got = _ort_run(ort_session, feeds, qmodel_path)
                 for c in ort_checks:
@@ -274,20 +274,12 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     return report
 
 
-def _byte_dequantizer():
-    """``dequantize_array``, by lookup in its own values for the 256 bytes when the tensor is
-    8-bit and per-tensor (the same floats, one gather instead of three passes)."""
-    tables: dict[tuple, np.ndarray] = {}
-
-    def dequantized(q: np.ndarray, qp: QParams) -> np.ndarray:
-        if q.dtype not in BYTE_TYPES or qp.axis is not None or q.size < 1024:
-            return dequantize_array(q, qp)
-        key = (q.dtype.str, float(qp.scale), int(qp.zero_point))
-        if key not in tables:
-            tables[key] = dequantize_array(byte_values(q.dtype), qp)
-        return lookup(tables[key], q)
-
-    return dequantized
+def _dequantized(q: np.ndarray, qp: QParams, tables: dict) -> np.ndarray:
+    """``dequantize_array``, looked up in its own values for the 256 bytes when ``q`` is 8-bit and
+    per-tensor (the same floats, one gather instead of three passes; ``tables`` per tensor)."""
+    if q.dtype not in BYTE_TYPES or qp.axis is not None or q.size < 1024:
+        return dequantize_array(q, qp)
+    return byte_mapped(lambda values: dequantize_array(values, qp), q, tables)
 
 
 def _check_same_interface(model, qmodel, qoutputs, float_path, qmodel_path) -> None:

@@ -29,6 +29,15 @@ def lookup(table: np.ndarray, x: np.ndarray) -> np.ndarray:
     return _take(table, x.view(np.uint8))
 
 
+def byte_mapped(fn, x: np.ndarray, tables: dict) -> np.ndarray:
+    """``fn(x)`` for an elementwise ``fn`` of an 8-bit ``x``: ``fn`` of the 256 byte values, kept
+    in ``tables`` by ``x``'s type, then looked up (the same values, one gather)."""
+    table = tables.get(x.dtype)
+    if table is None:
+        table = tables[x.dtype] = fn(byte_values(x.dtype))
+    return lookup(table, x)
+
+
 def by_byte(table: np.ndarray, dtype) -> np.ndarray:
     """A table indexed by ``q - qmin`` of ``dtype`` reordered to be indexed by ``q``'s byte: for
     int8, byte ``b`` holds ``q = b - 256 * (b >= 128)``, ``q + 128 = b ^ 0x80``."""
