@@ -135,6 +135,8 @@ class IntegerExecutor:
         # per step of each list, the values no later step reads: freed after it runs
         self._frees = {True: self._releases(self.steps), False: self._releases(self._chained_steps)}
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
+        self._key_producer = {key: step for step in self.steps if step.kind in ("integer", "quantize")
+                              for key in step.keys if key is not None}
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
@@ -352,11 +354,14 @@ class IntegerExecutor:
         return varying[0]
 
     # -- running -----------------------------------------------------------------------------------
-    def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False) -> Result:
+    def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False, on_integer=None) -> Result:
+        """The model on ``feeds``. ``keep_integer``: every integer tensor in ``Result.integer`` (by
+        the float tensor it stands for), or, with ``on_integer``, passed to ``on_integer(key,
+        value)`` as soon as it is computed and not kept (verify compares it while the run goes on)."""
         with blas.single_threaded(), _collector_paused():  # see qtool/ops/blas.py: polling BLAS workers
-            return self._run(feeds, keep_integer)
+            return self._run(feeds, keep_integer or on_integer is not None, on_integer)
 
-    def _run(self, feeds: dict[str, np.ndarray], keep_integer: bool) -> Result:
+    def _run(self, feeds: dict[str, np.ndarray], keep_integer: bool, on_integer=None) -> Result:
         env = dict(self.constants)
         for name in self.input_names:
             if name not in feeds:
@@ -370,7 +375,13 @@ class IntegerExecutor:
             for name, value in zip(step.outputs, outputs):
                 env[name] = value
             if keep_integer and step.kind in ("integer", "quantize"):
-                result.integer.update((k, v) for k, v in zip(step.keys, outputs) if k is not None)
+                for key, value in zip(step.keys, outputs):
+                    if key is None or self._key_producer[key] is not step:
+                        continue  # a key two steps write is the later one's (integer_tensors)
+                    if on_integer is None:
+                        result.integer[key] = value
+                    else:
+                        on_integer(key, value)
             del values, outputs
             for name in done:  # memory is the live set of activations, not their sum
                 env.pop(name, None)

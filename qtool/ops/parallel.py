@@ -9,6 +9,7 @@ polling workers, a busy machine only delays them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,7 @@ WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 
 SPLIT_FROM = 1 << 16
 
 _pool: ThreadPoolExecutor | None = None
+_serial = 0  # while above 0 (``serial``), every kernel runs on the calling thread
 
 
 def _forget_pool() -> None:
@@ -32,9 +34,21 @@ if hasattr(os, "register_at_fork"):
 def ranges(length: int, elements: int) -> tuple[tuple[int, int], ...]:
     """``[0, length)`` as up to ``WORKERS`` near-equal ranges when the work has at least
     ``SPLIT_FROM`` output ``elements``, else the whole."""
-    parts = max(1, min(WORKERS, length)) if elements >= SPLIT_FROM else 1
+    parts = max(1, min(WORKERS, length)) if elements >= SPLIT_FROM and not _serial else 1
     bounds = [length * i // parts for i in range(parts + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+@contextlib.contextmanager
+def serial():
+    """Kernels unsplit while inside: for a caller whose own threads keep the other cores busy
+    (verify runs the float model and the comparisons beside the executor)."""
+    global _serial
+    _serial += 1
+    try:
+        yield
+    finally:
+        _serial -= 1
 
 
 def run_parts(work, parts) -> None:

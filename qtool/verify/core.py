@@ -3,77 +3,25 @@
 from __future__ import annotations
 
 import concurrent.futures
-import math
+import queue
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from .analyze import Analysis, analyze, format_analysis
-from .calibrate import default_batch
-from .data import check_sampling, load_dataset
-from .errors import QtoolError
-from .executor import IntegerExecutor
-from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
-from .ops import blas
-from .ops.bytetable import BYTE_TYPES, byte_mapped
-from .model import FloatRunner, first_line, graph_inputs, load_model, prepare
-from .qparams import QParams, dequantize_array
-from .report import float_node_lines, progress_bar
-from .targets.ortview import deployed_session, ort_notes
-
-
-@dataclass
-class Comparison:
-    """Streaming cosine / SQNR / max-LSB between a float reference and the executor's values."""
-
-    name: str
-    op_type: str = ""
-    ran: str = "integer"  # integer, float (computed in float, then quantized) or input
-    qparams: QParams | None = None
-    clamped: bool = False  # compared after the Relu that reads it (its range is Relu's)
-    dot: float = 0.0
-    ref_sq: float = 0.0
-    got_sq: float = 0.0
-    err_sq: float = 0.0
-    max_lsb: float = 0.0
-
-    def update(self, ref: np.ndarray, got: np.ndarray) -> None:
-        if self.clamped:
-            ref, got = np.maximum(ref, 0), np.maximum(got, 0)
-        ref, got = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
-        self.dot += float(ref @ got)
-        self.ref_sq += float(ref @ ref)
-        self.got_sq += float(got @ got)
-        diff = np.subtract(ref, got, out=ref)  # ref is a copy already: no third array
-        self.err_sq += float(diff @ diff)
-        if self.qparams is not None and diff.size:
-            largest = max(float(diff.max()), -float(diff.min()))
-            self.max_lsb = max(self.max_lsb, largest / float(self.qparams.scale))
-
-    @property
-    def cosine(self) -> float:
-        if self.ref_sq == 0 and self.got_sq == 0:
-            return 1.0
-        if self.ref_sq == 0 or self.got_sq == 0:
-            return 0.0
-        return self.dot / math.sqrt(self.ref_sq * self.got_sq)
-
-    @property
-    def sqnr(self) -> float:
-        if self.err_sq == 0:
-            return math.inf
-        if self.ref_sq == 0:
-            return -math.inf
-        return 10 * math.log10(self.ref_sq / self.err_sq)
-
-    def to_dict(self) -> dict:
-        d = {"name": self.name, "cosine": round(self.cosine, 6), "sqnr_db": _finite(self.sqnr)}
-        if self.qparams is not None:
-            d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
-                     compared_after_relu=self.clamped)
-        return d
+from ..analyze import Analysis, analyze, format_analysis
+from ..calibrate import default_batch
+from ..data import check_sampling, load_dataset
+from ..errors import QtoolError
+from ..executor import IntegerExecutor
+from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
+from ..ops import blas, parallel
+from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare
+from ..qparams import QParams
+from ..report import float_node_lines, progress_bar
+from ..targets.ortview import deployed_session, ort_notes
+from .compare import Comparison
 
 
 @dataclass
@@ -225,24 +173,20 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
         analysis = analyze(float_path, qmodel, data_path, samples, batch_size,
                            progress)
     correct_float = correct_int = 0
-    tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (_dequantized)
+    tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (Comparison.update_integer)
+    by_name = {c.name: c for c in tensors}
     # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
     # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
-    with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), \
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as float_side:
+    # and the executor's kernels on this thread alone: the second thread has work of its own
+    with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), parallel.serial(), \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
         start = 0
         for feeds in data.batches(batch_size, total):
-            # the float side on a second thread while the executor runs (onnxruntime releases
-            # the GIL): the same computations, side by side
-            pending = float_side.submit(runner.run, feeds)
-            result = executor.run(feeds, keep_integer=True)
-            reference = pending.result()
+            reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side)
             for c in outputs:
                 if c.name not in reference:
                     raise QtoolError(f"the float model has no output '{c.name}'")
                 c.update(reference[c.name], result.outputs[c.name])
-            for c in tensors:
-                c.update(reference[c.name], _dequantized(result.integer[c.name], c.qparams, tables[c.name]))
             if ort_session is not None:
                 got = _ort_run(ort_session, feeds, qmodel_path)
                 for c in ort_checks:
@@ -274,12 +218,33 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     return report
 
 
-def _dequantized(q: np.ndarray, qp: QParams, tables: dict) -> np.ndarray:
-    """``dequantize_array``, looked up in its own values for the 256 bytes when ``q`` is 8-bit and
-    per-tensor (the same floats, one gather instead of three passes; ``tables`` per tensor)."""
-    if q.dtype not in BYTE_TYPES or qp.axis is not None or q.size < 1024:
-        return dequantize_array(q, qp)
-    return byte_mapped(lambda values: dequantize_array(values, qp), q, tables)
+def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,
+                  tables: dict, side: concurrent.futures.Executor):
+    """One batch through the float model and the executor, every integer tensor compared as soon
+    as the executor computes it: the float model runs on ``side`` (a second thread; onnxruntime and
+    the compiled comparisons release the GIL) while the executor runs here, then both threads take
+    the computed tensors from a queue until the executor is done. Each tensor is compared whole by
+    one thread, so the sums are the same whichever thread does it. (reference, executor result)."""
+    computed: queue.SimpleQueue = queue.SimpleQueue()
+
+    def compare(reference: dict) -> None:
+        while (item := computed.get()) is not None:
+            name, value = item
+            c = comparisons.get(name)
+            if c is not None:
+                c.update_integer(reference[name], value, tables[name])
+        computed.put(None)  # the end, for the other thread
+
+    float_side = side.submit(runner.run, feeds)
+    side_compares = side.submit(lambda: compare(float_side.result()))
+    try:
+        result = executor.run(feeds, on_integer=lambda name, value: computed.put((name, value)))
+    finally:
+        computed.put(None)
+    reference = float_side.result()
+    compare(reference)
+    side_compares.result()
+    return reference, result
 
 
 def _check_same_interface(model, qmodel, qoutputs, float_path, qmodel_path) -> None:
@@ -377,7 +342,3 @@ def tolerance_rule(tolerance: tuple[float, float | None]) -> str:
 
 def format_diff(c: OrtCheck) -> str:
     return f"{c.max_diff:.2f} LSB" if c.unit == "lsb" else f"{c.max_diff:.3g}"
-
-
-def _finite(x: float):
-    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")

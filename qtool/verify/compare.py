@@ -1,0 +1,130 @@
+"""Running cosine / SQNR / max-LSB of the executor's values against a float reference.
+
+A comparison keeps four sums (``ref . got``, ``ref . ref``, ``got . got``, ``err . err``) and the
+largest difference, so batches add up and nothing of a sample outlives its batch. With numba
+installed (``qtool[fast]``) each tensor is one compiled pass (qtool/verify/_loops.py) that reads
+the executor's 8-bit integers with their dequantized value for each of the 256 bytes, instead of
+numpy's dequantization, float64 copies and four products; without numba the same sums come from
+numpy. The two add in different orders, so their sums can differ in the last bits (about 1e-16
+of the sum), far below the digits a report prints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ops.bytetable import BYTE_TYPES, byte_values
+from ..qparams import QParams, dequantize_array
+
+ENABLED = True
+_loops = None  # qtool/verify/_loops.py once imported; False without numba
+_NO_TABLE = np.zeros(0, dtype=np.float64)
+
+
+def _compiled():
+    global _loops
+    if _loops is None:
+        try:
+            from . import _loops as loops
+        except Exception:  # no numba, or numba unable to set up its disk cache
+            loops = False
+        _loops = loops
+    return _loops if ENABLED else False
+
+
+@dataclass
+class Comparison:
+    """Streaming cosine / SQNR / max-LSB between a float reference and the executor's values."""
+
+    name: str
+    op_type: str = ""
+    ran: str = "integer"  # integer, float (computed in float, then quantized) or input
+    qparams: QParams | None = None
+    clamped: bool = False  # compared after the Relu that reads it (its range is Relu's)
+    dot: float = 0.0
+    ref_sq: float = 0.0
+    got_sq: float = 0.0
+    err_sq: float = 0.0
+    max_lsb: float = 0.0
+
+    def update(self, ref: np.ndarray, got: np.ndarray) -> None:
+        """Add a batch: ``got`` the executor's float values."""
+        self._add(ref, got, None)
+
+    def update_integer(self, ref: np.ndarray, q: np.ndarray, tables: dict) -> None:
+        """Add a batch of the executor's integers ``q``, dequantized with ``qparams`` (``tables``:
+        this comparison's dequantized bytes, kept between batches)."""
+        qp = self.qparams
+        if q.dtype in BYTE_TYPES and qp.axis is None:
+            table = tables.get(q.dtype)
+            if table is None:
+                table = tables[q.dtype] = dequantize_array(byte_values(q.dtype), qp).astype(np.float64)
+            self._add(ref, q.view(np.uint8), table)
+        else:
+            self._add(ref, dequantize_array(q, qp), None)
+
+    def _add(self, ref: np.ndarray, got: np.ndarray, table: np.ndarray | None) -> None:
+        """``got``: values, or bytes standing for ``table[byte]``."""
+        if self.clamped:
+            ref = np.maximum(ref, 0)
+            if table is None:
+                got = np.maximum(got, 0)
+            else:
+                table = np.maximum(table, 0)
+        dot, ref_sq, got_sq, err_sq, hi, lo = _sums(ref, got, table)
+        self.dot += dot
+        self.ref_sq += ref_sq
+        self.got_sq += got_sq
+        self.err_sq += err_sq
+        if self.qparams is not None and np.size(ref):
+            self.max_lsb = max(self.max_lsb, max(hi, -lo) / float(self.qparams.scale))
+
+    @property
+    def cosine(self) -> float:
+        if self.ref_sq == 0 and self.got_sq == 0:
+            return 1.0
+        if self.ref_sq == 0 or self.got_sq == 0:
+            return 0.0
+        return self.dot / math.sqrt(self.ref_sq * self.got_sq)
+
+    @property
+    def sqnr(self) -> float:
+        if self.err_sq == 0:
+            return math.inf
+        if self.ref_sq == 0:
+            return -math.inf
+        return 10 * math.log10(self.ref_sq / self.err_sq)
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "cosine": round(self.cosine, 6), "sqnr_db": finite(self.sqnr)}
+        if self.qparams is not None:
+            d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
+                     compared_after_relu=self.clamped)
+        return d
+
+
+def _sums(ref: np.ndarray, got: np.ndarray, table: np.ndarray | None) -> tuple[float, ...]:
+    """(ref.got, ref.ref, got.got, err.err, max err, min err) in float64, err = ref - got."""
+    loops = _compiled()
+    if loops and ref.dtype == np.float32 and (table is not None or got.dtype == np.float32) \
+            and ref.size == got.size:
+        out = np.empty(6)
+        loops.compare(np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(got).reshape(-1),
+                      _NO_TABLE if table is None else table, out)
+        return tuple(float(v) for v in out)
+    if table is not None:
+        got = np.take(table, got)
+    ref, got = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
+    sums = [float(ref @ got), float(ref @ ref), float(got @ got)]
+    diff = np.subtract(ref, got, out=ref)  # ref is a copy already: no third array
+    sums.append(float(diff @ diff))
+    if not diff.size:
+        return (*sums, -math.inf, math.inf)
+    return (*sums, float(diff.max()), float(diff.min()))
+
+
+def finite(x: float):
+    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
