@@ -122,8 +122,7 @@ def calibrate(
       qtool calibrate model.onnx -d calib.npz -o - | qtool quantize model.onnx -t - -o model.q.onnx
     """
     from .calibrate import collect, parse_params
-    from .table import write_table
-    from .table_formats import STDIO, check_table_target, output_format
+    from .table_formats import STDIO, check_table_target, output_format, write_table
 
     try:
         if output is None and stats_out is None:
@@ -176,8 +175,7 @@ def merge(
       qtool merge part1.npz part2.npz -o table.yaml
     """
     from .calibrate import merge as run
-    from .table import write_table
-    from .table_formats import check_table_target
+    from .table_formats import check_table_target, write_table
 
     try:
         _one_stdout_writer(as_json, output)
@@ -309,10 +307,9 @@ def quantize(
     from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator
     from .search import choose_methods, search
-    from .table import write_table
     from .params import model_params
     from .quantize import QuantizeOptions, quantize as run
-    from .table import read_table
+    from .table_formats import read_table, write_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                               tuple(keep_float), format, strict, target)
@@ -453,7 +450,7 @@ def analyze(
     from .calibrate import calibrate as calibrate_table
     from .data import check_sampling
     from .quantize import QuantizeOptions, quantize as quantize_model
-    from .table import read_table
+    from .table_formats import read_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, keep_float=tuple(keep_float))
     try:

@@ -30,7 +30,7 @@ from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
 from .targets import TARGETS
 from .search import choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
-from .table import write_table
+from .table_formats import write_table
 from .verify import VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)

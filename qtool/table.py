@@ -2,7 +2,8 @@
 
 The writer is deterministic (graph order, fixed float repr) so two runs give identical bytes.
 Other tools' formats (TPU-MLIR cali_table, TensorRT cache, onnxruntime calibration.json) are in
-``table_formats``; ``read_table`` and ``write_table`` dispatch to them.
+``table_formats``, with ``read_table`` and ``write_table``, which handle every format (this
+module imports nothing of qtool's but its errors).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from pathlib import Path
 import yaml
 
 from .errors import QtoolError
+
+# libyaml's parser and emitter where PyYAML has them (its wheels do), 5-7x faster on a large table
+# than the pure-Python ones, whose bytes the emitter writes as long as every string is printable
+# (tests/test_table_formats.py); a key with a control character is written as a "? " key by one
+# and not the other, so such a table goes to the pure-Python emitter.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 FORMAT_VERSION = 1
 
@@ -46,29 +53,26 @@ class Table:
     def dumps(self, fmt: str = "yaml") -> str:
         if fmt == "json":
             return json.dumps(self.to_dict(), indent=1) + "\n"
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
+        doc = self.to_dict()
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper) if _printable(doc) else yaml.SafeDumper
+        return yaml.dump(doc, Dumper=dumper, sort_keys=False, width=120)
 
 
-def write_table(table: Table, path: str | Path, fmt: str | None = None) -> None:
-    """Write ``table`` as ``fmt`` (see ``table_formats.WRITE_FORMATS``), or as the name of
-    ``path`` suggests (.json, .cache, *cali_table; else YAML); ``-`` is standard output."""
-    from .table_formats import dumps_table, output_format, write_text  # table_formats imports this module
-
-    write_text(path, dumps_table(table, output_format(path, fmt)))
-
-
-def read_table(path: str | Path, fmt: str | None = None) -> Table:
-    """Read a table in any of ``table_formats.READ_FORMATS``, detected from the file's name and
-    content unless ``fmt`` says."""
-    from .table_formats import load_table
-
-    return load_table(path, fmt)[0]
+def _printable(value) -> bool:
+    """Every string in ``value`` (keys too, in dicts and lists) is printable."""
+    if isinstance(value, str):
+        return value.isprintable()
+    if isinstance(value, dict):
+        return all(_printable(k) and _printable(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_printable(v) for v in value)
+    return True
 
 
 def parse_table(path: Path, text: str) -> Table:
     """qtool's own table, YAML or JSON, from the text of ``path``."""
     try:
-        data = yaml.safe_load(text)  # JSON is YAML too
+        data = yaml.load(text, Loader=SAFE_LOADER)  # JSON is YAML too
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
         where = f"line {mark.line + 1}: {problem}" if mark and problem else str(e).splitlines()[0]

@@ -7,6 +7,9 @@
 * ``ort``: onnxruntime's ``calibration.json`` (``write_calibration_table``, ``save_tensors_data``),
   read only.
 
+``read_table`` and ``write_table`` read and write a table in any of these or qtool's own YAML/JSON
+(qtool/table.py), chosen by the file's name and content.
+
 A foreign table knows nothing of the model it was made for: its ``model_sha256`` is empty, and
 ``quantize`` warns that it cannot match it to the model. Errors in a text table name the line.
 """
@@ -361,3 +364,15 @@ def write_text(path: str | Path, text: str) -> None:
         sys.stdout.flush()
     else:
         atomic_write(path, text.encode())
+
+
+def write_table(table: Table, path: str | Path, fmt: str | None = None) -> None:
+    """Write ``table`` as ``fmt`` (see ``table_formats.WRITE_FORMATS``), or as the name of
+    ``path`` suggests (.json, .cache, *cali_table; else YAML); ``-`` is standard output."""
+    write_text(path, dumps_table(table, output_format(path, fmt)))
+
+
+def read_table(path: str | Path, fmt: str | None = None) -> Table:
+    """Read a table in any of ``table_formats.READ_FORMATS``, detected from the file's name and
+    content unless ``fmt`` says."""
+    return load_table(path, fmt)[0]

@@ -16,7 +16,7 @@ from qtool.errors import QtoolError
 from qtool.executor import IntegerExecutor
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
-from qtool.table import write_table
+from qtool.table_formats import write_table
 from test_cli import assert_user_error, invoke
 
 

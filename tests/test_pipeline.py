@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
 from qtool.quantize import QuantizeOptions, quantize
-from qtool.table import read_table, write_table
+from qtool.table_formats import read_table, write_table
 from qtool.verify import verify
 
 

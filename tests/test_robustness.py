@@ -432,7 +432,7 @@ def ctx(tmp_path_factory, demo_model, demo_calib, demo_heldout) -> dict:
     """Good artifacts for the cases to use or spoil, made once."""
     from qtool.calibrate import collect
     from qtool.quantize import quantize
-    from qtool.table import write_table
+    from qtool.table_formats import write_table
 
     folder = tmp_path_factory.mktemp("artifacts")
     stats = collect(demo_model, demo_calib, progress=False)

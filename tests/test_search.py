@@ -14,7 +14,7 @@ from qtool.analyze import Evaluator, QdqModel, evaluation_batches, scored_node
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.search import choose_methods, realizable, search
-from qtool.table import write_table
+from qtool.table_formats import write_table
 from test_cli import assert_user_error, invoke
 
 

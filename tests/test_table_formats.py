@@ -17,9 +17,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
-from qtool.table import Table, TensorEntry, read_table, write_table
-from qtool.table_formats import detect_format, dumps_table, load_table
+from qtool.table import Table, TensorEntry, parse_table
+from qtool.table_formats import detect_format, dumps_table, load_table, read_table, write_table
 from test_cli import assert_no_crash, invoke, snapshot, user_error_leaves_nothing
 
 FLOAT32_ROUNDING = 2.0 ** -24  # round to nearest float32: relative error at most half an ulp
@@ -364,3 +365,21 @@ def test_console_script_malformed_table_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr == f"error: table file '{table}', line 2: 'zz' is not a float32 scale in 8 hex digits\n"
     assert snapshot(tmp_path) == [Path("bad.cache")]
+
+
+@pytest.mark.skipif(not getattr(yaml, "__with_libyaml__", False), reason="PyYAML without libyaml")
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True),
+       values=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=3, max_size=3),
+       model=st.text(max_size=30))
+def test_libyaml_writes_and_reads_what_pure_python_yaml_does(names, values, model):
+    """qtool writes tables with libyaml's emitter where PyYAML has it (unless a string is not
+    printable): a machine without it must write the same bytes, and read them back the same."""
+    lo, hi, threshold = min(values[:2]), max(values[:2]), abs(values[2])
+    table = Table(model, "", "minmax", len(names), "0.1.0", tensors={
+        name: TensorEntry(lo, hi, threshold, "minmax") for name in names})
+    fast = table.dumps()
+    plain = yaml.safe_dump(table.to_dict(), sort_keys=False, width=120)
+    assert fast == plain
+    assert yaml.load(fast, Loader=yaml.CSafeLoader) == yaml.safe_load(plain)
+    assert parse_table(Path("t.yaml"), fast) == table
