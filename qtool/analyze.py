@@ -247,7 +247,7 @@ def _finite(x: float):
 
 
 def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_samples: int | None,
-                       batch_size: int, preprocess=None, spread: bool = False) -> list[dict]:
+                       batch_size: int, preprocess=None, spread: bool = False) -> "Batches":
     """The first ``num_samples`` of DATA in batches (of the model's own batch size when its batch
     dim is fixed); with ``spread``, that many samples evenly spaced over all of it (sample
     i * len // n), so that a folder sorted by kind is represented."""
@@ -260,10 +260,23 @@ def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_
                              f"and only {total} are used")
         batch_size, total = fixed, total - total % fixed
     if not spread or total == len(data):
-        return list(data.batches(batch_size, total))
+        return Batches(data.batches(batch_size, total), samples=total)
     picked = [data.batch(i * len(data) // total, i * len(data) // total + 1) for i in range(total)]
-    return [{name: np.concatenate([p[name] for p in picked[start:start + batch_size]])
-             for name in picked[0]} for start in range(0, total, batch_size)]
+
+    def joined(name: str, part: list[dict]) -> np.ndarray:
+        axis = data.sample_axis(name)
+        return part[0][name] if axis is None else np.concatenate([p[name] for p in part], axis=axis)
+
+    return Batches(({name: joined(name, picked[start:start + batch_size]) for name in picked[0]}
+                    for start in range(0, total, batch_size)), samples=total)
+
+
+class Batches(list):
+    """Feeds, batch by batch, and how many samples they hold in all."""
+
+    def __init__(self, feeds, samples: int):
+        super().__init__(feeds)
+        self.samples = samples
 
 
 def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Path,
@@ -277,7 +290,7 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
         raise QtoolError("the quantized model has no QuantizeLinear/DequantizeLinear fences to analyze "
                          "(analyze reads QDQ models: quantize with --format qdq)")
     tensors, weights = qdq.all_tensors(), qdq.all_weights()
-    samples = sum(len(next(iter(b.values()))) for b in evaluator.batches)
+    samples = evaluator.batches.samples
     analysis = Analysis(samples, evaluator.sqnr(qmodel), evaluator.sqnr(qdq.ablated(tensors, ())),
                         evaluator.sqnr(qdq.ablated((), weights)), scored=evaluator.scored)
     with progress_bar(len(qdq.ops), "analyze", progress, unit="op") as bar:

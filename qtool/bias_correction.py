@@ -78,7 +78,7 @@ def correct_biases(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, batche
     ``batches`` matches ``float_model``'s (the prepared model ``qmodel`` was quantized from: nodes
     keep their names)."""
     start = time.perf_counter()
-    result = BiasCorrection(samples=sum(len(next(iter(b.values()))) for b in batches))
+    result = BiasCorrection(samples=batches.samples)
     found = targets(qmodel)
     float_outputs = {n.name: n.output[0] for n in float_model.graph.node}
     found = [t for t in found if t.node in float_outputs]

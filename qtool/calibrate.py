@@ -196,15 +196,14 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
     del fixed.graph.value_info[:]  # inferred again, from the fixed dims
     shapes = {}
     for vi in graph_inputs(fixed):
-        sample_shape = data.sample_shape(vi.name)
+        sample_shape, axis = data.sample_shape(vi.name), data.sample_axis(vi.name)
+        shape = list(sample_shape) if axis is None else [*sample_shape[:axis], "N", *sample_shape[axis:]]
         dims = vi.type.tensor_type.shape.dim
-        for dim, size in zip(list(dims)[1:], sample_shape):
-            dim.Clear()
-            dim.dim_value = size
-        if batch and len(dims):
-            dims[0].Clear()
-            dims[0].dim_value = batch
-        shapes[vi.name] = ["N", *sample_shape]
+        for dim, size in zip(dims, shape):
+            if size != "N" or batch:
+                dim.Clear()
+                dim.dim_value = batch if size == "N" else size
+        shapes[vi.name] = shape
     for data_prop in ((True, False) if batch else (False,)):
         try:
             infer = functools.partial(onnx.shape_inference.infer_shapes, data_prop=data_prop)
@@ -314,7 +313,7 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
         try:
             for feeds in data.batches(batch_size, total):
                 update(feeds)
-                n = len(next(iter(feeds.values())))
+                n = data.samples_in(feeds)
                 stats.samples += n
                 bar.update(n)
         except BaseException:

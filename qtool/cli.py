@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from . import __version__
-from .errors import EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
+from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
 from .report import float_node_lines
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
-EXIT_CODES = "Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option)."
+EXIT_CODES = ("Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option), "
+              "3 internal error (a model or case qtool does not handle).")
 
 app = typer.Typer(
     help=f"Calibrate, quantize and verify ONNX models with exact integer derivations.\n\n"
@@ -576,7 +578,7 @@ def exec_(
     """
     from .batching import EXEC_FACTOR
     from .calibrate import default_batch
-    from .data import check_sampling, load_dataset
+    from .data import check_sampling, load_dataset, output_sample_axes
     from .executor import IntegerExecutor
     from .fileio import NpzWriter
     from .model import load_model
@@ -589,16 +591,18 @@ def exec_(
         model = load_model(qmodel)
         executor = IntegerExecutor(model, arithmetic=target)
         data = load_dataset(inputs, model)
-        as_they_are = len(getattr(data, "whole", ())) == len(executor.input_names)
+        as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
         batch_size, note = ((1, "") if as_they_are else
                             default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP))
+        if not as_they_are and any(axis != 0 for axis in output_sample_axes(model).values()):
+            batch_size, note = len(data), ""  # an output with its samples on another axis: one batch
         writer = NpzWriter(output, None if as_they_are else len(data))
         shapes = {}
         with progress_bar(len(data), "exec", not quiet) as bar:
             for feeds in data.batches(batch_size):
                 outputs = executor.run(feeds).outputs
-                shapes = {name: list(value.shape) if as_they_are else [len(data), *value.shape[1:]]
-                          for name, value in outputs.items()}
+                shapes = {name: list(value.shape) if as_they_are or batch_size == len(data)
+                          else [len(data), *value.shape[1:]] for name, value in outputs.items()}
                 writer.append(outputs)
                 bar.update(min(batch_size, len(data) - bar.n))
         writer.close()
@@ -740,7 +744,7 @@ def main() -> None:
         code = command.main(args=sys.argv[1:], prog_name="qtool", standalone_mode=False)
     except Exception as e:  # click's exception classes are private to typer: match by behaviour
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
-            raise
+            _internal_error(e)
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `qtool CMD`: show that command's help
             e.show()
             raise SystemExit(e.exit_code) from None
@@ -751,4 +755,16 @@ def main() -> None:
         typer.echo("error: interrupted", err=True)
         raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _internal_error(e: Exception) -> None:
+    """A bug, or a model qtool does not handle yet: still one line, with exit code 3 (the
+    traceback with QTOOL_TRACEBACK=1)."""
+    if os.environ.get("QTOOL_TRACEBACK"):
+        raise e
+    from .model import first_line
+
+    typer.echo(f"error: internal error, {type(e).__name__}: {first_line(e)} (qtool could not "
+               f"handle this; QTOOL_TRACEBACK=1 shows where; please report it)", err=True)
+    raise SystemExit(EXIT_INTERNAL_ERROR) from None
 

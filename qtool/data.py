@@ -32,7 +32,22 @@ class Dataset:
         raise NotImplementedError
 
     def sample_shape(self, name: str) -> list[int]:
+        """The shape of one sample of input ``name`` (the sample axis left out), or the whole
+        array's shape when it is fed whole (``sample_axis`` None)."""
         raise NotImplementedError
+
+    def sample_axis(self, name: str) -> int | None:
+        """The axis of input ``name`` that holds the samples (0 unless the model says otherwise, see
+        ``load_dataset``), or None for an array fed whole to every run."""
+        return 0
+
+    def samples_in(self, feeds: dict[str, np.ndarray]) -> int:
+        """How many samples a batch of ``feeds`` holds."""
+        for name, value in feeds.items():
+            axis = self.sample_axis(name)
+            if axis is not None:
+                return value.shape[axis]
+        return 1
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -52,19 +67,32 @@ class ArrayDataset(Dataset):
                  keys: list[str], dtypes: dict[str, np.dtype] | None = None):
         self.path, self.arrays, self.extra, self.keys = path, arrays, extra, keys
         self.dtypes = dtypes or {}
-        self.whole: set[str] = set()  # inputs fed as they are to every run (see load_dataset)
+        self.axes: dict[str, int | None] = {}  # input -> its sample axis, None: fed whole (load_dataset)
 
     def __len__(self) -> int:
-        counts = [len(a) for name, a in self.arrays.items() if name not in self.whole]
+        counts = [a.shape[axis] for name, a in self.arrays.items()
+                  if (axis := self.sample_axis(name)) is not None]
         return counts[0] if counts else 1
 
+    def sample_axis(self, name: str) -> int | None:
+        return self.axes.get(name, 0)
+
     def sample_shape(self, name: str) -> list[int]:
-        return list(self.arrays[name].shape[0 if name in self.whole else 1:])
+        shape, axis = list(self.arrays[name].shape), self.sample_axis(name)
+        return shape if axis is None else shape[:axis] + shape[axis + 1:]
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        return {name: np.ascontiguousarray(a[:] if name in self.whole else a[start:stop],
-                                           dtype=self.dtypes.get(name, a.dtype))
-                for name, a in self.arrays.items()}
+        feeds = {}
+        for name, a in self.arrays.items():
+            axis = self.sample_axis(name)
+            if axis is None:
+                part = a[()] if a.ndim == 0 else a[:]
+            elif axis == 0:
+                part = a[start:stop]
+            else:  # (arrays with the samples elsewhere than first are loaded whole: see load_dataset)
+                part = a[(slice(None),) * axis + (slice(start, stop),)]
+            feeds[name] = np.ascontiguousarray(part, dtype=self.dtypes.get(name, a.dtype))
+        return feeds
 
 
 class FileDataset(Dataset):
@@ -345,20 +373,50 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     chosen = _match_inputs(path, arrays, inputs)
     used = {id(a) for a in chosen.values()}
     extra = {k: a for k, a in arrays.items() if id(a) not in used}
-    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name]) for vi in inputs}
+    axes = {vi.name: sample_axis(vi, chosen[vi.name]) for vi in inputs}
+    for name, axis in axes.items():
+        if axis not in (None, 0) and isinstance(chosen[name], RowFile):
+            chosen[name] = chosen[name][:]  # a state or the like: small, and read across rows
+    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], axes[vi.name]) for vi in inputs}
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
-    # an array shaped exactly as its model input (every dim fixed) is fed whole to every run when
-    # the sample counts disagree: a state, or inputs of different fixed leading sizes
-    whole = {vi.name for vi in inputs if tuple(input_shape(vi)) == tuple(chosen[vi.name].shape)}
-    counts = {len(chosen[vi.name]) for vi in inputs}
+    dataset.axes = axes
+    # an array shaped exactly as its model input (every size fixed) is also fed whole to every
+    # run when the sample counts disagree: a state, or inputs of different fixed leading sizes
+    counts = {chosen[n].shape[a] for n, a in axes.items() if a is not None}
     if len(counts) > 1:
-        dataset.whole = whole
-        counts = {len(chosen[vi.name]) for vi in inputs if vi.name not in whole}
+        for vi in inputs:
+            if tuple(input_shape(vi)) == tuple(chosen[vi.name].shape):
+                axes[vi.name] = None
+        counts = {chosen[n].shape[a] for n, a in axes.items() if a is not None}
     if len(counts) > 1:
         raise QtoolError(f"data file '{path}': inputs have different sample counts {sorted(counts)} "
                          f"(an array shaped exactly as its model input, every size fixed, is fed "
                          f"whole to every run)")
     return dataset
+
+
+def output_sample_axes(model: onnx.ModelProto) -> dict[str, int]:
+    """Per model output, the axis its samples lie on by ``sample_axis``'s rule on its declared
+    shape (0 when it declares none)."""
+    axes = {}
+    for vi in model.graph.output:
+        dims = input_shape(vi)
+        fixed = [isinstance(d, int) and d > 0 for d in dims]
+        axes[vi.name] = fixed.index(False) if dims and fixed[0] and not all(fixed) else 0
+    return axes
+
+
+def sample_axis(vi: onnx.ValueInfoProto, a: np.ndarray) -> int | None:
+    """Where input ``vi``'s samples lie in its data array ``a``: None for a scalar input (``a``
+    0-d, fed whole), else the first axis whose size the model leaves open when its first size is
+    fixed and another is open (a state [2, batch, 128]: axis 1), else axis 0."""
+    dims = input_shape(vi)
+    if a.ndim == 0 and vi.type.tensor_type.HasField("shape") and not dims:
+        return None
+    fixed = [isinstance(d, int) and d > 0 for d in dims]
+    if dims and fixed[0] and not all(fixed) and len(dims) == a.ndim:
+        return fixed.index(False)
+    return 0
 
 
 def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str, np.ndarray]:
@@ -374,10 +432,10 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
                      f"(model inputs: {', '.join(names)}; arrays: {', '.join(arrays)})")
 
 
-def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.dtype:
+def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0) -> np.dtype:
     """``a`` checked against the model input (numbers, shape, finite values: read in chunks, so a
-    large array in a file is not loaded whole); returns the type to feed it as (the input's float
-    type for floats), for the caller to convert."""
+    large array in a file is not loaded whole), its samples along ``axis`` (None: fed whole);
+    returns the type to feed it as (the input's float type for floats), for the caller to convert."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
@@ -386,18 +444,28 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.dtype
     if elem in _NP_TYPES and a.dtype.kind != "f":  # integers are most likely unscaled pixels or ids
         raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
                          f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
-    if a.ndim == 0 or len(a) == 0:
-        raise QtoolError(f"data file '{path}' array for input '{name}' is empty")
     expected = input_shape(vi)
-    if expected and a.ndim != len(expected):
-        raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
-                         f"model expects {_shape_text(expected)} (samples on the first axis)")
-    for axis, (got, want) in enumerate(zip(a.shape[1:], expected[1:]), start=1):
-        if isinstance(want, int) and want > 0 and got != want:
+    if axis is None:  # a scalar
+        if a.ndim != len(expected):
             raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
-                             f"model expects {_shape_text(expected)} (axis {axis} differs)")
+                             f"model expects {_shape_text(expected, None)}")
+    elif a.ndim == 0 or a.shape[axis] == 0:
+        raise QtoolError(f"data file '{path}' array for input '{name}' is empty")
+    else:
+        where = "on the first axis" if axis == 0 else f"on axis {axis}, the model's open size"
+        if expected and a.ndim != len(expected):
+            raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
+                             f"model expects {_shape_text(expected, axis)} (samples {where})")
+        for i, (got, want) in enumerate(zip(a.shape, expected)):
+            if i != axis and isinstance(want, int) and want > 0 and got != want:
+                raise QtoolError(f"data file '{path}' array for input '{name}' has shape "
+                                 f"{list(a.shape)}; model expects {_shape_text(expected, axis)} "
+                                 f"(axis {i} differs)")
     dtype = np.dtype(_NP_TYPES[elem]) if elem in _NP_TYPES else a.dtype
-    if dtype.kind == "f":
+    if dtype.kind == "f" and (a.ndim == 0 or axis != 0):  # small: checked whole
+        if not np.isfinite(np.asarray(a, dtype=dtype)).all():
+            raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf")
+    elif dtype.kind == "f":
         rows = max(1, LAZY_BYTES // max(1, a[:1].nbytes))
         for start in range(0, len(a), rows):
             chunk = a[start:start + rows].astype(dtype, copy=False)
@@ -408,5 +476,5 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray) -> np.dtype
     return dtype
 
 
-def _shape_text(shape) -> str:
-    return "[" + ",".join("N" if i == 0 else str(d if d else "?") for i, d in enumerate(shape)) + "]"
+def _shape_text(shape, axis: int | None = 0) -> str:
+    return "[" + ",".join("N" if i == axis else str(d if d else "?") for i, d in enumerate(shape)) + "]"

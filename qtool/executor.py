@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from .errors import QtoolError
-from .model import graph_inputs, initializers
+from .model import graph_inputs, initializers, outer_reads, subgraph_reason
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
@@ -100,6 +100,10 @@ def _collector_paused():
         gc.enable()
 
 
+def _has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.HasField("g") or len(a.graphs) for a in node.attribute)
+
+
 def _metadata(model: onnx.ModelProto) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
@@ -119,8 +123,10 @@ class IntegerExecutor:
         self.constants = initializers(model)
         self.producer = {out: node for node in model.graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too
+        self.outer = {node.name: outer_reads(node) for node in model.graph.node if _has_subgraph(node)}
         for node in model.graph.node:
-            for name in node.input:
+            for name in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]):
                 self.consumers.setdefault(name, []).append(node)
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
@@ -193,8 +199,8 @@ class IntegerExecutor:
                 if step.absorbs:  # a QDQ group: its outputs are the QuantizeLinear outputs
                     self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
             else:
-                steps.append(Step("float", node, [n for n in node.input if n], list(node.output),
-                                  reason=reason))
+                reads = [n for n in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]) if n]
+                steps.append(Step("float", node, reads, list(node.output), reason=reason))
                 self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
         return steps
 
@@ -234,7 +240,7 @@ class IntegerExecutor:
     def _integer_step(self, node: onnx.NodeProto):
         op = REGISTRY.get(node.op_type)
         if op is None:
-            return None, "no integer kernel"
+            return None, subgraph_reason(node) or "no integer kernel"
         q_nodes = []
         for out in node.output:
             users = self.consumers.get(out, [])
@@ -429,7 +435,7 @@ class IntegerExecutor:
         """``quantize_array``, elementwise: a large per-tensor input in ranges on the cores."""
         parts = parallel.ranges(np.size(x), np.size(x))
         if qp.axis is not None or len(parts) == 1:
-            return quantize_array(x, qp)
+            return np.asarray(quantize_array(x, qp))
         flat = np.ascontiguousarray(x).reshape(-1)
         out = np.empty(flat.size, dtype=qp.dtype)
 
@@ -441,7 +447,7 @@ class IntegerExecutor:
 
     @staticmethod
     def _dequantized(q: np.ndarray, qp: QParams, dtype: str | None) -> np.ndarray:
-        out = dequantize_array(q, qp)
+        out = np.asarray(dequantize_array(q, qp))  # an array even for a 0-d input (a scalar constant)
         return out if dtype in (None, "float32") else out.astype(dtype)
 
     def _dequantize(self, step: Step, q: np.ndarray) -> np.ndarray:
@@ -491,11 +497,14 @@ class IntegerExecutor:
         key = (step.node.name, tuple(v.dtype.str for v in values))
         session = self._float_sessions.get(key)
         if session is None:
-            session = self._float_sessions[key] = self._float_session(step.node, values)
+            session = self._float_sessions[key] = self._float_session(step.node, step.inputs, values)
         return session.run(None, dict(zip(step.inputs, values)))
 
-    def _float_session(self, node: onnx.NodeProto, values: list[np.ndarray]) -> ort.InferenceSession:
-        typed = dict(zip([n for n in node.input if n], values))  # a node may read a tensor twice
+    def _float_session(self, node: onnx.NodeProto, names: list[str],
+                       values: list[np.ndarray]) -> ort.InferenceSession:
+        """A session of ``node`` alone, its graph inputs ``names`` (the node's inputs, once each,
+        and what its subgraphs read from the main graph) typed as ``values``."""
+        typed = dict(zip(names, values))
         inputs = [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
                   for n, v in typed.items()]
         outputs = [onnx.ValueInfoProto(name=n) for n in node.output if n]

@@ -103,6 +103,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     The upgrade comes first because onnx's version converter rewrites some ops (Softmax gains a
     Flatten and a Reshape going to opset 13).
     """
+    check_float_model(model, source)
     opset = default_opset(model)
     if opset < MIN_OPSET:
         try:
@@ -123,6 +124,83 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     normalize(prepared)
     prepared = _fuse(prepared, source)
     return without_weights(onnx.shape_inference.infer_shapes, prepared)
+
+
+# ops of a model that is quantized already (ONNX's and onnxruntime's com.microsoft ones); besides
+# these, every op named QLinear* or DynamicQuantize*
+QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "ConvInteger", "MatMulInteger", "QGemm",
+                           "QAttention", "MatMulIntegerToFloat", "QEmbedLayerNormalization",
+                           "QOrderedMatMul", "QOrderedLayerNormalization", "QOrderedAttention",
+                           "QOrderedGelu", "QOrderedLongformerAttention", "MatMulNBits",
+                           "MatMulBnb4", "DequantizeBFP", "QuantizeBFP", "GatherBlockQuantized"})
+
+
+def all_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs (If branches, Loop and Scan bodies), depth first."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from all_nodes(sub)
+
+
+def subgraph_reason(node: onnx.NodeProto) -> str | None:
+    """Why a node with subgraphs (If, Loop, Scan) runs in float, or None for other nodes."""
+    subgraphs = [sub for attr in node.attribute
+                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)]
+    if not subgraphs:
+        return None
+    inner = sum(1 for sub in subgraphs for _ in all_nodes(sub))
+    return (f"control flow: runs in float with the {inner} nodes of its "
+            f"{len(subgraphs)} subgraph{'s' if len(subgraphs) > 1 else ''}")
+
+
+def names_read(nodes) -> set[str]:
+    """The tensor names ``nodes`` read, their subgraphs' nodes included (a subgraph reads the
+    outer graph's tensors and initializers by name, not through its node's inputs)."""
+    names = set()
+    for node in nodes:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names.update(n for inner in all_nodes(sub) for n in inner.input)
+    return names
+
+
+def outer_reads(node: onnx.NodeProto) -> list[str]:
+    """The names ``node``'s subgraphs read from the scope around the node (main-graph tensors and
+    initializers), in first-read order: read inside and defined by none of the subgraph's own
+    inputs, initializers or nodes."""
+    found: dict[str, None] = {}
+
+    def visit(graph: onnx.GraphProto, defined: set[str]) -> None:
+        defined = defined | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        for inner in graph.node:
+            for name in inner.input:
+                if name and name not in defined:
+                    found.setdefault(name)
+            for attr in inner.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    visit(sub, defined)
+            defined = defined | set(inner.output)
+
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            visit(sub, set())
+    return list(found)
+
+
+def check_float_model(model: onnx.ModelProto, source: str) -> None:
+    """A model to calibrate or quantize must be float: one already quantized (QDQ, quantized
+    operators, dynamic quantization) is refused in one line that names its quantized nodes."""
+    found = [n for n in all_nodes(model.graph)
+             if n.op_type in QUANTIZED_OPS or n.op_type.startswith(("QLinear", "DynamicQuantize"))]
+    if not found:
+        return
+    named = ", ".join(f"{n.op_type} '{n.name}'" if n.name else n.op_type for n in found[:3])
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    raise QtoolError(f"{source} is already quantized ({named}{more}); qtool calibrates and "
+                     f"quantizes float models: give it the float model this one was made from")
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
@@ -236,7 +314,9 @@ def _name_nodes(model: onnx.ModelProto) -> None:
 
 
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:
-    used = {name for node in model.graph.node for name in node.input}
+    """Initializers no node reads, in the main graph or in a subgraph (which reads the main
+    graph's initializers by name, from the outer scope), and no output is."""
+    used = names_read(model.graph.node)
     used.update(o.name for o in model.graph.output)
     initializers = model.graph.initializer
     for i in reversed(range(len(initializers))):  # deleted where they are: the others are not copied

@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .model import names_read
+
 MS = "com.microsoft"
 _LINEAR_BINARY = {"Add": "QLinearAdd", "Mul": "QLinearMul"}
 _LINEAR_UNARY = {"AveragePool": "QLinearAveragePool", "GlobalAveragePool": "QLinearGlobalAveragePool",
@@ -233,7 +235,7 @@ class _Converter:
         for node in reversed(nodes):
             if any(o in needed for o in node.output):
                 kept.append(node)
-                needed.update(node.input)
+                needed.update(names_read([node]))  # a subgraph's outer-scope reads too
         kept.reverse()
         inits = [t for t in list(self.model.graph.initializer) + self.new_inits if t.name in needed]
         graph = helper.make_graph(kept, self.model.graph.name, list(self.model.graph.input),

@@ -22,7 +22,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
-                    prepare)
+                    names_read, prepare, subgraph_reason)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .qoperator import to_qoperator
@@ -303,7 +303,7 @@ class _Rewriter:
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
             elif op is None:
-                reason = "no integer kernel for this op type"
+                reason = subgraph_reason(node) or "no integer kernel for this op type"
             else:
                 try:
                     op.check(node, node_attrs(node))
@@ -524,7 +524,7 @@ class _Rewriter:
         return out
 
     def _assemble(self) -> onnx.ModelProto:
-        used = {n for node in self.nodes for n in node.input}
+        used = names_read(self.nodes)
         inits = [numpy_helper.from_array(a, n) for n, a in self.inits.items() if n in used]
         inits += [t for t in self.new_inits if t.name in used]
         # weights' DequantizeLinear precede their users and Q/DQ follow producers: still topological

@@ -100,7 +100,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
                                                              preprocess, spread=True))
-    result.samples = sum(len(next(iter(b.values()))) for b in evaluator.batches)
+    result.samples = evaluator.batches.samples
     result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
     qdq = QdqModel(qmodel, float_model)
@@ -232,7 +232,7 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
                                                           preprocess, spread=True))
     result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored,
-                          samples=sum(len(next(iter(b.values()))) for b in evaluator.batches))
+                          samples=evaluator.batches.samples)
     work = onnx.ModelProto()
     work.CopyFrom(models[table.method])
     # what a tensor's range decides in the model: its fence's (S, Z) and the int32 biases (at

@@ -42,14 +42,6 @@ def invoke(*args):
 
 
 @pytest.fixture(scope="module")
-def qmodel(tmp_path_factory, demo_model, demo_table) -> Path:
-    model, _ = quantize(demo_model, demo_table)
-    path = tmp_path_factory.mktemp("qmodel") / "digits.q.onnx"
-    onnx.save(model, str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
 def run(tmp_path_factory, demo_model, qmodel, demo_heldout) -> dict:
     """One ``verify --ort --report --json`` over the held-out set: its JSON, page and folder."""
     folder = tmp_path_factory.mktemp("report")

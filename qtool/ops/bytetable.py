@@ -47,7 +47,7 @@ def by_byte(table: np.ndarray, dtype) -> np.ndarray:
 def _take(table: np.ndarray, index: np.ndarray) -> np.ndarray:
     parts = parallel.ranges(index.size, index.size)
     if len(parts) == 1:
-        return np.take(table, index)
+        return np.take(table, index) if index.ndim else np.asarray(np.take(table, index))  # 0-d: an array
     flat = np.ascontiguousarray(index).reshape(-1)
     out = np.empty(flat.size, dtype=table.dtype)
     parallel.run_parts(lambda start, stop: np.take(table, flat[start:stop], out=out[start:stop]), parts)

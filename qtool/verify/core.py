@@ -191,7 +191,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 got = _ort_run(ort_session, feeds, qmodel_path)
                 for c in ort_checks:
                     c.update(reference[c.name], got[c.name], result.outputs[c.name])
-            n = len(next(iter(feeds.values())))
+            n = data.samples_in(feeds)
             if labels is not None:
                 truth = data.extra[labels][start:start + n]
                 first = executor.output_names[0]
