@@ -18,6 +18,10 @@ from .fileio import atomic_write, check_writable
 from .report import float_node_lines
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
+# how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
+DATA_AXES = (" Samples lie on each array's first axis, except: a scalar input takes a 0-d array, fed "
+             "whole to every run; an input whose first size is fixed and another open (a state "
+             "[2,N,128]) takes them on that open axis.")
 EXIT_CODES = ("Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option), "
               "3 internal error (a model or case qtool does not handle).")
 
@@ -75,8 +79,8 @@ def _preprocess(resize, mean, std, scale, channels, layout, input_name):
 @app.command(epilog=EXIT_CODES)
 def calibrate(
     model: Path = typer.Argument(..., help="Float ONNX model."),
-    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name (samples "
-                                                        "first), or a folder of .npy/.npz or images."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a "
+                                                        "folder of .npy/.npz or images." + DATA_AXES),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml, "
                                                                        ".json; see --format); - for "
                                                                        "standard output."),
@@ -260,7 +264,7 @@ def quantize(
                                               "parameters per op as JSON."),
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
                                         "(or a folder of .npy/.npz): calibration samples for bias "
-                                        "correction and the searches."),
+                                        "correction and the searches." + DATA_AXES),
     bias_correction: Optional[bool] = typer.Option(None, "--bias-correction/--no-bias-correction",
                                                    help="Shift each Conv/Gemm bias so that its output's "
                                                    "per-channel mean matches float on DATA "
@@ -422,7 +426,7 @@ def quantize(
 def analyze(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name: the samples "
-                                                        "every variant is scored on."),
+                                                        "every variant is scored on." + DATA_AXES),
     table: Optional[Path] = typer.Option(None, "--table", "-t", help="Calibration table (any format "
                                          "quantize reads); default: calibrate on DATA with --method."),
     method: str = typer.Option("minmax", help="Calibration method when there is no --table."),
@@ -471,7 +475,7 @@ def analyze(
 def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
-    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name."),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name." + DATA_AXES),
     tolerance: str = typer.Option("0.99", help="COS or COS,SQNR: minimum output cosine and SQNR (dB)."),
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
@@ -547,7 +551,7 @@ def verify(
 @app.command("exec", epilog=EXIT_CODES)
 def exec_(
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
-    inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name."),
+    inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name." + DATA_AXES),
     output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
                                                        "outputs) as JSON on stdout."),
@@ -566,9 +570,12 @@ def exec_(
     """Run QMODEL on the integer-only executor and save its outputs.
 
     Samples are on the first axis of each array and run --batch-size at a time; the outputs are
-    written as they come (memory does not grow with the number of samples). An array shaped
-    exactly as its model input (every size fixed) is fed whole to every run when the arrays'
-    first axes disagree: a state, or inputs of different fixed sizes run once as they are.
+    written as they come (memory does not grow with the number of samples). A scalar input takes
+    a 0-d array, fed whole to every run; an input whose first size is fixed and another open (a
+    state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
+    batch. An array shaped exactly as its model input (every size fixed) is fed whole to every
+    run when the arrays' sample counts disagree: a state, or inputs of different fixed sizes run
+    once as they are.
 
     \b
     Examples:
@@ -594,9 +601,10 @@ def exec_(
         as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
         batch_size, note = ((1, "") if as_they_are else
                             default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP))
-        if not as_they_are and any(axis != 0 for axis in output_sample_axes(model).values()):
-            batch_size, note = len(data), ""  # an output with its samples on another axis: one batch
-        writer = NpzWriter(output, None if as_they_are else len(data))
+        if any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
+                and any(axis != 0 for axis in output_sample_axes(model).values()):
+            batch_size, note = len(data), ""  # states in and out with the samples on another axis: one batch
+        writer = NpzWriter(output, None if as_they_are or batch_size == len(data) else len(data))
         shapes = {}
         with progress_bar(len(data), "exec", not quiet) as bar:
             for feeds in data.batches(batch_size):

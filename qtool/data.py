@@ -407,14 +407,14 @@ def output_sample_axes(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def sample_axis(vi: onnx.ValueInfoProto, a: np.ndarray) -> int | None:
-    """Where input ``vi``'s samples lie in its data array ``a``: None for a scalar input (``a``
-    0-d, fed whole), else the first axis whose size the model leaves open when its first size is
+    """Where input ``vi``'s samples lie in its data array ``a``: None for a scalar input (declared
+    0-d, or of unknown shape and ``a`` 0-d: fed whole), else the first axis whose size the model leaves open when its first size is
     fixed and another is open (a state [2, batch, 128]: axis 1), else axis 0."""
     dims = input_shape(vi)
-    if a.ndim == 0 and vi.type.tensor_type.HasField("shape") and not dims:
-        return None
+    if not dims and (a.ndim == 0 or vi.type.tensor_type.HasField("shape")):
+        return None  # a scalar (a 0-d array for an input of unknown shape is one too)
     fixed = [isinstance(d, int) and d > 0 for d in dims]
-    if dims and fixed[0] and not all(fixed) and len(dims) == a.ndim:
+    if dims and fixed[0] and not all(fixed):
         return fixed.index(False)
     return 0
 

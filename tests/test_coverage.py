@@ -142,3 +142,67 @@ def test_an_unexpected_failure_is_one_line_with_exit_3(monkeypatch, capsys, demo
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: internal error, RuntimeError: something qtool did not expect (")
     assert not (tmp_path / "t.yaml").exists()
+
+
+# -- inputs that are not per sample -------------------------------------------------------------------
+def stateful_model() -> onnx.ModelProto:
+    """y = (x + state[0]) * float(sr), state_out = state * 0.5; x [N, 3], state [2, N, 3] (the
+    samples on axis 1, as an LSTM's stacked h/c), sr a scalar."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Gather", ["state", "zero"], ["h"], axis=0, name="first"),
+             helper.make_node("Add", ["x", "h"], ["s"], name="add"),
+             helper.make_node("Cast", ["sr"], ["srf"], to=f, name="cast"),
+             helper.make_node("Mul", ["s", "srf"], ["y"], name="scale"),
+             helper.make_node("Mul", ["state", "half"], ["state_out"], name="decay")]
+    graph = helper.make_graph(
+        nodes, "stateful",
+        [helper.make_tensor_value_info("x", f, ["N", 3]),
+         helper.make_tensor_value_info("state", f, [2, "N", 3]),
+         helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", f, ["N", 3]),
+         helper.make_tensor_value_info("state_out", f, [2, "N", 3])],
+        [numpy_helper.from_array(np.int64(0), "zero"), numpy_helper.from_array(np.float32(0.5), "half")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.fixture
+def stateful(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(stateful_model(), str(path))
+    rng = np.random.default_rng(5)
+    arrays = {"x": rng.standard_normal((10, 3)).astype(np.float32),
+              "state": rng.standard_normal((2, 10, 3)).astype(np.float32), "sr": np.array(2, np.int64)}
+    np.savez(tmp_path / "d.npz", **arrays)
+    return path, tmp_path / "d.npz", arrays
+
+
+def test_states_and_scalars_run_through_every_command(tmp_path, stateful):
+    import json
+
+    path, data, arrays = stateful
+    table, qpath, out = tmp_path / "t.yaml", tmp_path / "q.onnx", tmp_path / "y.npz"
+    result = invoke("calibrate", path, "--data", data, "-o", table, "-q", "--batch-size", "4")
+    assert result.exit_code == 0, result.output
+    assert "samples: 10" in table.read_text()
+    assert invoke("quantize", path, "-t", table, "-o", qpath, "-q").exit_code == 0
+    result = invoke("verify", path, qpath, "--data", data, "--json", "-q", "--batch-size", "4")
+    assert result.exit_code in (0, 1), result.output
+    assert json.loads(result.stdout)["samples"] == 10
+    result = invoke("exec", path, "--input", data, "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    got = np.load(out)
+    np.testing.assert_allclose(got["y"], (arrays["x"] + arrays["state"][0]) * 2, rtol=1e-6)
+    np.testing.assert_allclose(got["state_out"], arrays["state"] * 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad, expect", [
+    ({"sr": np.array([2, 2], np.int64)}, ("'sr'", "shape [2]", "model expects []")),
+    ({"state": np.zeros((3, 10, 3), np.float32)}, ("'state'", "axis 0 differs")),
+    ({"state": np.zeros((2, 7, 3), np.float32)}, ("different sample counts [7, 10]",)),
+    ({"state": np.zeros((2, 10), np.float32)}, ("'state'", "[2,N,3]", "samples on axis 1")),
+])
+def test_data_for_non_sample_inputs_is_checked(tmp_path, stateful, bad, expect):
+    path, _, arrays = stateful
+    np.savez(tmp_path / "bad.npz", **(arrays | bad))
+    user_error_leaves_nothing(tmp_path, "calibrate", path, "--data", tmp_path / "bad.npz", "-o",
+                              tmp_path / "t.yaml", expect=expect)
