@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(PINNED) -e '.[test]'
 	# real PP-OCR models for the tests: only the wheel's .onnx files are used, so no dependencies
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps rapidocr-onnxruntime==1.4.4
+	# silero-vad's voice-activity models (If subgraphs, LSTM, scalar and state inputs), same way
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps silero-vad==6.2.3
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -206,3 +206,76 @@ def test_data_for_non_sample_inputs_is_checked(tmp_path, stateful, bad, expect):
     np.savez(tmp_path / "bad.npz", **(arrays | bad))
     user_error_leaves_nothing(tmp_path, "calibrate", path, "--data", tmp_path / "bad.npz", "-o",
                               tmp_path / "t.yaml", expect=expect)
+
+
+# -- real models: silero-vad (installed by `make test` without its dependencies) ----------------------
+def _silero(name: str) -> Path:
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("silero_vad")
+    path = Path(spec.submodule_search_locations[0]) / "data" / name if spec else None
+    if path is None or not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("silero-vad is not installed; `make test` installs it")
+        pytest.skip("silero-vad is not installed")
+    return path
+
+
+def _speech(n: int, seed: int = 0, width: int = 512) -> np.ndarray:
+    """Frames of a made-up voiced sound (a 220 Hz tone, amplitude-modulated, with noise)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n * width) / 16000
+    wave = 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.05 * rng.standard_normal(t.size)
+    return wave.astype(np.float32).reshape(n, width)
+
+
+@pytest.mark.parametrize("name", ["silero_vad.onnx", "silero_vad_op18_ifless.onnx", "silero_vad_16k_op15.onnx"])
+def test_silero_vad_goes_end_to_end(tmp_path, name):
+    """A voice-activity model with a scalar sample-rate input and an LSTM state [2, N, 128], at
+    opsets 15, 16 and 18: the whole network inside an If whose subgraphs read main-graph
+    initializers, or (opset 15) its convolutions in the main graph and Ifs for the sample rate;
+    each calibrated, quantized and verified with no error."""
+    import json
+
+    path = _silero(name)
+    data = tmp_path / "vad.npz"
+    np.savez(data, input=_speech(8), state=np.zeros((2, 8, 128), np.float32), sr=np.array(16000, np.int64))
+    table, qpath = tmp_path / "t.yaml", tmp_path / "q.onnx"
+    for args in (("calibrate", path, "--data", data, "-o", table, "-q", "--batch-size", "4"),
+                 ("quantize", path, "-t", table, "-o", qpath, "-q")):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    result = invoke("verify", path, qpath, "--data", data, "--json", "-q", "--tolerance", "0")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["samples"] == 8 and [o["name"] for o in report["outputs"]] == ["output", "stateN"]
+    floats = {f["op_type"]: f["reason"] for f in report["float_nodes"]}
+    assert floats["If"].startswith("control flow: runs in float with the ")
+    assert all(-1 <= o["cosine"] <= 1 for o in report["outputs"])
+
+
+def test_silero_vad_lstm_sequence_model_runs_sample_by_sample(tmp_path):
+    """The sequence variant: a top-level LSTM whose states h, c are fixed at [1, 1, 128]: per-sample
+    states [N, 1, 128] run one sample at a time through quantize, exec and verify; the LSTM stays
+    float and the report says why."""
+    import json
+
+    path = _silero("silero_vad_16k_sequence.onnx")
+    data = tmp_path / "seq.npz"
+    n = 6
+    np.savez(data, input=_speech(n, width=576), h=np.zeros((n, 1, 128), np.float32),
+             c=np.zeros((n, 1, 128), np.float32))
+    table, qpath, out = tmp_path / "t.yaml", tmp_path / "q.onnx", tmp_path / "y.npz"
+    for args in (("calibrate", path, "--data", data, "-o", table, "-q"),
+                 ("quantize", path, "-t", table, "-o", qpath, "-q"),
+                 ("exec", qpath, "--input", data, "-o", out, "-q")):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    got = np.load(out)
+    assert got["speech_probs"].shape == (n,) and got["hn"].shape == (n, 1, 128)
+    result = invoke("verify", path, qpath, "--data", data, "--json", "-q", "--tolerance", "0")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["samples"] == n
+    assert {f["op_type"]: f["reason"] for f in report["float_nodes"]}["LSTM"] == "no integer kernel"
