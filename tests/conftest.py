@@ -39,3 +39,19 @@ def qmodel(tmp_path_factory, demo_model, demo_table) -> Path:
     path = tmp_path_factory.mktemp("qmodel") / "digits.q.onnx"
     onnx.save(model, str(path))
     return path
+
+
+def packaged_file(package: str, relative: str, wheel: str) -> Path:
+    """A model file shipped inside an installed wheel (``make test`` installs ``wheel`` without its
+    dependencies), found without importing the package; skipped where it is missing, a failure in
+    CI."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.submodule_search_locations[0]) / relative if spec else None
+    if path is None or not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{wheel} is not installed; `make test` installs it")
+        pytest.skip(f"{wheel} is not installed")
+    return path

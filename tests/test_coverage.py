@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import packaged_file
 from test_cli import invoke, user_error_leaves_nothing
 
 
@@ -210,16 +211,7 @@ def test_data_for_non_sample_inputs_is_checked(tmp_path, stateful, bad, expect):
 
 # -- real models: silero-vad (installed by `make test` without its dependencies) ----------------------
 def _silero(name: str) -> Path:
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("silero_vad")
-    path = Path(spec.submodule_search_locations[0]) / "data" / name if spec else None
-    if path is None or not path.is_file():
-        if os.environ.get("CI"):
-            pytest.fail("silero-vad is not installed; `make test` installs it")
-        pytest.skip("silero-vad is not installed")
-    return path
+    return packaged_file("silero_vad", f"data/{name}", "silero-vad")
 
 
 def _speech(n: int, seed: int = 0, width: int = 512) -> np.ndarray:

@@ -7,8 +7,6 @@ The images are synthetic text-like strokes, deterministic; rendered text lines c
 quality benchmark.
 """
 
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +22,11 @@ from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.verify import verify
 
+from conftest import packaged_file
+
 
 def _model(name: str) -> Path:
-    spec = importlib.util.find_spec("rapidocr_onnxruntime")
-    path = Path(spec.submodule_search_locations[0]) / "models" / name if spec else None
-    if path is None or not path.is_file():
-        if os.environ.get("CI"):
-            pytest.fail("rapidocr-onnxruntime is not installed; `make test` installs it")
-        pytest.skip("rapidocr-onnxruntime is not installed")
-    return path
+    return packaged_file("rapidocr_onnxruntime", f"models/{name}", "rapidocr-onnxruntime")
 
 
 def _strokes(n: int, seed: int, height: int = 48, width: int = 192) -> np.ndarray:
