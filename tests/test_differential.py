@@ -47,6 +47,13 @@ CASES = {
         {"x": (8, 3, 9, 9)}, {"w": _w(5, 3, 3, 3)}),
     "conv_depthwise": (helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 1, 1, 1]),
                        {"x": (8, 4, 6, 6)}, {"w": _w(4, 1, 3, 3), "b": _w(4)}),
+    # 1-D: the executor runs them as 2-D convs of height 1
+    "conv1d_pad_bias": (helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[2, 1]),
+                        {"x": (8, 3, 17)}, {"w": _w(4, 3, 5), "b": _w(4)}),
+    "conv1d_stride_dilation": (helper.make_node("Conv", ["x", "w"], ["y"], strides=[2], dilations=[3]),
+                               {"x": (8, 4, 30)}, {"w": _w(6, 4, 3)}),
+    "conv1d_depthwise": (helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 1]),
+                         {"x": (8, 4, 12)}, {"w": _w(4, 1, 3), "b": _w(4)}),
     "gemm_transB": (helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1),
                     {"x": (8, 6)}, {"w": _w(5, 6), "b": _w(5)}),
     "gemm_plain": (helper.make_node("Gemm", ["x", "w"], ["y"]), {"x": (8, 6)}, {"w": _w(6, 5)}),

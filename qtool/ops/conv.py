@@ -39,6 +39,10 @@ class ConvParams:
     group: int
     rounding: str
     dtype: str
+    # 1 for a 1-D Conv ([N, C, L]), held as the 2-D Conv of height 1 it equals: weight [C_out,
+    # C_in/group, 1, k], no padding, stride or dilation along the height; [N, C, L] inputs run
+    # as [N, C, 1, L] (a view)
+    rank: int = 2
 
 
 def accumulator_bias(view: NodeView, bias_index: int | None, weight_q: np.ndarray, axis: int,
@@ -87,19 +91,24 @@ class Conv(IntegerOp):
     def check(self, node, attrs):
         if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
             raise Unsupported("auto_pad SAME_* is not supported")
-        if len(attrs.get("kernel_shape", [0, 0])) != 2:
-            raise Unsupported("only 2-D convolution is supported")
+        if len(attrs.get("kernel_shape", [0, 0])) not in (1, 2):
+            raise Unsupported("only 1-D and 2-D convolutions are supported")
 
     def derive(self, view: NodeView) -> ConvParams:
         self.check(view.node, view.attrs)
         x = per_tensor(view.inputs[0].qparams, "Conv input")
         y = per_tensor(view.output, "Conv output")
         weight = view.inputs[1].value
-        if weight.ndim != 4:
-            raise Unsupported("only 2-D convolution is supported")
+        if weight.ndim not in (3, 4):
+            raise Unsupported("only 1-D and 2-D convolutions are supported")
         channels = weight.shape[0]
         channel_scale = x.scale * weight_scales(view, 1, channels, 0)
-        pads = tuple(view.attr("pads", [0, 0, 0, 0]))
+        rank = weight.ndim - 2
+        pads = tuple(view.attr("pads", [0] * 2 * rank))
+        strides, dilations = tuple(view.attr("strides", [1] * rank)), tuple(view.attr("dilations", [1] * rank))
+        if rank == 1:  # the 2-D Conv of height 1 it equals
+            weight, pads = weight[:, :, None, :], (0, pads[0], 0, pads[1])
+            strides, dilations = (1, *strides), (1, *dilations)
         return ConvParams(
             weight=weight,
             bias=accumulator_bias(view, 2, weight, 0, channel_scale, x.zero_point),
@@ -107,19 +116,26 @@ class Conv(IntegerOp):
             zero_in=x.zero_point,
             zero_out=y.zero_point,
             pads=(pads[0], pads[1], pads[2], pads[3]),
-            strides=tuple(view.attr("strides", [1, 1])),
-            dilations=tuple(view.attr("dilations", [1, 1])),
+            strides=strides,
+            dilations=dilations,
             group=view.attr("group", 1),
             rounding=view.rounding,
             dtype=y.dtype,
+            rank=rank,
         )
 
     def specialize(self, p: ConvParams, shapes) -> "ConvPlan":
-        return ConvPlan.of(p, tuple(shapes[0]))
+        shape = tuple(shapes[0])
+        return ConvPlan.of(p, shape if p.rank == 2 else (*shape[:2], 1, *shape[2:]))
 
     def run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
         """``table`` (``takes_table``): the output is ``table[byte of q_y]``, in the requantizing
         pass where the compiled loop writes the output whole, else looked up after."""
+        if (p.params if isinstance(p, ConvPlan) else p).rank == 1:  # [N, C, L] as [N, C, 1, L]
+            return self._run(p, x[:, :, None, :], table)[:, :, 0, :]
+        return self._run(p, x, table)
+
+    def _run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None) -> np.ndarray:
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None:

@@ -122,6 +122,8 @@ class PairSaturating:
         return params
 
     def run(self, p, x: np.ndarray) -> np.ndarray:
+        if isinstance(p, ConvParams) and p.rank == 1:  # [N, C, L] as [N, C, 1, L]
+            return self.run(p, x[:, :, None, :])[:, :, 0, :]
         if isinstance(p, ConvParams):
             return conv_run_scanned(p, x, functools.partial(self._conv_loss, p))
         return matmul_run_scanned(p, x, self._matmul_loss)
