@@ -271,3 +271,41 @@ def test_silero_vad_lstm_sequence_model_runs_sample_by_sample(tmp_path):
     report = json.loads(result.stdout)
     assert report["samples"] == n
     assert {f["op_type"]: f["reason"] for f in report["float_nodes"]}["LSTM"] == "no integer kernel"
+
+
+def test_loop_body_reading_the_outer_scope_runs(tmp_path):
+    """y = Loop 3 times: v = v * w + b, with w and b initializers of the main graph read from the
+    body; the Loop runs in float, its reason says so, and verify agrees with the float model."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["v_in", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["v_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", f, ["N", 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", f, ["N", 4])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Loop", ["trips", "go", "r"], ["y"], body=body, name="repeat")]
+    graph = helper.make_graph(nodes, "loop", [helper.make_tensor_value_info("x", f, ["N", 4])],
+                              [helper.make_tensor_value_info("y", f, ["N", 4])],
+                              [numpy_helper.from_array(np.int64(3), "trips"), numpy_helper.from_array(np.bool_(True), "go"),
+                               numpy_helper.from_array(np.float32([0.5, 1, -1, 2]), "w"),
+                               numpy_helper.from_array(np.float32([0.1, 0, 0.2, -0.3]), "b")])
+    path, data = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    x = np.random.default_rng(2).standard_normal((16, 4)).astype(np.float32)
+    np.savez(data, x=x)
+    table, qpath = tmp_path / "t.yaml", tmp_path / "q.onnx"
+    assert invoke("calibrate", path, "--data", data, "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", path, "-t", table, "-o", qpath)
+    assert result.exit_code == 0, result.output
+    assert "control flow: runs in float with the 3 nodes of its 1 subgraph ('repeat')" in result.output
+    from qtool.executor import IntegerExecutor
+
+    y = IntegerExecutor(onnx.load(str(qpath))).run({"x": x}).outputs["y"]
+    v = np.maximum(x, 0)
+    for _ in range(3):
+        v = v * np.float32([0.5, 1, -1, 2]) + np.float32([0.1, 0, 0.2, -0.3])
+    np.testing.assert_allclose(y, v, atol=0.1)  # within a few LSB of the Relu output's quantization
+    assert invoke("verify", path, qpath, "--data", data, "-q").exit_code == 0
