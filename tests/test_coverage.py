@@ -95,16 +95,22 @@ def branching_model() -> onnx.ModelProto:
     return model
 
 
-def test_if_model_calibrates_quantizes_and_verifies(tmp_path):
-    path, data = tmp_path / "m.onnx", tmp_path / "d.npz"
-    onnx.save(branching_model(), str(path))
-    x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+def quantized(tmp_path: Path, model: onnx.ModelProto, x: np.ndarray) -> tuple[Path, Path, Path, str]:
+    """``model`` saved, calibrated on {"x": x} and quantized by the CLI: (model, data, quantized
+    model, quantize's report)."""
+    path, data, table, qpath = (tmp_path / n for n in ("m.onnx", "d.npz", "t.yaml", "q.onnx"))
+    onnx.save(model, str(path))
     np.savez(data, x=x)
-    table, qpath = tmp_path / "t.yaml", tmp_path / "q.onnx"
     assert invoke("calibrate", path, "--data", data, "-o", table, "-q").exit_code == 0
     result = invoke("quantize", path, "-t", table, "-o", qpath)
     assert result.exit_code == 0, result.output
-    assert "control flow: runs in float with the 2 nodes of its 2 subgraphs ('branch')" in result.output
+    return path, data, qpath, result.output
+
+
+def test_if_model_calibrates_quantizes_and_verifies(tmp_path):
+    x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+    path, data, qpath, output = quantized(tmp_path, branching_model(), x)
+    assert "control flow: runs in float with the 2 nodes of its 2 subgraphs ('branch')" in output
     onnx.checker.check_model(onnx.load(str(qpath)), full_check=True)
     result = invoke("verify", path, qpath, "--data", data, "--json", "-q", "--batch-size", "6")
     assert result.exit_code == 0, result.output
@@ -292,15 +298,10 @@ def test_loop_body_reading_the_outer_scope_runs(tmp_path):
                               [numpy_helper.from_array(np.int64(3), "trips"), numpy_helper.from_array(np.bool_(True), "go"),
                                numpy_helper.from_array(np.float32([0.5, 1, -1, 2]), "w"),
                                numpy_helper.from_array(np.float32([0.1, 0, 0.2, -0.3]), "b")])
-    path, data = tmp_path / "m.onnx", tmp_path / "d.npz"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
     x = np.random.default_rng(2).standard_normal((16, 4)).astype(np.float32)
-    np.savez(data, x=x)
-    table, qpath = tmp_path / "t.yaml", tmp_path / "q.onnx"
-    assert invoke("calibrate", path, "--data", data, "-o", table, "-q").exit_code == 0
-    result = invoke("quantize", path, "-t", table, "-o", qpath)
-    assert result.exit_code == 0, result.output
-    assert "control flow: runs in float with the 3 nodes of its 1 subgraph ('repeat')" in result.output
+    path, data, qpath, output = quantized(
+        tmp_path, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), x)
+    assert "control flow: runs in float with the 3 nodes of its 1 subgraph ('repeat')" in output
     from qtool.executor import IntegerExecutor
 
     y = IntegerExecutor(onnx.load(str(qpath))).run({"x": x}).outputs["y"]
