@@ -20,7 +20,7 @@ from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VE
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
 DATA_AXES = (" Samples lie on each array's first axis, except: a scalar input takes a 0-d array, fed "
-             "whole to every run; an input whose first size is fixed and another open (a state "
+             "whole to every run; an input whose first size is fixed above 1 and another open (a state "
              "[2,N,128]) takes them on that open axis.")
 EXIT_CODES = ("Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option), "
               "3 internal error (a model or case qtool does not handle).")
@@ -571,7 +571,7 @@ def exec_(
 
     Samples are on the first axis of each array and run --batch-size at a time; the outputs are
     written as they come (memory does not grow with the number of samples). A scalar input takes
-    a 0-d array, fed whole to every run; an input whose first size is fixed and another open (a
+    a 0-d array, fed whole to every run; an input whose first size is fixed above 1 and another open (a
     state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
     batch. An array shaped exactly as its model input (every size fixed) is fed whole to every
     run when the arrays' sample counts disagree: a state, or inputs of different fixed sizes run
@@ -604,13 +604,16 @@ def exec_(
         if any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
                 and any(axis != 0 for axis in output_sample_axes(model).values()):
             batch_size, note = len(data), ""  # states in and out with the samples on another axis: one batch
-        writer = NpzWriter(output, None if as_they_are or batch_size == len(data) else len(data))
+        whole = as_they_are or batch_size == len(data)
+        writer = NpzWriter(output, None if whole else len(data))
         shapes = {}
         with progress_bar(len(data), "exec", not quiet) as bar:
             for feeds in data.batches(batch_size):
                 outputs = executor.run(feeds).outputs
-                shapes = {name: list(value.shape) if as_they_are or batch_size == len(data)
-                          else [len(data), *value.shape[1:]] for name, value in outputs.items()}
+                if not whole:
+                    outputs = _per_sample(outputs, data.samples_in(feeds))
+                shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
+                          for name, value in outputs.items()}
                 writer.append(outputs)
                 bar.update(min(batch_size, len(data) - bar.n))
         writer.close()
@@ -763,6 +766,23 @@ def main() -> None:
         typer.echo("error: interrupted", err=True)
         raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _per_sample(outputs: dict, n: int) -> dict:
+    """A batch's outputs with the samples on the first axis: one sample's output whose first axis
+    is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample; an output
+    of a larger batch that does not lead with it cannot be split, a one-line error."""
+    shaped = {}
+    for name, value in outputs.items():
+        if value.ndim and value.shape[0] == n:
+            shaped[name] = value
+        elif n == 1:
+            shaped[name] = value[None]
+        else:
+            raise QtoolError(f"output '{name}' has shape {list(value.shape)} for a batch of {n} "
+                             f"samples, so exec cannot tell which part is whose; with --batch-size 1 "
+                             f"each sample's output is written whole, one per sample")
+    return shaped
 
 
 def _internal_error(e: Exception) -> None:

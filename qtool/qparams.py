@@ -81,9 +81,18 @@ def per_channel_symmetric(weights: np.ndarray, axis: int = 0, dtype: str = "int8
 
 
 def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
-    """Float to integer as ONNX QuantizeLinear does: divide, round half to even, add Z, saturate."""
+    """Float to integer as ONNX QuantizeLinear does: divide, round half to even, add Z, saturate.
+
+    The quotient is bounded in float first, so that no value leaves int64 when cast (a cast of
+    inf, NaN or 1e30 is undefined, and differs between CPUs): ±inf saturate, and NaN, which ONNX
+    leaves undefined, becomes the lowest integer (``fmax`` takes the bound over a NaN)."""
     scale, zero_point = _broadcastable(qp, np.ndim(x))
-    q = np.rint(np.asarray(x, dtype=np.float32) / scale).astype(np.int64) + zero_point
+    with np.errstate(over="ignore"):  # a quotient beyond float32 is inf: saturated below
+        r = np.asarray(x, dtype=np.float32) / scale
+    reach = float(qp.qmax - qp.qmin) + 1.0  # beyond it every value saturates whatever Z is
+    lo, hi = float(qp.qmin) - float(np.max(zero_point)) - reach, float(qp.qmax) - float(np.min(zero_point)) + reach
+    r = np.fmin(np.fmax(r, np.float32(lo), out=r if r.ndim else None), np.float32(hi), out=r if r.ndim else None)
+    q = np.rint(r).astype(np.int64) + zero_point
     return np.clip(q, qp.qmin, qp.qmax).astype(qp.dtype)
 
 

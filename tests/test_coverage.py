@@ -310,3 +310,22 @@ def test_loop_body_reading_the_outer_scope_runs(tmp_path):
         v = v * np.float32([0.5, 1, -1, 2]) + np.float32([0.1, 0, 0.2, -0.3])
     np.testing.assert_allclose(y, v, atol=0.1)  # within a few LSB of the Relu output's quantization
     assert invoke("verify", path, qpath, "--data", data, "-q").exit_code == 0
+
+
+def test_an_output_whose_size_changes_fails_verification_in_one_line(tmp_path):
+    """y = NonZero(Relu(x) > 0.3): values near the threshold cross it once quantized, so the
+    executor's y has another length than the float model's; verify says so (exit 1), no crash."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Greater", ["r", "limit"], ["g"], name="above"),
+             helper.make_node("NonZero", ["g"], ["y"], name="where")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["N", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "K"])],
+                              [numpy_helper.from_array(np.float32(0.3), "limit")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.linspace(0.25, 0.35, 64, dtype=np.float32)[None].repeat(4, 0) + np.float32(0.0011) * np.arange(4)[:, None]
+    path, data, qpath, _ = quantized(tmp_path, model, np.concatenate([x, -x, x * 3]).astype(np.float32))
+    result = invoke("verify", path, qpath, "--data", data, "--batch-size", "1", "-q")
+    assert result.exit_code == 1, result.output
+    assert "output 'y' has another shape than the float model's on" in result.output
+    assert "its size depends on values that quantization changed" in result.output

@@ -236,3 +236,16 @@ def test_offset_requant_flags_channels_that_may_leave_int32():
 def test_offset_requant_only_for_half_up_and_right_shifts(mode, rshift):
     assert offset_requant(np.array([0]), Requant(np.array([2**30]), np.array([rshift])), 0, "int8", mode,
                           np.array([100])) is None
+
+
+def test_quantize_saturates_infinities_and_nan_deterministically():
+    """A float op feeding a QuantizeLinear can produce inf or NaN (a variance quantized to 0, then
+    divided by): the cast to an integer must not be left to the CPU."""
+    from qtool.qparams import QParams, quantize_array
+
+    x = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e12, 0.0, 0.05, 0.15], np.float32)
+    got = quantize_array(x, QParams(0.1, 3, "int8"))
+    assert got.tolist() == [-128, 127, -128, 127, -128, 127, 3, 3, 5]  # 0.5 and 1.5 round to even
+    per_channel = QParams(np.array([0.1, 0.2], np.float32), np.array([0, 5]), "uint8", 0)
+    got = quantize_array(np.array([[np.nan, 1e20], [-np.inf, 0.5]], np.float32), per_channel)
+    assert got.tolist() == [[0, 255], [0, 7]]

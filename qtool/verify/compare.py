@@ -49,15 +49,30 @@ class Comparison:
     got_sq: float = 0.0
     err_sq: float = 0.0
     max_lsb: float = 0.0
+    # batches whose two sides differ in shape (a Loop that stops on a value), left out of the
+    # sums, and the first such pair of shapes
+    mismatched: int = 0
+    shapes: tuple | None = None
 
     def update(self, ref: np.ndarray, got: np.ndarray) -> None:
         """Add a batch: ``got`` the executor's float values."""
-        self._add(ref, got, None)
+        if self._same_shape(ref, got):
+            self._add(ref, got, None)
+
+    def _same_shape(self, ref: np.ndarray, got: np.ndarray) -> bool:
+        if np.shape(ref) == np.shape(got):
+            return True
+        self.mismatched += 1
+        if self.shapes is None:
+            self.shapes = (list(np.shape(ref)), list(np.shape(got)))
+        return False
 
     def update_integer(self, ref: np.ndarray, q: np.ndarray, tables: dict) -> None:
         """Add a batch of the executor's integers ``q``, dequantized with ``qparams`` (``tables``:
         this comparison's dequantized bytes, kept between batches)."""
         qp = self.qparams
+        if not self._same_shape(ref, q):
+            return
         if q.dtype in BYTE_TYPES and qp.axis is None:
             table = tables.get(q.dtype)
             if table is None:
@@ -103,6 +118,8 @@ class Comparison:
         if self.qparams is not None:
             d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
                      compared_after_relu=self.clamped)
+        if self.mismatched:
+            d.update(shape_mismatches=self.mismatched, shapes={"float": self.shapes[0], "integer": self.shapes[1]})
         return d
 
 

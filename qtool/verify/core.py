@@ -49,6 +49,9 @@ class OrtCheck:
 
     def update(self, ref: np.ndarray, got: np.ndarray, executor: np.ndarray) -> None:
         self.vs_float.update(ref, got)
+        if executor.shape != got.shape:  # counted as unequal elements (a Loop stopping elsewhere)
+            self.count += max(executor.size, got.size)
+            return
         diff = np.abs(executor.astype(np.float64) - got.astype(np.float64))
         if self.qparams is not None:
             diff = diff / _scale_like(self.qparams, diff.ndim)
@@ -180,7 +183,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     # and the executor's kernels on this thread alone: the second thread has work of its own
     with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), parallel.serial(), \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
-        start = 0
+        start = batches = 0
         for feeds in data.batches(batch_size, total):
             reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side)
             for c in outputs:
@@ -199,6 +202,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 correct_int += int((result.outputs[first].argmax(-1) == truth).sum())
             start += n
             bar.update(n)
+            batches += 1
     if log is not None and note and total > 1:
         log(note)
     report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
@@ -211,6 +215,11 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                            "integer": 100.0 * correct_int / total}
     min_cos, min_sqnr = tolerance
     for c in outputs:
+        if c.mismatched:
+            report.failures.append(f"output '{c.name}' has another shape than the float model's on "
+                                   f"{c.mismatched} of {batches} batches (float {c.shapes[0]}, "
+                                   f"integer {c.shapes[1]}): its size depends on values that "
+                                   f"quantization changed")
         if c.cosine < min_cos:
             report.failures.append(f"output '{c.name}' cosine {c.cosine:.6f} < {min_cos}")
         if min_sqnr is not None and c.sqnr < min_sqnr:
