@@ -317,20 +317,47 @@ class _Rewriter:
         return integer
 
     def _layernorm_variance_nodes(self) -> set[str]:
-        """The ``Add(variance, epsilon)`` before the ``Sqrt`` of a decomposed LayerNormalization
-        (ReduceMean -> Sub -> Pow -> ReduceMean -> Add -> Sqrt -> Div): its other ops have no
-        kernel, and int8 would cost the variance about 1% of its value for no gain."""
-        names = set()
+        """The nodes of a decomposed normalization's statistics: those that compute, from
+        ReduceMean/ReduceSum outputs alone, what a Sqrt reads (the Add of epsilon in ReduceMean
+        -> Sub -> Pow -> ReduceMean -> Add -> Sqrt; the E[x^2] - E[x]^2 -> Max(eps) -> Add chain).
+        int8 would cost the variance about 1% of its value for no gain, and in the E[x^2] - E[x]^2
+        form all of it (the difference of two rounded near-equal terms is rounding: 0, then
+        divided by)."""
+        # statistics: a reduction's output, and what ops compute from statistics alone (float
+        # inputs other than constants; shape tensors do not count), in graph order
+        statistics: set[str] = set()
+        constant = set(self.inits)  # and what nodes compute from constants alone (a reshaped gamma)
+        below: dict[str, onnx.NodeProto] = {}
         for node in self.graph.node:
-            if node.op_type != "Sqrt":
+            if node.op_type in ("ReduceMean", "ReduceSum"):
+                statistics.update(node.output)
                 continue
-            add = self.producers.get(node.input[0])
-            if add is None or add.op_type != "Add":
+            inputs = [n for n in node.input if n]
+            if all(n in constant for n in inputs):
+                constant.update(node.output)
                 continue
-            sources = [self.producers.get(n) for n in add.input if n not in self.inits]
-            if len(sources) == 1 and sources[0] is not None and sources[0].op_type == "ReduceMean":
-                names.add(add.name)
-        return names
+            values = [n for n in inputs if n not in constant and n in self.float_names]
+            if values and all(n in statistics for n in values):
+                statistics.update(node.output)
+                below[node.name] = node
+        # the statistics a Sqrt reads (variance, epsilon) and those computed from its output
+        # (1 / sqrt, times gamma): a tensor spanning 1 to 1/sqrt(epsilon) when a row is constant
+        linked: set[str] = set()
+        todo = [n for n in self.graph.node if n.op_type == "Sqrt"]
+        while todo:
+            node = todo.pop()
+            sources = [self.producers.get(name) for name in node.input]
+            users = [u for out in node.output for u in self.consumers.get(out, [])]
+            for other in [*sources, *users]:
+                if other is not None and other.name in below and other.name not in linked:
+                    linked.add(other.name)
+                    todo.append(other)
+        roots = {n.name for n in self.graph.node if n.op_type == "Sqrt" and n.input[0] in statistics}
+        # and the Mul or Div that normalizes with them: its operand spans that range too
+        scaling = {u.name for node in self.graph.node if node.name in linked | roots
+                   for out in node.output for u in self.consumers.get(out, [])
+                   if u.op_type in ("Mul", "Div") and u.name not in below}
+        return linked | roots | scaling
 
     def _specs(self, node, op) -> dict:
         """The op's constant inputs, plus any other constant input where the op accepts them as

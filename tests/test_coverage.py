@@ -4,6 +4,7 @@ sees it: exit code 2, one line naming the node or input, nothing written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,45 @@ def test_an_output_whose_size_changes_fails_verification_in_one_line(tmp_path):
     assert result.exit_code == 1, result.output
     assert "output 'y' has another shape than the float model's on" in result.output
     assert "its size depends on values that quantization changed" in result.output
+
+
+def test_layernorm_as_mean_of_squares_minus_square_of_mean_keeps_its_statistics_float(tmp_path):
+    """A LayerNorm exported as E[x^2] - E[x]^2 (JAX/TF): quantized, the two near-equal terms
+    would cancel to rounding and the 1 / sqrt(var + eps) that follows span 1 to 1/sqrt(eps); its
+    statistics and the normalizing Mul stay float, and the model keeps its accuracy."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["x", "w"], ["h"], name="scale_in"),  # an integer op before
+             helper.make_node("ReduceSum", ["h", "axes"], ["s1"], keepdims=1, name="sum"),
+             helper.make_node("Mul", ["s1", "inv_n"], ["mean"], name="mean"),
+             helper.make_node("Mul", ["h", "h"], ["sq"], name="square"),
+             helper.make_node("ReduceSum", ["sq", "axes"], ["s2"], keepdims=1, name="sum_sq"),
+             helper.make_node("Mul", ["s2", "inv_n"], ["mean_sq"], name="mean_sq"),
+             helper.make_node("Mul", ["mean", "mean"], ["sq_mean"], name="square_mean"),
+             helper.make_node("Sub", ["mean_sq", "sq_mean"], ["var"], name="var"),
+             helper.make_node("Max", ["var", "zero"], ["var_pos"], name="clamp"),
+             helper.make_node("Add", ["var_pos", "eps"], ["var_eps"], name="add_eps"),
+             helper.make_node("Sqrt", ["var_eps"], ["std"], name="sqrt"),
+             helper.make_node("Reciprocal", ["std"], ["rstd"], name="rstd"),
+             helper.make_node("Mul", ["rstd", "gamma"], ["scale"], name="gamma"),
+             helper.make_node("Sub", ["h", "mean"], ["centered"], name="center"),
+             helper.make_node("Mul", ["centered", "scale"], ["normed"], name="normalize"),
+             helper.make_node("Add", ["normed", "beta"], ["y"], name="beta")]
+    rng = np.random.default_rng(4)
+    inits = {"w": np.float32(1.5), "axes": np.array([-1], np.int64), "inv_n": np.float32(1 / 16),
+             "zero": np.float32(0), "eps": np.float32(1e-6), "gamma": rng.uniform(0.5, 2, 16).astype(np.float32),
+             "beta": rng.normal(0, 0.1, 16).astype(np.float32)}
+    graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", f, ["N", 16])],
+                              [helper.make_tensor_value_info("y", f, ["N", 16])],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = (rng.normal(0, 1, (64, 16)) * rng.uniform(0.2, 1, (64, 1)) + rng.normal(3, 0.5, (64, 1))).astype(np.float32)
+    path, data, qpath, output = quantized(tmp_path, model, x)
+    # mean, mean_sq, square_mean, gamma and normalize (the report names the first three)
+    assert re.search(r"Mul x5: inside a LayerNormalization \(float by default\) \('mean', 'mean_sq', "
+                     r"'square_mean', \.\.\.\)", output), output
+    assert "Mul x1" not in output.split("float:")[1] or "scale_in" not in output.split("float:")[1]
+    import json
+
+    result = invoke("verify", path, qpath, "--data", data, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["outputs"][0]["sqnr_db"] > 20  # 21.7 dB; 16.0 with these statistics in int8
