@@ -398,25 +398,26 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
 def output_sample_axes(model: onnx.ModelProto) -> dict[str, int]:
     """Per model output, the axis its samples lie on by ``sample_axis``'s rule on its declared
     shape (0 when it declares none)."""
-    axes = {}
-    for vi in model.graph.output:
-        dims = input_shape(vi)
-        fixed = [isinstance(d, int) and d > 0 for d in dims]
-        axes[vi.name] = fixed.index(False) if dims and fixed[0] and dims[0] != 1 and not all(fixed) else 0
-    return axes
+    return {vi.name: _open_axis(input_shape(vi)) for vi in model.graph.output}
 
 
 def sample_axis(vi: onnx.ValueInfoProto, a: np.ndarray) -> int | None:
     """Where input ``vi``'s samples lie in its data array ``a``: None for a scalar input (declared
-    0-d, or of unknown shape and ``a`` 0-d: fed whole), else the first axis whose size the model leaves open when its first size is
-    fixed above 1 and another is open (a state [2, batch, 128]: axis 1), else axis 0."""
+    0-d, or of unknown shape and ``a`` 0-d: fed whole), else the first axis whose size the model
+    leaves open when its first size is fixed above 1 (a state [2, batch, 128]: axis 1), else 0."""
     dims = input_shape(vi)
     if not dims and (a.ndim == 0 or vi.type.tensor_type.HasField("shape")):
         return None  # a scalar (a 0-d array for an input of unknown shape is one too)
+    return _open_axis(dims)
+
+
+def _open_axis(dims: list) -> int:
+    """The first open size of ``dims`` when the first is fixed above 1 (a first size of 1 is a
+    fixed batch: the samples run one at a time), else 0."""
     fixed = [isinstance(d, int) and d > 0 for d in dims]
     if dims and fixed[0] and dims[0] != 1 and not all(fixed):
         return fixed.index(False)
-    return 0  # (a first size of 1 is a fixed batch: the samples run one at a time)
+    return 0
 
 
 def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str, np.ndarray]:

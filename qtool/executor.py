@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from .errors import QtoolError
-from .model import graph_inputs, initializers, outer_reads, subgraph_reason
+from .model import graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
@@ -100,10 +100,6 @@ def _collector_paused():
         gc.enable()
 
 
-def _has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.HasField("g") or len(a.graphs) for a in node.attribute)
-
-
 def _metadata(model: onnx.ModelProto) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
@@ -124,7 +120,7 @@ class IntegerExecutor:
         self.producer = {out: node for node in model.graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too
-        self.outer = {node.name: outer_reads(node) for node in model.graph.node if _has_subgraph(node)}
+        self.outer = {node.name: outer_reads(node) for node in model.graph.node if subgraphs(node)}
         for node in model.graph.node:
             for name in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]):
                 self.consumers.setdefault(name, []).append(node)

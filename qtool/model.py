@@ -84,8 +84,8 @@ def _all_tensors(graph: onnx.GraphProto):
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _all_tensors(sub)
+        for sub in subgraphs(node):
+            yield from _all_tensors(sub)
 
 
 MIN_OPSET = 13  # DequantizeLinear's axis (per-channel weights) needs opset 13
@@ -135,36 +135,34 @@ QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "ConvInteger", 
                            "MatMulBnb4", "DequantizeBFP", "QuantizeBFP", "GatherBlockQuantized"})
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs in ``node``'s attributes (If branches, Loop and Scan bodies)."""
+    return [sub for attr in node.attribute for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)]
+
+
 def all_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs (If branches, Loop and Scan bodies), depth first."""
+    """Every node of ``graph`` and of its subgraphs, depth first."""
     for node in graph.node:
         yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from all_nodes(sub)
+        for sub in subgraphs(node):
+            yield from all_nodes(sub)
 
 
 def subgraph_reason(node: onnx.NodeProto) -> str | None:
     """Why a node with subgraphs (If, Loop, Scan) runs in float, or None for other nodes."""
-    subgraphs = [sub for attr in node.attribute
-                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)]
-    if not subgraphs:
+    graphs = subgraphs(node)
+    if not graphs:
         return None
-    inner = sum(1 for sub in subgraphs for _ in all_nodes(sub))
+    inner = sum(1 for sub in graphs for _ in all_nodes(sub))
     return (f"control flow: runs in float with the {inner} nodes of its "
-            f"{len(subgraphs)} subgraph{'s' if len(subgraphs) > 1 else ''}")
+            f"{len(graphs)} subgraph{'s' if len(graphs) > 1 else ''}")
 
 
 def names_read(nodes) -> set[str]:
     """The tensor names ``nodes`` read, their subgraphs' nodes included (a subgraph reads the
     outer graph's tensors and initializers by name, not through its node's inputs)."""
-    names = set()
-    for node in nodes:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                names.update(n for inner in all_nodes(sub) for n in inner.input)
-    return names
+    return {name for node in nodes for inner in [node, *(n for sub in subgraphs(node) for n in all_nodes(sub))]
+            for name in inner.input}
 
 
 def outer_reads(node: onnx.NodeProto) -> list[str]:
@@ -179,14 +177,12 @@ def outer_reads(node: onnx.NodeProto) -> list[str]:
             for name in inner.input:
                 if name and name not in defined:
                     found.setdefault(name)
-            for attr in inner.attribute:
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    visit(sub, defined)
+            for sub in subgraphs(inner):
+                visit(sub, defined)
             defined = defined | set(inner.output)
 
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            visit(sub, set())
+    for sub in subgraphs(node):
+        visit(sub, set())
     return list(found)
 
 
