@@ -601,10 +601,12 @@ def exec_(
         as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
         batch_size, note = ((1, "") if as_they_are else
                             default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP))
-        if any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
-                and any(axis != 0 for axis in output_sample_axes(model).values()):
-            batch_size, note = len(data), ""  # states in and out with the samples on another axis: one batch
-        whole = as_they_are or batch_size == len(data)
+        # states in and out with their samples on another axis: one batch, written as it is
+        one_batch = any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
+            and any(axis != 0 for axis in output_sample_axes(model).values())
+        if one_batch:
+            batch_size, note = len(data), ""
+        whole = as_they_are or one_batch
         writer = NpzWriter(output, None if whole else len(data))
         shapes = {}
         with progress_bar(len(data), "exec", not quiet) as bar:

@@ -372,3 +372,20 @@ def test_layernorm_as_mean_of_squares_minus_square_of_mean_keeps_its_statistics_
     result = invoke("verify", path, qpath, "--data", data, "--json", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["outputs"][0]["sqnr_db"] > 20  # 21.7 dB; 16.0 with these statistics in int8
+
+
+def test_exec_stacks_sequence_outputs_the_same_for_one_sample_and_many(tmp_path):
+    """A batch-1 model whose output leads with its sequence ([T, 1, C]): exec writes [N, T, 1, C],
+    N = 1 included."""
+    f = TensorProto.FLOAT
+    graph = helper.make_graph([helper.make_node("Transpose", ["x"], ["y"], perm=[2, 0, 1], name="t")], "seq",
+                              [helper.make_tensor_value_info("x", f, [1, 3, 5])],
+                              [helper.make_tensor_value_info("y", f, [5, 1, 3])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    for n in (1, 3):
+        x = np.arange(n * 15, dtype=np.float32).reshape(n, 3, 5)
+        np.savez(tmp_path / "x.npz", x=x)
+        result = invoke("exec", path, "--input", tmp_path / "x.npz", "-o", tmp_path / "y.npz", "-q")
+        assert result.exit_code == 0, result.output
+        np.testing.assert_array_equal(np.load(tmp_path / "y.npz")["y"], x.transpose(0, 2, 1)[:, :, None, :])
