@@ -298,6 +298,42 @@ def normalize(model: onnx.ModelProto) -> None:
         graph.node.extend(keep)
     _drop_unused_initializers(model)
     _name_nodes(model)
+    _explicit_same_pads(model)
+
+
+SAME_PADDED = ("Conv", "MaxPool", "AveragePool")
+
+
+def _explicit_same_pads(model: onnx.ModelProto) -> None:
+    """In place: a Conv or pool with ``auto_pad`` SAME_UPPER/SAME_LOWER and every stride 1 gets the
+    explicit ``pads`` that equal it: ``(k - 1) * dilation`` per axis whatever the input size, the
+    odd one at the end (UPPER) or the start (LOWER). The integer kernels take explicit pads; a
+    stride above 1 makes the padding depend on the input size, and stays as it is."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type not in SAME_PADDED or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        mode = attrs["auto_pad"].s.decode() if "auto_pad" in attrs else "NOTSET"
+        if mode not in ("SAME_UPPER", "SAME_LOWER"):
+            continue
+        kernel = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else None
+        if kernel is None and node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in inits:
+            kernel = list(inits[node.input[1]].dims[2:])
+        if not kernel:
+            continue
+        strides = list(attrs["strides"].ints) if "strides" in attrs else [1] * len(kernel)
+        dilations = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * len(kernel)
+        if any(s != 1 for s in strides):
+            continue
+        totals = [(k - 1) * d for k, d in zip(kernel, dilations)]
+        small = [t // 2 for t in totals]
+        large = [t - t // 2 for t in totals]
+        pads = small + large if mode == "SAME_UPPER" else large + small
+        keep = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+        node.attribute.append(onnx.helper.make_attribute("pads", pads))
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

@@ -47,6 +47,13 @@ CASES = {
         {"x": (8, 3, 9, 9)}, {"w": _w(5, 3, 3, 3)}),
     "conv_depthwise": (helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 1, 1, 1]),
                        {"x": (8, 4, 6, 6)}, {"w": _w(4, 1, 3, 3), "b": _w(4)}),
+    # auto_pad SAME with stride 1: explicit pads after preparation (PP-OCRv6's 2x2 stem convs)
+    "conv_same_upper": (helper.make_node("Conv", ["x", "w", "b"], ["y"], auto_pad="SAME_UPPER"),
+                        {"x": (8, 3, 7, 6)}, {"w": _w(4, 3, 2, 2), "b": _w(4)}),
+    "conv_same_lower_dilated": (helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_LOWER",
+                                                 dilations=[2, 1]), {"x": (8, 3, 7, 6)}, {"w": _w(4, 3, 2, 3)}),
+    "maxpool_same_upper": (helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME_UPPER"),
+                           {"x": (8, 3, 7, 6)}, {}),
     # 1-D: the executor runs them as 2-D convs of height 1
     "conv1d_pad_bias": (helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[2, 1]),
                         {"x": (8, 3, 17)}, {"w": _w(4, 3, 5), "b": _w(4)}),
