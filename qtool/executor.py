@@ -122,7 +122,7 @@ class IntegerExecutor:
         # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too
         self.outer = {node.name: outer_reads(node) for node in model.graph.node if subgraphs(node)}
         for node in model.graph.node:
-            for name in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]):
+            for name in self._reads(node):
                 self.consumers.setdefault(name, []).append(node)
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
@@ -139,6 +139,11 @@ class IntegerExecutor:
         self._float_sessions: dict[tuple, ort.InferenceSession] = {}
         self._key_producer = {key: step for step in self.steps if step.kind in ("integer", "quantize")
                               for key in step.keys if key is not None}
+
+    def _reads(self, node: onnx.NodeProto) -> list[str]:
+        """The tensors ``node`` reads, once each: its inputs, then what its subgraphs read from
+        the main graph."""
+        return [n for n in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]) if n]
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
@@ -195,8 +200,7 @@ class IntegerExecutor:
                 if step.absorbs:  # a QDQ group: its outputs are the QuantizeLinear outputs
                     self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
             else:
-                reads = [n for n in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]) if n]
-                steps.append(Step("float", node, reads, list(node.output), reason=reason))
+                steps.append(Step("float", node, self._reads(node), list(node.output), reason=reason))
                 self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
         return steps
 

@@ -327,7 +327,7 @@ class _Rewriter:
         # inputs other than constants; shape tensors do not count), in graph order
         statistics: set[str] = set()
         constant = set(self.inits)  # and what nodes compute from constants alone (a reshaped gamma)
-        below: dict[str, onnx.NodeProto] = {}
+        below: set[str] = set()
         for node in self.graph.node:
             if node.op_type in ("ReduceMean", "ReduceSum"):
                 statistics.update(node.output)
@@ -339,7 +339,7 @@ class _Rewriter:
             values = [n for n in inputs if n not in constant and n in self.float_names]
             if values and all(n in statistics for n in values):
                 statistics.update(node.output)
-                below[node.name] = node
+                below.add(node.name)
         # the statistics a Sqrt reads (variance, epsilon) and those computed from its output
         # (1 / sqrt, times gamma): a tensor spanning 1 to 1/sqrt(epsilon) when a row is constant
         linked: set[str] = set()
@@ -354,10 +354,11 @@ class _Rewriter:
                     todo.append(other)
         roots = {n.name for n in self.graph.node if n.op_type == "Sqrt" and n.input[0] in statistics}
         # and the Mul or Div that normalizes with them: its operand spans that range too
-        scaling = {u.name for node in self.graph.node if node.name in linked | roots
+        kept = linked | roots
+        scaling = {u.name for node in self.graph.node if node.name in kept
                    for out in node.output for u in self.consumers.get(out, [])
                    if u.op_type in ("Mul", "Div") and u.name not in below}
-        return linked | roots | scaling
+        return kept | scaling
 
     def _specs(self, node, op) -> dict:
         """The op's constant inputs, plus any other constant input where the op accepts them as
