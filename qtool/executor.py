@@ -241,8 +241,11 @@ class IntegerExecutor:
         op = REGISTRY.get(node.op_type)
         if op is None:
             return None, subgraph_reason(node) or "no integer kernel"
-        q_nodes = []
+        q_nodes = []  # per output; None for an omitted optional output ("")
         for out in node.output:
+            if not out:
+                q_nodes.append(None)
+                continue
             users = self.consumers.get(out, [])
             if len(users) != 1 or users[0].op_type != "QuantizeLinear" or out in self.output_names:
                 return None, f"output '{out}' is not followed by a single QuantizeLinear"
@@ -270,14 +273,17 @@ class IntegerExecutor:
                 return None, f"weight '{node.input[1]}' is float"  # kept float by quantize
             else:
                 return None, f"input '{name}' is not quantized"
-        outputs = [self._qparams_of(q) for q in q_nodes]
-        view = NodeView(node, operands, outputs[0], self.rounding, self.multiplier_bits, outputs=outputs)
+        outputs = [None if q is None else self._qparams_of(q) for q in q_nodes]
+        present = [q for q in q_nodes if q is not None]
+        view = NodeView(node, operands, next(o for o in outputs if o is not None), self.rounding,
+                        self.multiplier_bits, outputs=outputs)
         try:
             params = op.derive(view)
         except Unsupported as e:
             return None, str(e)
-        step = Step("integer", node, run_inputs, [q.output[0] for q in q_nodes], op=op, params=params,
-                    keys=list(node.output), qparams=outputs, absorbs=[q.name for q in q_nodes])
+        step = Step("integer", node, run_inputs, [q.output[0] for q in present], op=op, params=params,
+                    keys=[o for o in node.output if o], qparams=[o for o in outputs if o is not None],
+                    absorbs=[q.name for q in present])
         return step, ""
 
     def _prune(self, steps: list[Step]) -> list[Step]:

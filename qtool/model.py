@@ -299,6 +299,7 @@ def normalize(model: onnx.ModelProto) -> None:
     _drop_unused_initializers(model)
     _name_nodes(model)
     _explicit_same_pads(model)
+    _name_cell_states(model)
 
 
 SAME_PADDED = ("Conv", "MaxPool", "AveragePool")
@@ -343,6 +344,24 @@ def _name_nodes(model: onnx.ModelProto) -> None:
         if not node.name or node.name in seen:
             node.name = f"{node.op_type}_{i}"
         seen.add(node.name)
+
+
+def _name_cell_states(model: onnx.ModelProto) -> None:
+    """In place: an LSTM that omits its last cell state output (Y_c) gets one, named after the
+    node, so that calibration measures the cell's range (the integer LSTM's cell scale,
+    qtool/ops/recurrent.py). The float model computes the same."""
+    taken = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
+    taken |= {t.name for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "LSTM" or node.domain not in ("", "ai.onnx") or (len(node.output) > 2 and node.output[2]):
+            continue
+        name, k = f"{node.name}_Y_c", 1
+        while name in taken:
+            name, k = f"{node.name}_Y_c_{k}", k + 1
+        taken.add(name)
+        while len(node.output) < 3:
+            node.output.append("")
+        node.output[2] = name
 
 
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:

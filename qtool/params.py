@@ -16,11 +16,12 @@ import onnx
 
 from .executor import IntegerExecutor
 from .fixedpoint import Requant
+from .ops import NOT_DUMPED_KEY
 from .qparams import QParams
 
 PARAMS_FORMAT = "qtool-params/1"
 PARAMS_KEY = "qtool.params"  # the model metadata entry that carries them
-_SKIPPED = {"weight"}  # int8 weights stay in the model
+_SKIPPED = {"weight"}  # int8 weights stay in the model; and fields declared with ops.NOT_DUMPED
 
 
 def _qparams(qp: QParams | None) -> dict | None:
@@ -41,7 +42,7 @@ def _plain(value):
         return _qparams(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.name not in _SKIPPED}
+                if f.name not in _SKIPPED and not f.metadata.get(NOT_DUMPED_KEY)}
     if isinstance(value, np.ndarray):
         if value.dtype.kind == "f":
             return [float(v) for v in value.astype(np.float64).ravel()] if value.ndim else float(value)

@@ -425,10 +425,14 @@ class _Rewriter:
 
         for node in self.graph.node:
             op = integer.get(node.name)
-            if op is not None and op.shares_qparams:
+            if op is None:
+                continue
+            tied = [[n for n in group if n in parent] for group in op.tied(node)]
+            if op.shares_qparams:
                 consts = self._specs(node, op)
-                members = [n for i, n in enumerate(node.input) if n and i not in consts]
-                members += [n for n in node.output if n in parent]
+                tied.append([n for i, n in enumerate(node.input) if n and i not in consts]
+                            + [n for n in node.output if n in parent])
+            for members in tied:
                 for other in members[1:]:
                     parent[find(other)] = find(members[0])
         groups = defaultdict(list)
@@ -532,24 +536,35 @@ class _Rewriter:
         return out
 
     def _bias(self, name: str, node, inputs: list[str], spec: Bias, qparams) -> str:
-        x_qp = qparams[inputs[spec.activation]]
-        w_name = inputs[spec.weight]
-        w_spec = REGISTRY[node.op_type].constants(node)[spec.weight]
-        w_qp = self._weight_qparams(w_name, w_spec.axis)
-        bias = self.inits[name].astype(np.float64).reshape(-1)
-        scale = (np.float64(x_qp.scale) * np.asarray(w_qp.scale, np.float64)).astype(np.float32)
-        scale = np.broadcast_to(scale, bias.shape).copy()
+        bias = self.inits[name].astype(np.float64)
+        scale = self._bias_scale(node, inputs, qparams[inputs[spec.activation]], spec.weight)
+        if spec.recurrent is not None:  # [directions, 2 * rows]: per column, the two halves' scales
+            hidden = qparams[next(n for n in node.output[:2] if n)]
+            half = (bias.shape[-1] // 2,)
+            scale = np.concatenate([np.broadcast_to(scale, half), np.broadcast_to(
+                self._bias_scale(node, inputs, hidden, spec.recurrent), half)])
+            bias, axis = bias.reshape(-1, scale.size), 1
+        else:
+            bias, axis = bias.reshape(-1), 0
+        scale = np.broadcast_to(scale.astype(np.float32), bias.shape[axis:axis + 1]).copy()
         q = np.rint(bias / scale.astype(np.float64))
         if node.name in self.bias_corrections:  # whole steps of this bias's own scale
             q += np.rint(np.asarray(self.bias_corrections[node.name], np.float64) / scale)
         q = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
         q_name = self._init(f"{name}_quantized", q)
         s_name = self._init(f"{name}_{node.name}_scale", scale)
-        z_name = self._init(f"{name}_{node.name}_zero_point", np.zeros(bias.shape, np.int32))
+        z_name = self._init(f"{name}_{node.name}_zero_point", np.zeros(scale.shape, np.int32))
         out = self._fresh(f"{name}_dequantized")
         self.nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
-                                           name=self._fresh(f"{name}_DequantizeLinear"), axis=0))
+                                           name=self._fresh(f"{name}_DequantizeLinear"), axis=axis))
         return out
+
+    def _bias_scale(self, node, inputs: list[str], activation: QParams, weight: int) -> np.ndarray:
+        """``S_activation * S_weight`` (float64, per weight channel or one) for ``node``'s input
+        ``weight`` (named ``inputs[weight]``), quantized as the op quantizes it."""
+        w_spec = REGISTRY[node.op_type].constants(node)[weight]
+        w_qp = self._weight_qparams(inputs[weight], w_spec.axis)
+        return np.float64(activation.scale) * np.asarray(w_qp.scale, np.float64)
 
     def _assemble(self) -> onnx.ModelProto:
         used = names_read(self.nodes)

@@ -256,8 +256,8 @@ def test_silero_vad_goes_end_to_end(tmp_path, name):
 
 def test_silero_vad_lstm_sequence_model_runs_sample_by_sample(tmp_path):
     """The sequence variant: a top-level LSTM whose states h, c are fixed at [1, 1, 128]: per-sample
-    states [N, 1, 128] run one sample at a time through quantize, exec and verify; the LSTM stays
-    float and the report says why."""
+    states [N, 1, 128] run one sample at a time through quantize, exec and verify; the LSTM runs
+    as integers (qtool/ops/recurrent.py)."""
     import json
 
     path = _silero("silero_vad_16k_sequence.onnx")
@@ -277,7 +277,9 @@ def test_silero_vad_lstm_sequence_model_runs_sample_by_sample(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["samples"] == n
-    assert {f["op_type"]: f["reason"] for f in report["float_nodes"]}["LSTM"] == "no integer kernel"
+    assert "LSTM" not in {f["op_type"] for f in report["float_nodes"]}
+    lstm = [t for t in report["tensors"] if t.get("op_type") == "LSTM"]
+    assert lstm and all(t["ran"] == "integer" for t in lstm)
 
 
 def test_loop_body_reading_the_outer_scope_runs(tmp_path):

@@ -21,6 +21,11 @@ from ..qparams import QParams
 
 REGISTRY: dict[str, "IntegerOp"] = {}
 
+# metadata of a params dataclass field that ``qtool.params`` leaves out of the parameters it
+# writes: another weight, or a table that a formula and other fields define
+NOT_DUMPED_KEY = "qtool.not_dumped"
+NOT_DUMPED = {NOT_DUMPED_KEY: True}
+
 
 def register(cls):
     REGISTRY[cls.op_type] = cls()
@@ -38,10 +43,14 @@ class Weight:
 
 @dataclass(frozen=True)
 class Bias:
-    """A constant input stored as int32 with scale ``S_in[activation] * S_in[weight]``."""
+    """A constant input stored as int32 with scale ``S_in[activation] * S_in[weight]``.
+    ``recurrent``: the bias is [directions, 2 * rows], the input weight's bias then the recurrent
+    weight's (LSTM's B); the second half's scale is ``S_hidden * S_in[recurrent]``, the hidden
+    state's (S, Z) being those of the node's first named output."""
 
     activation: int
     weight: int
+    recurrent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,11 @@ class IntegerOp:
 
     def constants(self, node: onnx.NodeProto) -> dict[int, Weight | Bias | Raw]:
         return {}
+
+    def tied(self, node: onnx.NodeProto) -> list[list[str]]:
+        """Groups of the node's activations that ``qtool quantize`` gives one (S, Z) (a recurrent
+        op's hidden state in and out), besides ``shares_qparams``."""
+        return []
 
     def check(self, node: onnx.NodeProto, view_attrs: dict) -> None:
         """Raise ``Unsupported`` for attribute combinations the kernel does not handle."""

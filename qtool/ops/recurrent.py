@@ -1,0 +1,335 @@
+"""LSTM and GRU as integers (TFLite's integer LSTM is the anchor: 8-bit activations and weights,
+16-bit gates and cell state, fixed-point rescaling between them).
+
+Per direction and time step, with ``x`` and ``h`` int8/uint8 (``h`` at the hidden state's (S, Z):
+output Y's, else Y_h's), ``W``/``R`` int8 per gate row, and ``c`` int16 at ``2**-k``:
+
+* gate pre-activations, int16 at ``2**-12`` (Q3.12, +-8): the input part
+  ``requant(sum W (x - Z_x) + Wb)`` with ``M / 2**r = S_x * S_W / 2**-12`` (for every step at
+  once), plus the recurrent part ``requant(sum R (h - Z_h) + Rb)`` with ``S_h * S_R / 2**-12``,
+  saturated to int16; B's two halves are int32 at those accumulator scales;
+* ``i, o, f = sigmoid``, ``g = tanh`` of the gates: 65536-entry tables from Q3.12 to Q0.15
+  (``round(f(q / 2**12) * 2**15)``, 1.0 saturating to 32767);
+* ``c = sat16(rshift(f * c, 15) + rshift(i * g, 30 - k))``, the shifts rounding;
+* ``h = sat(requant(o * tanh(c)) + Z_h)``: tanh of the cell from a 65536-entry table at ``2**-k``
+  to Q0.15, the Q0.30 product rescaled with ``M / 2**r = 2**-30 / S_h``.
+
+The cell's exponent ``k``: the smallest power of two above twice the largest magnitude the model
+gives the cell state (Y_c's and initial_c's (S, Z); qtool's preparation names Y_c so calibration
+measures it: the last step's cell, in both directions its end), at least 1; 32 (``k = 10``) when
+the model says nothing. Y_h, Y_c and the initial states are rescaled from and to their own (S, Z).
+
+GRU (gates z, r, h) shares the gate arithmetic; with ``r`` at Q0.15:
+
+* ``linear_before_reset=1``: the h gate is ``gx_h + rshift(r * requant(sum R_h (h - Z_h) + Rb_h), 15)``;
+* ``linear_before_reset=0``: ``rshift(r * (h - Z_h), 15)`` (the reset state, at the hidden scale)
+  goes through ``R_h`` instead;
+* ``h = sat(requant((2**15 - z) * tanh(gate)) + rshift(z * (h - Z_h), 15) + Z_h)``, the first
+  term rescaled with ``2**-30 / S_h`` as the LSTM's output.
+
+Handled: forward, reverse and bidirectional, initial states, the default activations (Sigmoid,
+Tanh[, Tanh]). Not handled (the node stays float, the reason reported): other activations,
+``clip``, LSTM's ``input_forget`` and peepholes (P), ``sequence_lens`` and ``layout=1`` (which
+onnxruntime does not run either).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..fixedpoint import Requant, quantize_multipliers, requantize, rounding_rshift
+from ..qparams import QParams
+from . import (NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Unsupported, Weight, check_integer, per_tensor,
+               register, rescale)
+from .conv import weight_scales
+from .intmatmul import int_matmul
+from .lut import round_real
+
+GATE_BITS = 12  # gate pre-activations: int16 at 2**-12
+UNIT_BITS = 15  # sigmoid/tanh outputs: int16 at 2**-15
+DEFAULT_CELL_BOUND = 32.0
+INT16 = (-(2**15), 2**15 - 1)
+
+
+def _table(f, input_bits: int) -> np.ndarray:
+    """``f`` on every int16 at ``2**-input_bits``, as int16 at ``2**-15``, indexed by ``q + 32768``."""
+    q = np.arange(INT16[0], INT16[1] + 1, dtype=np.float64)
+    return np.clip(round_real(f(np.ldexp(q, -input_bits)) * 2.0**UNIT_BITS, "half_to_even"),
+                   -(2**UNIT_BITS - 1), 2**UNIT_BITS - 1).astype(np.int16)
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # exact identity; no overflow for large |x|
+
+
+_TABLES: dict[tuple[str, int], np.ndarray] = {}
+
+
+def table(name: str, input_bits: int) -> np.ndarray:
+    """The sigmoid or tanh table for int16 inputs at ``2**-input_bits`` (built once each)."""
+    key = (name, input_bits)
+    if key not in _TABLES:
+        _TABLES[key] = _table(_sigmoid if name == "sigmoid" else np.tanh, input_bits)
+    return _TABLES[key]
+
+
+def look(t: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return t[q.astype(np.int64) + 2**15].astype(np.int64)
+
+
+def cell_exponent(bound: float) -> int:
+    """``k`` of the int16 cell at ``2**-k``: ``2**(15 - k)`` is the smallest power of two of at
+    least ``bound`` (at least 1), so ``k`` lies in [0, 15]."""
+    return 15 - min(max(math.ceil(math.log2(max(bound, 1.0))), 0), 15)
+
+
+def qp_extent(qp: QParams) -> float:
+    """The largest magnitude an 8-bit (S, Z) represents."""
+    return float(qp.scale) * max(abs(qp.qmin - qp.zero_point), abs(qp.qmax - qp.zero_point))
+
+
+@dataclass(frozen=True)
+class Direction:
+    weight: np.ndarray  # int8 [I, G*H] (W transposed)
+    recurrent: np.ndarray = field(metadata=NOT_DUMPED)  # int8 [H, G*H]: R, a weight of the model
+    bias_x: np.ndarray  # int64 [G*H]: Wb - Z_x * sum(W)
+    bias_h: np.ndarray  # int64 [G*H]: Rb (the state is kept as h - Z_h)
+    reverse: bool
+
+
+@dataclass(frozen=True)
+class RecurrentParams:
+    directions: tuple[Direction, ...]
+    hidden: QParams  # the state h's (S, Z): Y's, else Y_h's
+    requant_x: Requant  # per gate row [G*H]: S_x * S_W / 2**-12
+    requant_h: Requant  # per gate row [G*H]: S_h * S_R / 2**-12
+    requant_out: Requant  # 2**-30 / S_h
+    # the tables (module note: a function of an int16 at 2**-bits to Q0.15), left out of the
+    # written parameters: gate_bits, cell_bits and the rounding define them
+    sigmoid: np.ndarray = field(metadata=NOT_DUMPED)
+    tanh_gate: np.ndarray = field(metadata=NOT_DUMPED)
+    initial_h: tuple | None  # (Z, Requant to the hidden scale) of initial_h, if given
+    outputs: tuple  # per present output: (its name in the op: "Y", "Y_h", "Y_c"; Rescale to it)
+    rounding: str
+    gate_bits: int = GATE_BITS
+    # LSTM
+    cell_bits: int = 0  # k
+    tanh_cell: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
+    initial_c: tuple | None = None  # (Z, Requant to 2**-k) of initial_c, if given
+    # GRU
+    linear_before_reset: bool = False
+
+
+class Recurrent(IntegerOp):
+    """What LSTM and GRU share: weights, biases and the gates' pre-activations."""
+
+    gates: int  # 4 (LSTM: i, o, f, c) or 3 (GRU: z, r, h)
+    output_names: tuple[str, ...]
+    accepts_constants = True  # initial states given as initializers
+
+    def constants(self, node):
+        return {1: Weight(axis=1), 2: Weight(axis=1), 3: Bias(activation=0, weight=1, recurrent=2),
+                4: Raw()}
+
+    def tied(self, node):
+        """The hidden state in and out (initial_h, Y, Y_h) at one (S, Z), and LSTM's cell state
+        (initial_c, Y_c): the kernel carries the state at that scale from the first step, and a
+        state fed back from one run to the next keeps it."""
+        inputs, outputs = list(node.input) + [""] * 8, list(node.output) + [""] * 3
+        groups = [[inputs[5], *outputs[:2]], [inputs[6], outputs[2]] if self.op_type == "LSTM" else []]
+        return [[n for n in group if n] for group in groups]
+
+    def check(self, node, attrs):
+        if node.input[4:5] not in ([], [""]):
+            raise Unsupported("sequence_lens is not supported")
+        if attrs.get("clip") is not None:
+            raise Unsupported("clip is not supported")
+        if attrs.get("activation_alpha") or attrs.get("activation_beta"):
+            raise Unsupported("activation_alpha/beta are not supported")
+        acts = [a.decode() if isinstance(a, bytes) else a for a in attrs.get("activations", [])]
+        default = ["sigmoid", "tanh", "tanh"][:self.gates - 1] * 2
+        if acts and [a.lower() for a in acts] != default[:len(acts)]:
+            raise Unsupported(f"activations {acts} are not the defaults")
+        if not any(node.output[:2]):
+            raise Unsupported("neither Y nor Y_h is an output")
+        if attrs.get("layout", 0):
+            raise Unsupported("layout=1 (batch first) is not supported")  # nor by onnxruntime
+
+    def derive(self, view: NodeView) -> RecurrentParams:
+        node = view.node
+        self.check(node, view.attrs)
+        x = per_tensor(view.inputs[0].qparams, f"{self.op_type} input X")
+        names = list(node.output) + [""] * (len(self.output_names) - len(node.output))
+        outs = list(view.outputs) + [None] * (len(self.output_names) - len(view.outputs))
+        hidden = per_tensor(outs[0] if names[0] else outs[1], f"{self.op_type} hidden state")
+        if x.dtype not in ("int8", "uint8") or hidden.dtype not in ("int8", "uint8"):
+            raise Unsupported("X and the hidden state must be 8-bit")
+        w, r = view.inputs[1].value, view.inputs[2].value
+        if w is None or r is None or w.ndim != 3 or r.ndim != 3:
+            raise Unsupported("W and R must be 3-D quantized constants")
+        dirs, rows, _ = w.shape
+        if r.shape != (dirs, rows, rows // self.gates):
+            raise Unsupported(f"R's shape {list(r.shape)} does not match W's {list(w.shape)}")
+        direction = view.attr("direction", "forward")
+        if dirs != (2 if direction == "bidirectional" else 1):
+            raise Unsupported(f"W has {dirs} directions for direction='{direction}'")
+        gate = 2.0**-GATE_BITS
+        x_scale = x.scale * weight_scales(view, 1, rows, 1)
+        h_scale = hidden.scale * weight_scales(view, 2, rows, 1)
+        bias_x, bias_h = self._biases(view, dirs, rows, x_scale, h_scale)
+        directions = tuple(
+            Direction(weight=np.ascontiguousarray(w[d].T), recurrent=np.ascontiguousarray(r[d].T),
+                      bias_x=bias_x[d] - x.zero_point * w[d].astype(np.int64).sum(axis=1), bias_h=bias_h[d],
+                      reverse=direction == "reverse" or d == 1)
+            for d in range(dirs))
+        bits = view.multiplier_bits
+        k, cell = self._cell(view, outs)
+        states = {"Y": hidden, "Y_h": hidden, "Y_c": cell}
+        outputs = tuple((kind, rescale(states[kind], per_tensor(qp, f"{self.op_type} output {kind}"), view))
+                        for kind, name, qp in zip(self.output_names, names, outs) if name)
+        return RecurrentParams(
+            directions=directions, hidden=hidden,
+            requant_x=quantize_multipliers(x_scale / gate, bits),
+            requant_h=quantize_multipliers(h_scale / gate, bits),
+            requant_out=quantize_multipliers(2.0**-30 / np.float64(hidden.scale), bits),
+            sigmoid=table("sigmoid", GATE_BITS), tanh_gate=table("tanh", GATE_BITS),
+            initial_h=self._from_state(view, 5, np.float64(hidden.scale)), outputs=outputs,
+            rounding=view.rounding, cell_bits=k, tanh_cell=table("tanh", k) if cell else None,
+            initial_c=self._from_state(view, 6, 2.0**-k) if cell else None,
+            linear_before_reset=bool(view.attr("linear_before_reset", 0)))
+
+    def _cell(self, view: NodeView, outs) -> tuple[int, QParams | None]:
+        return 0, None
+
+    @staticmethod
+    def _from_state(view: NodeView, index: int, to_scale: float):
+        """(Z, Requant to ``to_scale``) of the initial state at input ``index``, if given."""
+        operand = view.inputs[index] if len(view.inputs) > index else None
+        if operand is None:
+            return None
+        qp = per_tensor(operand.qparams, f"{view.node.op_type} initial state")
+        return qp.zero_point, quantize_multipliers(np.float64(qp.scale) / to_scale, view.multiplier_bits)
+
+    @staticmethod
+    def _biases(view: NodeView, dirs: int, rows: int, x_scale, h_scale):
+        """B's halves in the two accumulators' units (int64 [D, G*H] each); zeros without B."""
+        operand = view.inputs[3] if len(view.inputs) > 3 else None
+        if operand is None:
+            return np.zeros((dirs, rows), np.int64), np.zeros((dirs, rows), np.int64)
+        if operand.qparams is None or operand.value is None:
+            raise Unsupported("B must be a quantized constant")
+        if np.any(np.asarray(operand.qparams.zero_point) != 0):
+            raise Unsupported("B's zero point must be 0")
+        stored = operand.value.astype(np.int64).reshape(dirs, 2 * rows)
+        scale = np.broadcast_to(np.asarray(operand.qparams.scale, np.float64).reshape(-1), (2 * rows,))
+        halves = []
+        for part, target in ((slice(0, rows), x_scale), (slice(rows, 2 * rows), h_scale)):
+            s = scale[part]
+            if np.array_equal(s.astype(np.float32), np.asarray(target).astype(np.float32)):
+                halves.append(stored[:, part])
+            else:  # stored at another scale: moved to the accumulator's at setup
+                halves.append(np.rint(stored[:, part] * s / target).astype(np.int64))
+        return halves
+
+    def run(self, p: RecurrentParams, x: np.ndarray, *states: np.ndarray) -> list[np.ndarray]:
+        check_integer(x, *states)
+        states = list(states)
+        h0 = states.pop(0) if p.initial_h is not None else None
+        c0 = states.pop(0) if p.initial_c is not None else None
+        steps, batch, _ = x.shape
+        h_size = p.directions[0].recurrent.shape[0]
+        hidden = p.hidden
+        y = np.empty((steps, len(p.directions), batch, h_size), dtype=hidden.dtype)
+        last_h, last_c = [], []
+        for d, dr in enumerate(p.directions):
+            acc = int_matmul(x.reshape(steps * batch, -1), dr.weight) + dr.bias_x
+            gx = requantize(acc, p.requant_x.multiplier, p.requant_x.rshift, p.rounding).reshape(steps, batch, -1)
+            h = np.zeros((batch, h_size), np.int64)  # h - Z_h
+            if h0 is not None:
+                zero, req = p.initial_h
+                h = requantize(h0[d].astype(np.int64) - zero, req.multiplier, req.rshift, p.rounding)
+                h = np.clip(h + hidden.zero_point, hidden.qmin, hidden.qmax) - hidden.zero_point
+            c = np.zeros((batch, h_size), np.int64)
+            if c0 is not None:
+                zero, req = p.initial_c
+                c = np.clip(requantize(c0[d].astype(np.int64) - zero, req.multiplier, req.rshift, p.rounding),
+                            *INT16)
+            for t in (range(steps - 1, -1, -1) if dr.reverse else range(steps)):
+                h, c = self.step(p, dr, gx[t], h, c)
+                y[t, d] = h + hidden.zero_point
+            last_h.append(h + hidden.zero_point)
+            last_c.append(c)
+        values = {"Y": y, "Y_h": np.stack(last_h), "Y_c": np.stack(last_c)}
+        return [to_output(values[kind]) for kind, to_output in p.outputs]
+
+    def step(self, p: RecurrentParams, dr: Direction, gx: np.ndarray, h: np.ndarray, c: np.ndarray):
+        """One time step: ``gx`` the input part of the gates, ``h`` the state minus Z_h (int64);
+        returns the new ``h - Z_h`` and cell."""
+        raise NotImplementedError
+
+    @staticmethod
+    def recurrent_part(p: RecurrentParams, dr: Direction, h: np.ndarray, rows: slice) -> np.ndarray:
+        acc = int_matmul(h, dr.recurrent[:, rows]) + dr.bias_h[rows]
+        return requantize(acc, p.requant_h.multiplier[rows], p.requant_h.rshift[rows], p.rounding)
+
+    @staticmethod
+    def hidden_from(p: RecurrentParams, product: np.ndarray, extra=0) -> np.ndarray:
+        """``h - Z_h`` from a Q0.30 product (plus ``extra``, already at the hidden scale)."""
+        out = requantize(product, p.requant_out.multiplier, p.requant_out.rshift, p.rounding) + extra
+        return np.clip(out + p.hidden.zero_point, p.hidden.qmin, p.hidden.qmax) - p.hidden.zero_point
+
+
+@register
+class LSTM(Recurrent):
+    op_type = "LSTM"
+    gates = 4
+    output_names = ("Y", "Y_h", "Y_c")
+
+    def check(self, node, attrs):
+        super().check(node, attrs)
+        if node.input[7:8] not in ([], [""]):
+            raise Unsupported("peepholes (P) are not supported")
+        if attrs.get("input_forget", 0):
+            raise Unsupported("input_forget is not supported")
+
+    def _cell(self, view: NodeView, outs) -> tuple[int, QParams | None]:
+        """The cell's exponent from what the model says of Y_c and initial_c, doubled (Y_c is
+        one step's), and its (S, Z)."""
+        initial = view.inputs[6] if len(view.inputs) > 6 else None
+        known = [qp_extent(per_tensor(qp, "LSTM cell state"))
+                 for qp in (outs[2], initial.qparams if initial is not None else None) if qp is not None]
+        k = cell_exponent(2.0 * max(known) if known else DEFAULT_CELL_BOUND)
+        return k, QParams(2.0**-k, 0, "int16")
+
+    def step(self, p, dr, gx, h, c):
+        n = dr.recurrent.shape[0]
+        gates = np.clip(gx + self.recurrent_part(p, dr, h, slice(None)), *INT16)
+        i = look(p.sigmoid, gates[:, :n])
+        o = look(p.sigmoid, gates[:, n:2 * n])
+        f = look(p.sigmoid, gates[:, 2 * n:3 * n])
+        g = look(p.tanh_gate, gates[:, 3 * n:])
+        c = np.clip(rounding_rshift(f * c, UNIT_BITS, p.rounding)
+                    + rounding_rshift(i * g, 2 * UNIT_BITS - p.cell_bits, p.rounding), *INT16)
+        return self.hidden_from(p, o * look(p.tanh_cell, c)), c
+
+
+@register
+class GRU(Recurrent):
+    op_type = "GRU"
+    gates = 3
+    output_names = ("Y", "Y_h")
+
+    def step(self, p, dr, gx, h, c):
+        n = dr.recurrent.shape[0]
+        zr = np.clip(gx[:, :2 * n] + self.recurrent_part(p, dr, h, slice(0, 2 * n)), *INT16)
+        z, r = look(p.sigmoid, zr[:, :n]), look(p.sigmoid, zr[:, n:])
+        if p.linear_before_reset:
+            reset = rounding_rshift(r * self.recurrent_part(p, dr, h, slice(2 * n, None)), UNIT_BITS, p.rounding)
+        else:
+            reset = self.recurrent_part(p, dr, rounding_rshift(r * h, UNIT_BITS, p.rounding), slice(2 * n, None))
+        candidate = look(p.tanh_gate, np.clip(gx[:, 2 * n:] + reset, *INT16))
+        keep = rounding_rshift(z * h, UNIT_BITS, p.rounding)
+        return self.hidden_from(p, (2**UNIT_BITS - z) * candidate, keep), c
