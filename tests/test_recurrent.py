@@ -176,3 +176,18 @@ def test_written_parameters_leave_out_the_tables_and_the_recurrent_weights(tmp_p
     assert written["gate_bits"] == 12 and 0 <= written["cell_bits"] <= 15
     assert all(set(d) == {"bias_x", "bias_h", "reverse"} for d in written["directions"])
     assert len(json.dumps(params)) < 20000
+
+
+def test_one_tensor_for_both_initial_states_does_not_join_hidden_and_cell(tmp_path):
+    """Exporters feed one zeros tensor as initial_h and initial_c: the hidden state keeps its own
+    (S, Z) rather than taking the cell's wider range."""
+    model = rnn_model("LSTM", "bidirectional", outputs=("Y", "Y_h", "Y_c"), states=True)
+    node = model.graph.node[0]
+    node.input[6] = "h0"
+    del model.graph.input[2]
+    _, qmodel, _ = quantized(tmp_path, model)
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    scale = {n.input[0]: float(inits[n.input[1]]) for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+    hidden = [v for k, v in scale.items() if k.startswith(("y_float", "y_h_float"))]
+    cell = [v for k, v in scale.items() if k.startswith("y_c_float")]
+    assert len(hidden) == 2 and hidden[0] == hidden[1] and len(cell) == 1 and cell[0] > 1.5 * hidden[0]

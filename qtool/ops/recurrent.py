@@ -139,7 +139,10 @@ class Recurrent(IntegerOp):
         (initial_c, Y_c): the kernel carries the state at that scale from the first step, and a
         state fed back from one run to the next keeps it."""
         inputs, outputs = list(node.input) + [""] * 8, list(node.output) + [""] * 3
-        groups = [[inputs[5], *outputs[:2]], [inputs[6], outputs[2]] if self.op_type == "LSTM" else []]
+        initial_h, initial_c = inputs[5], inputs[6] if self.op_type == "LSTM" else ""
+        if initial_h == initial_c:  # one tensor for both (zeros): tying it would join h and c
+            initial_h = initial_c = ""
+        groups = [[initial_h, *outputs[:2]], [initial_c, outputs[2]] if self.op_type == "LSTM" else []]
         return [[n for n in group if n] for group in groups]
 
     def check(self, node, attrs):
