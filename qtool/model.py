@@ -306,11 +306,14 @@ SAME_PADDED = ("Conv", "MaxPool", "AveragePool")
 
 
 def _explicit_same_pads(model: onnx.ModelProto) -> None:
-    """In place: a Conv or pool with ``auto_pad`` SAME_UPPER/SAME_LOWER and every stride 1 gets the
-    explicit ``pads`` that equal it: ``(k - 1) * dilation`` per axis whatever the input size, the
-    odd one at the end (UPPER) or the start (LOWER). The integer kernels take explicit pads; a
-    stride above 1 makes the padding depend on the input size, and stays as it is."""
+    """In place: a Conv or pool with ``auto_pad`` SAME_UPPER/SAME_LOWER gets the explicit ``pads``
+    that equal it, the odd one at the end (UPPER) or the start (LOWER). In total per axis
+    ``(k - 1) * dilation`` at stride 1, whatever the input size; at stride ``s`` it depends on the
+    input size ``n``, ``max((ceil(n / s) - 1) * s + (k - 1) * dilation + 1 - n, 0)``, so only an
+    input whose spatial sizes the model fixes gets them (the node stays as it is otherwise). The
+    integer kernels take explicit pads."""
     inits = {t.name: t for t in model.graph.initializer}
+    shapes = None  # tensor -> dims (ints, None where open), inferred on first need
     for node in model.graph.node:
         if node.op_type not in SAME_PADDED or node.domain not in ("", "ai.onnx"):
             continue
@@ -325,9 +328,15 @@ def _explicit_same_pads(model: onnx.ModelProto) -> None:
             continue
         strides = list(attrs["strides"].ints) if "strides" in attrs else [1] * len(kernel)
         dilations = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * len(kernel)
-        if any(s != 1 for s in strides):
-            continue
         totals = [(k - 1) * d for k, d in zip(kernel, dilations)]
+        if any(s != 1 for s in strides):
+            if shapes is None:
+                shapes = _inferred_dims(model)
+            sizes = (shapes.get(node.input[0]) or [])[2:]
+            ceil_mode = "ceil_mode" in attrs and attrs["ceil_mode"].i
+            if len(sizes) != len(kernel) or None in sizes or ceil_mode:
+                continue
+            totals = [max((-(-n // s) - 1) * s + t + 1 - n, 0) for n, s, t in zip(sizes, strides, totals)]
         small = [t // 2 for t in totals]
         large = [t - t // 2 for t in totals]
         pads = small + large if mode == "SAME_UPPER" else large + small
@@ -335,6 +344,14 @@ def _explicit_same_pads(model: onnx.ModelProto) -> None:
         del node.attribute[:]
         node.attribute.extend(keep)
         node.attribute.append(onnx.helper.make_attribute("pads", pads))
+
+
+def _inferred_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Each tensor's dims as shape inference finds them (ints, None where open)."""
+    typed = without_weights(onnx.shape_inference.infer_shapes, model)
+    return {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+            for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
+            if vi.type.tensor_type.HasField("shape")}
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

@@ -54,6 +54,11 @@ CASES = {
                                                  dilations=[2, 1]), {"x": (8, 3, 7, 6)}, {"w": _w(4, 3, 2, 3)}),
     "maxpool_same_upper": (helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME_UPPER"),
                            {"x": (8, 3, 7, 6)}, {}),
+    # stride 2: explicit pads from the model's fixed spatial sizes (MTCNN's MaxPools)
+    "maxpool_same_upper_stride2": (helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2],
+                                                    auto_pad="SAME_UPPER"), {"x": (8, 3, 7, 6)}, {}),
+    "conv_same_lower_stride2": (helper.make_node("Conv", ["x", "w", "b"], ["y"], auto_pad="SAME_LOWER",
+                                                 strides=[2, 3]), {"x": (8, 3, 9, 8)}, {"w": _w(4, 3, 4, 3), "b": _w(4)}),
     # 1-D: the executor runs them as 2-D convs of height 1
     "conv1d_pad_bias": (helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[2, 1]),
                         {"x": (8, 3, 17)}, {"w": _w(4, 3, 5), "b": _w(4)}),
