@@ -96,7 +96,11 @@ def test_integer_rnn_follows_the_float_model_on_held_out_samples(tmp_path, op, d
     feeds = samples(model, 32, seed=2)  # not the calibration samples
     want = dict(zip([o.name for o in model.graph.output],
                     ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)))
-    got = executor.run(feeds).outputs
+    result = executor.run(feeds, keep_integer=True)
+    got = result.outputs
+    (step,) = [s for s in executor.steps if s.kind == "integer"]
+    for key, qp in zip(step.keys, step.qparams):
+        assert result.integer[key].dtype == np.dtype(qp.dtype), key
     for name, ref in want.items():
         assert got[name].shape == ref.shape
         # 8-bit states: about 35 dB on these random weights; 28 leaves room, a wrong gate or

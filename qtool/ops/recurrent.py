@@ -265,7 +265,7 @@ class Recurrent(IntegerOp):
                 y[t, d] = h + hidden.zero_point
             last_h.append(h + hidden.zero_point)
             last_c.append(c)
-        values = {"Y": y, "Y_h": np.stack(last_h), "Y_c": np.stack(last_c)}
+        values = {"Y": y, "Y_h": np.stack(last_h).astype(hidden.dtype), "Y_c": np.stack(last_c).astype(np.int16)}
         return [to_output(values[kind]) for kind, to_output in p.outputs]
 
     def step(self, p: RecurrentParams, dr: Direction, gx: np.ndarray, h: np.ndarray, c: np.ndarray):
