@@ -17,7 +17,8 @@ output Y's, else Y_h's), ``W``/``R`` int8 per gate row, and ``c`` int16 at ``2**
 The cell's exponent ``k``: the smallest power of two above twice the largest magnitude the model
 gives the cell state (Y_c's and initial_c's (S, Z); qtool's preparation names Y_c so calibration
 measures it: the last step's cell, in both directions its end), at least 1; 32 (``k = 10``) when
-the model says nothing. Y_h, Y_c and the initial states are rescaled from and to their own (S, Z).
+the model says nothing. ``qtool quantize`` gives initial_h, Y and Y_h one (S, Z), and initial_c
+and Y_c another (``tied``); a model quantized otherwise has its states rescaled in and out.
 
 GRU (gates z, r, h) shares the gate arithmetic; with ``r`` at Q0.15:
 
@@ -107,8 +108,8 @@ class RecurrentParams:
     requant_x: Requant  # per gate row [G*H]: S_x * S_W / 2**-12
     requant_h: Requant  # per gate row [G*H]: S_h * S_R / 2**-12
     requant_out: Requant  # 2**-30 / S_h
-    # the tables (module note: a function of an int16 at 2**-bits to Q0.15), left out of the
-    # written parameters: gate_bits, cell_bits and the rounding define them
+    # the tables (module note: a function of an int16 at 2**-bits to Q0.15, rounded to nearest,
+    # ties to even), left out of the written parameters: gate_bits and cell_bits define them
     sigmoid: np.ndarray = field(metadata=NOT_DUMPED)
     tanh_gate: np.ndarray = field(metadata=NOT_DUMPED)
     initial_h: tuple | None  # (Z, Requant to the hidden scale) of initial_h, if given
