@@ -43,8 +43,8 @@ import numpy as np
 
 from ..fixedpoint import Requant, quantize_multipliers, requantize, rounding_rshift
 from ..qparams import QParams
-from . import (NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Unsupported, Weight, check_integer, per_tensor,
-               register, rescale)
+from . import (NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Rescale, Unsupported, Weight, check_integer,
+               per_tensor, register, rescale)
 from .conv import weight_scales
 from .intmatmul import int_matmul
 from .lut import round_real
@@ -112,14 +112,14 @@ class RecurrentParams:
     # ties to even), left out of the written parameters: gate_bits and cell_bits define them
     sigmoid: np.ndarray = field(metadata=NOT_DUMPED)
     tanh_gate: np.ndarray = field(metadata=NOT_DUMPED)
-    initial_h: tuple | None  # (Z, Requant to the hidden scale) of initial_h, if given
+    initial_h: Rescale | None  # initial_h to the hidden state's (S, Z), if given
     outputs: tuple  # per present output: (its name in the op: "Y", "Y_h", "Y_c"; Rescale to it)
     rounding: str
     gate_bits: int = GATE_BITS
     # LSTM
     cell_bits: int = 0  # k
     tanh_cell: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
-    initial_c: tuple | None = None  # (Z, Requant to 2**-k) of initial_c, if given
+    initial_c: Rescale | None = None  # initial_c to the cell's int16 at 2**-k, if given
     # GRU
     linear_before_reset: bool = False
 
@@ -200,22 +200,21 @@ class Recurrent(IntegerOp):
             requant_h=quantize_multipliers(h_scale / gate, bits),
             requant_out=quantize_multipliers(2.0**-30 / np.float64(hidden.scale), bits),
             sigmoid=table("sigmoid", GATE_BITS), tanh_gate=table("tanh", GATE_BITS),
-            initial_h=self._from_state(view, 5, np.float64(hidden.scale)), outputs=outputs,
+            initial_h=self._from_state(view, 5, hidden), outputs=outputs,
             rounding=view.rounding, cell_bits=k, tanh_cell=table("tanh", k) if cell else None,
-            initial_c=self._from_state(view, 6, 2.0**-k) if cell else None,
+            initial_c=self._from_state(view, 6, cell) if cell else None,
             linear_before_reset=bool(view.attr("linear_before_reset", 0)))
 
     def _cell(self, view: NodeView, outs) -> tuple[int, QParams | None]:
         return 0, None
 
     @staticmethod
-    def _from_state(view: NodeView, index: int, to_scale: float):
-        """(Z, Requant to ``to_scale``) of the initial state at input ``index``, if given."""
+    def _from_state(view: NodeView, index: int, state: QParams) -> Rescale | None:
+        """The initial state at input ``index``, if given, rescaled to ``state``'s (S, Z)."""
         operand = view.inputs[index] if len(view.inputs) > index else None
         if operand is None:
             return None
-        qp = per_tensor(operand.qparams, f"{view.node.op_type} initial state")
-        return qp.zero_point, quantize_multipliers(np.float64(qp.scale) / to_scale, view.multiplier_bits)
+        return rescale(per_tensor(operand.qparams, f"{view.node.op_type} initial state"), state, view)
 
     @staticmethod
     def _biases(view: NodeView, dirs: int, rows: int, x_scale, h_scale):
@@ -253,14 +252,8 @@ class Recurrent(IntegerOp):
             gx = requantize(acc, p.requant_x.multiplier, p.requant_x.rshift, p.rounding).reshape(steps, batch, -1)
             h = np.zeros((batch, h_size), np.int64)  # h - Z_h
             if h0 is not None:
-                zero, req = p.initial_h
-                h = requantize(h0[d].astype(np.int64) - zero, req.multiplier, req.rshift, p.rounding)
-                h = np.clip(h + hidden.zero_point, hidden.qmin, hidden.qmax) - hidden.zero_point
-            c = np.zeros((batch, h_size), np.int64)
-            if c0 is not None:
-                zero, req = p.initial_c
-                c = np.clip(requantize(c0[d].astype(np.int64) - zero, req.multiplier, req.rshift, p.rounding),
-                            *INT16)
+                h = p.initial_h(h0[d]).astype(np.int64) - hidden.zero_point
+            c = np.zeros((batch, h_size), np.int64) if c0 is None else p.initial_c(c0[d]).astype(np.int64)
             for t in (range(steps - 1, -1, -1) if dr.reverse else range(steps)):
                 h, c = self.step(p, dr, gx[t], h, c)
                 y[t, d] = h + hidden.zero_point
