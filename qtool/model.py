@@ -416,7 +416,8 @@ def float_tensors(model: onnx.ModelProto) -> list[str]:
 class FloatRunner:
     """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
 
-    def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0):
+    def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0,
+                 arena: bool = True):
         """A session on ``model`` (prepared already, so onnxruntime's default optimizations apply
         on top) returning its outputs plus ``extra_outputs``."""
         known = {o.name for o in model.graph.output}
@@ -437,6 +438,7 @@ class FloatRunner:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         if threads:
             options.intra_op_num_threads = threads
+        options.enable_cpu_mem_arena = arena
         self.session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 

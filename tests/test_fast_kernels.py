@@ -235,6 +235,30 @@ def test_compiled_per_channel_lookup_equals_the_numpy_gather(a_shape, b_shape, d
     assert (lookup_pair(table, a, b) == want).all()
 
 
+@needs_numba
+@pytest.mark.parametrize("table_type", ["int8", "uint8", "float32", "int32"])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (70000,), (1, 1)])
+def test_compiled_byte_gathers_equal_the_numpy_gather(table_type, shape, monkeypatch):
+    # one table, one pair table and the lookups built on them (the executor's chains, HardSwish,
+    # Dequantize of 8-bit values, elementwise pairs of equal shape), compiled and in numpy
+    from qtool.ops.bytetable import lookup, lookup_pair
+
+    rng = np.random.default_rng(sum(shape) + len(table_type))
+    table = rng.integers(-1000, 1000, size=256).astype(table_type)
+    pairs = rng.integers(-1000, 1000, size=(256, 256)).astype(table_type)
+    a = rng.integers(0, 256, size=shape).astype(np.uint8).view(np.int8)
+    b = rng.integers(0, 256, size=shape).astype(np.uint8)
+    want = table[a.view(np.uint8).astype(np.int64)]
+    want_pairs = pairs[a.view(np.uint8).astype(np.int64), b.astype(np.int64)]
+    assert compiled.gather(table, a.view(np.uint8)) is not None  # the compiled loop is what runs
+    assert compiled.gather_pairs(pairs, a.view(np.uint8), b) is not None
+    for enabled in (True, False):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        got, got_pairs = lookup(table, a), lookup_pair(pairs, a, b)
+        assert got.dtype == want.dtype and got.shape == shape and (got == want).all()
+        assert got_pairs.dtype == want_pairs.dtype and got_pairs.shape == shape and (got_pairs == want_pairs).all()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_onnxruntime_engine_scans_channels_whose_bias_may_overflow(workers, monkeypatch):
     # a padded depthwise conv (split by channels over two threads) whose channel 3 has a bias 100

@@ -213,3 +213,28 @@ def test_a_damaged_large_file_is_a_user_error(tmp_path, small_lazy, form):
         damaged, message = tmp_path / "bad.npz", "is not a valid .npz/.npy file"
     model = _save(tmp_path, _relu_model())
     assert_user_error(invoke("calibrate", model, "--data", damaged, "-o", tmp_path / "t.yaml"), message)
+
+
+def test_verify_lets_each_reference_go_once_compared(demo_model, qmodel, demo_heldout):
+    # the float side's tensors are released as the comparisons consume them: after a batch only
+    # the model's outputs (which the caller compares) remain of the reference, and every
+    # comparison has taken its batch
+    import concurrent.futures
+
+    from qtool.model import FloatRunner, load_model, prepare
+    from qtool.verify.compare import Comparison
+    from qtool.verify.core import _side_by_side
+
+    executor = IntegerExecutor(load_model(qmodel))
+    model = prepare(load_model(demo_model), "demo")
+    known = {o for node in model.graph.node for o in node.output}
+    tensors = {name: Comparison(name, t.op_type, "integer", t.qparams)
+               for name, t in executor.integer_tensors().items() if name in known}
+    assert len(tensors) > 3
+    runner = FloatRunner(model, list(tensors), threads=1, arena=False)
+    x = np.load(demo_heldout)
+    feeds = {executor.input_names[0]: x[x.files[0]][:2]}
+    with concurrent.futures.ThreadPoolExecutor(1) as side:
+        reference, result = _side_by_side(executor, runner, feeds, tensors, {n: {} for n in tensors}, side)
+    assert set(reference) == set(executor.output_names) == set(result.outputs)
+    assert all(c.ref_sq > 0 for c in tensors.values())

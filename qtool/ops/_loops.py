@@ -76,3 +76,18 @@ def lookup_per_channel(table, a, b, out):  # pragma: no cover
             for h in range(rows):
                 for w in range(cols):
                     out[i, c, h, w] = table[a[i, c, h, w], column]
+
+
+@numba.njit(nogil=True, cache=True)
+def gather(table, index, out):  # pragma: no cover
+    """``out[i] = table[index[i]]``, flat ``index`` of raw bytes (uint8): numpy's take first
+    widens every index to intp, this reads each once."""
+    for i in range(index.size):
+        out[i] = table[index[i]]
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_pairs(table, a, b, out):  # pragma: no cover
+    """``out[i] = table[a[i], b[i]]``: a [256, 256] pair table, flat ``a`` and ``b`` raw bytes."""
+    for i in range(a.size):
+        out[i] = table[a[i], b[i]]

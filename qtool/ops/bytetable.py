@@ -45,6 +45,10 @@ def by_byte(table: np.ndarray, dtype) -> np.ndarray:
 
 
 def _take(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    if index.ndim and index.dtype == np.uint8:  # a byte index: one compiled pass where numba is installed
+        out = compiled.gather(table, index)
+        if out is not None:
+            return out
     parts = parallel.ranges(index.size, index.size)
     if len(parts) == 1:
         return np.take(table, index) if index.ndim else np.asarray(np.take(table, index))  # 0-d: an array
@@ -80,6 +84,10 @@ def lookup_pair(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return out
     elif b.shape == shape:
         out = compiled.lookup_per_channel(table.T, b, a)
+        if out is not None:
+            return out
+    if a.shape == b.shape:  # one compiled pass where numba is installed
+        out = compiled.gather_pairs(table, a.view(np.uint8), b.view(np.uint8))
         if out is not None:
             return out
     flat_table = table.reshape(-1)

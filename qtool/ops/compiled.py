@@ -121,6 +121,27 @@ def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
     return out
 
 
+def gather(table: np.ndarray, index: np.ndarray) -> np.ndarray | None:
+    """``table[index]`` for a 256-entry ``table`` and uint8 ``index`` of any shape, as one compiled
+    loop; None where numba is missing."""
+    if not available() or table.ndim != 1 or table.size != 256:
+        return None
+    out = np.empty(index.size, dtype=table.dtype)
+    _loops.gather(np.ascontiguousarray(table), np.ascontiguousarray(index).reshape(-1), out)
+    return out.reshape(index.shape)
+
+
+def gather_pairs(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``table[a, b]`` for a [256, 256] ``table`` and uint8 ``a``, ``b`` of one shape, as one
+    compiled loop; None where numba is missing."""
+    if not available() or table.shape != (256, 256) or a.shape != b.shape:
+        return None
+    out = np.empty(a.size, dtype=table.dtype)
+    _loops.gather_pairs(np.ascontiguousarray(table), np.ascontiguousarray(a).reshape(-1),
+                        np.ascontiguousarray(b).reshape(-1), out)
+    return out.reshape(a.shape)
+
+
 def requantizer(exact):
     """``exact`` (an ``OffsetRequant``) compiled where numba is installed, else ``exact`` itself."""
     return CompiledRequant(exact) if available() else exact

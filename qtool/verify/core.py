@@ -163,7 +163,9 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     outputs = [Comparison(name) for name in executor.output_names]
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
-    runner = FloatRunner(model, [c.name for c in tensors])
+    # the float model on one thread, beside the executor on the other (two intra-op threads
+    # spinning for work took the executor's core: rec 58 ms a line instead of 37)
+    runner = FloatRunner(model, [c.name for c in tensors], threads=1, arena=False)
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
                                           else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
@@ -235,13 +237,18 @@ def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, c
     the computed tensors from a queue until the executor is done. Each tensor is compared whole by
     one thread, so the sums are the same whichever thread does it. (reference, executor result)."""
     computed: queue.SimpleQueue = queue.SimpleQueue()
+    keep = set(executor.output_names)
 
     def compare(reference: dict) -> None:
         while (item := computed.get()) is not None:
             name, value = item
             c = comparisons.get(name)
             if c is not None:
-                c.update_integer(reference[name], value, tables[name])
+                # a reference compared is let go (the outputs are kept for the caller): the
+                # batch's float tensors do not all stay alive until the executor is done
+                c.update_integer(reference[name] if name in keep else reference.pop(name), value,
+                                 tables[name])
+            del item, value
         computed.put(None)  # the end, for the other thread
 
     float_side = side.submit(runner.run, feeds)
