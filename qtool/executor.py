@@ -208,6 +208,11 @@ class IntegerExecutor:
         """Each Conv / Gemm / MatMul with a constant int8 weight computes as onnxruntime's u8 x s8
         kernels do on AVX2 (in place: its op becomes ``x86.PairSaturating``)."""
         for step, offset in list(x86.saturating_steps(self)):
+            if x86.is_volume(step.params):
+                raise QtoolError(f"--target x86-avx2 cannot emulate 3-D Conv node '{step.node.name}': "
+                                 f"the order in which onnxruntime's AVX2 kernel pairs its products is "
+                                 f"known for 1-D and 2-D convolutions only (verify with --target exact, "
+                                 f"or quantize with --target portable, which has no such pairs)")
             step.op = x86.PairSaturating(offset, x86.weight_risk(step.params))
 
     def _qoperator_step(self, node: onnx.NodeProto, qdq_reason: str):

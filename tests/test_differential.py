@@ -66,6 +66,14 @@ CASES = {
                                {"x": (8, 4, 30)}, {"w": _w(6, 4, 3)}),
     "conv1d_depthwise": (helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 1]),
                          {"x": (8, 4, 12)}, {"w": _w(4, 1, 3), "b": _w(4)}),
+    # 3-D: one 2-D accumulation per depth tap (ops/conv.py run_volume)
+    "conv3d_pad_bias": (helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1, 1, 1]),
+                        {"x": (4, 3, 5, 6, 7)}, {"w": _w(4, 3, 3, 3, 3), "b": _w(4)}),
+    "conv3d_stride_dilation_asympad": (
+        helper.make_node("Conv", ["x", "w"], ["y"], strides=[2, 1, 2], dilations=[2, 1, 1], group=2,
+                         pads=[0, 1, 1, 1, 0, 2]), {"x": (4, 4, 7, 5, 8)}, {"w": _w(6, 2, 2, 3, 2)}),
+    "conv3d_depthwise": (helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 0, 1, 1, 0, 1]),
+                         {"x": (4, 4, 4, 5, 6)}, {"w": _w(4, 1, 3, 1, 3), "b": _w(4)}),
     "gemm_transB": (helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1),
                     {"x": (8, 6)}, {"w": _w(5, 6), "b": _w(5)}),
     "gemm_plain": (helper.make_node("Gemm", ["x", "w"], ["y"]), {"x": (8, 6)}, {"w": _w(6, 5)}),

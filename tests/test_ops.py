@@ -50,6 +50,45 @@ def test_conv_groups_stride_and_saturation():
     assert REGISTRY["Conv"].run(p, x).tolist() == [[[[20]], [[-128]]]]
 
 
+def _conv3d_by_definition(x, w, pads, strides, dilations, group, zero_in):
+    """int64 sums of a 3-D Conv, one output at a time from the ONNX definition (padding Z_x)."""
+    n, c_in, depth, h, wd = x.shape
+    c_out, c_g, kd, kh, kw = w.shape
+    xp = np.full((n, c_in, depth + pads[0] + pads[3], h + pads[1] + pads[4], wd + pads[2] + pads[5]), zero_in,
+                 np.int64)
+    xp[:, :, pads[0]:pads[0] + depth, pads[1]:pads[1] + h, pads[2]:pads[2] + wd] = x
+    out = [(xp.shape[2 + a] - dilations[a] * (w.shape[2 + a] - 1) - 1) // strides[a] + 1 for a in range(3)]
+    y = np.zeros((n, c_out, *out), np.int64)
+    per = c_out // group
+    for b, o, i, j, k in np.ndindex(n, c_out, *out):
+        g = o // per
+        for c, a, e, f in np.ndindex(c_g, kd, kh, kw):
+            y[b, o, i, j, k] += int(w[o, c, a, e, f]) * xp[b, g * c_g + c, i * strides[0] + a * dilations[0],
+                                                           j * strides[1] + e * dilations[1],
+                                                           k * strides[2] + f * dilations[2]]
+    return y
+
+
+@pytest.mark.parametrize("pads, strides, dilations, group, c_in, c_out", [
+    ((1, 1, 1, 1, 1, 1), (1, 1, 1), (1, 1, 1), 1, 3, 4),
+    ((0, 1, 2, 1, 0, 1), (2, 1, 3), (2, 1, 1), 2, 4, 6),
+    ((1, 0, 1, 1, 2, 0), (1, 2, 1), (1, 1, 2), 3, 3, 3),  # depthwise
+])
+def test_conv3d_equals_its_definition(pads, strides, dilations, group, c_in, c_out):
+    # identity requantization into int32: the output is the sum + bias + Z_y itself
+    rng = np.random.default_rng(c_in * 10 + c_out)
+    w = rng.integers(-128, 128, (c_out, c_in // group, 2, 3, 2)).astype(np.int8)
+    x = rng.integers(-128, 128, (2, c_in, 5, 6, 7)).astype(np.int8)
+    bias = rng.integers(-1000, 1000, c_out)
+    p = ConvParams(weight=w, bias=bias, requant=Requant(np.full(c_out, 2**30), np.full(c_out, 30)), zero_in=-5,
+                   zero_out=7, pads=pads, strides=strides, dilations=dilations, group=group, rounding="half_up",
+                   dtype="int32", rank=3)
+    want = _conv3d_by_definition(x, w, pads, strides, dilations, group, -5) + bias[None, :, None, None, None] + 7
+    op = REGISTRY["Conv"]
+    got = op.run(op.specialize(p, [x.shape]), x)
+    assert got.dtype == np.int32 and got.shape == want.shape and (got == want).all()
+
+
 def test_gemm_transposed_weight():
     # x [1, 2] @ W^T with W = [[1, 1], [2, -1]] -> [3, 0]; + bias [1, 2] -> [4, 2]; * 0.5 -> [2, 1]
     p = MatMulParams(weight=i8([[1, 1], [2, -1]]).T, bias=np.array([1, 2]),

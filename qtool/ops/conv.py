@@ -20,7 +20,7 @@ import numpy as np
 
 from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_requant, quantize_multipliers,
                           requantize, saturate)
-from . import Bias, IntegerOp, NodeView, Unsupported, Weight, parallel, per_tensor, plan_for, register
+from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, parallel, per_tensor, plan_for, register
 from . import compiled, ortconv
 from .bytetable import lookup
 from .intmatmul import FLOAT32_EXACT, int_matmul
@@ -33,15 +33,16 @@ class ConvParams:
     requant: Requant  # per output channel
     zero_in: int
     zero_out: int
-    pads: tuple[int, int, int, int]  # top, left, bottom, right
-    strides: tuple[int, int]
-    dilations: tuple[int, int]
+    pads: tuple[int, ...]  # top, left, bottom, right (rank 3: front, top, left, back, bottom, right)
+    strides: tuple[int, ...]  # (rank 3: depth, height, width)
+    dilations: tuple[int, ...]
     group: int
     rounding: str
     dtype: str
     # 1 for a 1-D Conv ([N, C, L]), held as the 2-D Conv of height 1 it equals: weight [C_out,
     # C_in/group, 1, k], no padding, stride or dilation along the height; [N, C, L] inputs run
-    # as [N, C, 1, L] (a view)
+    # as [N, C, 1, L] (a view). 3 for a 3-D Conv ([N, C, D, H, W], weight [C_out, C_in/group,
+    # kd, kh, kw]): the exact path of ``run_volume``
     rank: int = 2
 
 
@@ -91,16 +92,16 @@ class Conv(IntegerOp):
     def check(self, node, attrs):
         if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
             raise Unsupported("auto_pad SAME_* is not supported")
-        if len(attrs.get("kernel_shape", [0, 0])) not in (1, 2):
-            raise Unsupported("only 1-D and 2-D convolutions are supported")
+        if len(attrs.get("kernel_shape", [0, 0])) not in (1, 2, 3):
+            raise Unsupported("only 1-D, 2-D and 3-D convolutions are supported")
 
     def derive(self, view: NodeView) -> ConvParams:
         self.check(view.node, view.attrs)
         x = per_tensor(view.inputs[0].qparams, "Conv input")
         y = per_tensor(view.output, "Conv output")
         weight = view.inputs[1].value
-        if weight.ndim not in (3, 4):
-            raise Unsupported("only 1-D and 2-D convolutions are supported")
+        if weight.ndim not in (3, 4, 5):
+            raise Unsupported("only 1-D, 2-D and 3-D convolutions are supported")
         channels = weight.shape[0]
         channel_scale = x.scale * weight_scales(view, 1, channels, 0)
         rank = weight.ndim - 2
@@ -115,7 +116,7 @@ class Conv(IntegerOp):
             requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
             zero_in=x.zero_point,
             zero_out=y.zero_point,
-            pads=(pads[0], pads[1], pads[2], pads[3]),
+            pads=tuple(int(v) for v in pads),
             strides=strides,
             dilations=dilations,
             group=view.attr("group", 1),
@@ -124,15 +125,20 @@ class Conv(IntegerOp):
             rank=rank,
         )
 
-    def specialize(self, p: ConvParams, shapes) -> "ConvPlan":
+    def specialize(self, p: ConvParams, shapes) -> "ConvPlan | ConvParams":
+        if p.rank == 3:
+            return p  # run_volume needs no plan
         shape = tuple(shapes[0])
         return ConvPlan.of(p, shape if p.rank == 2 else (*shape[:2], 1, *shape[2:]))
 
     def run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
         """``table`` (``takes_table``): the output is ``table[byte of q_y]``, in the requantizing
         pass where the compiled loop writes the output whole, else looked up after."""
-        if (p.params if isinstance(p, ConvPlan) else p).rank == 1:  # [N, C, L] as [N, C, 1, L]
+        rank = (p.params if isinstance(p, ConvPlan) else p).rank
+        if rank == 1:  # [N, C, L] as [N, C, 1, L]
             return self._run(p, x[:, :, None, :], table)[:, :, 0, :]
+        if rank == 3:
+            return _mapped(run_volume(p, x), table)
         return self._run(p, x, table)
 
     def _run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None) -> np.ndarray:
@@ -204,6 +210,32 @@ def run_scanned(p: ConvParams, x: np.ndarray, extra=None) -> np.ndarray:
     acc = acc + p.bias[None, :, None]
     y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
     return saturate(y + p.zero_out, p.dtype).reshape(n, c_out, out_h, out_w)
+
+
+def run_volume(p: ConvParams, x: np.ndarray) -> np.ndarray:
+    """A 3-D Conv, exactly: the sum over the ``kd`` depth taps of 2-D accumulations (each
+    ``conv_accumulate`` of the depth planes that tap reads, the output depths as a batch), then
+    the bias, the requantization scanning for int32 overflow and the zero point, as ``run_scanned``.
+    Padding is ``Z_x`` along all three axes. No float32 fast path: a plain, readable kernel."""
+    check_integer(x, p.weight)
+    if x.ndim != 5:
+        raise ValueError(f"Conv is 3-D: got input shape {x.shape}")
+    n, c_in, depth = x.shape[:3]
+    c_out, _, kd = p.weight.shape[:3]
+    front, top, left, back, bottom, right = p.pads
+    (sd, sh, sw), (dd, dh, dw) = p.strides, p.dilations
+    padded = np.pad(x, ((0, 0), (0, 0), (front, back), (top, bottom), (left, right)), constant_values=p.zero_in)
+    out_d = (depth + front + back - dd * (kd - 1) - 1) // sd + 1
+    acc = out_h = out_w = None
+    for k in range(kd):
+        planes = padded[:, :, k * dd:k * dd + sd * (out_d - 1) + 1:sd]  # [n, C, out_d, H_p, W_p]
+        planes = planes.transpose(0, 2, 1, 3, 4).reshape(n * out_d, c_in, *planes.shape[3:])
+        part, out_h, out_w = conv_accumulate(planes, p.weight[:, :, k], p.group, (sh, sw), (dh, dw))
+        acc = part.astype(np.int64) if acc is None else acc + part
+    acc = acc + p.bias[None, :, None]
+    y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
+    y = saturate(y + p.zero_out, p.dtype).reshape(n, out_d, c_out, out_h, out_w)
+    return np.ascontiguousarray(y.transpose(0, 2, 1, 3, 4))
 
 
 # the largest |q| of an input type: a bound that holds for every input of that type

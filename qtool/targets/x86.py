@@ -147,6 +147,12 @@ class PairSaturating:
         return saturation_loss(rows, w_k, risky).reshape(*x.shape[:-1], -1)
 
 
+def is_volume(params) -> bool:
+    """A 3-D Conv: its products are not emulated (the order in which onnxruntime's AVX2 kernel
+    pairs them is known for 1-D and 2-D convolutions only)."""
+    return isinstance(params, ConvParams) and params.rank == 3
+
+
 # -- which steps onnxruntime runs that way ------------------------------------------------------
 def stored_types(executor, node: onnx.NodeProto) -> tuple[str | None, str | None]:
     """(activation type, weight type) as stored in the model for a Conv/Gemm/MatMul QDQ group or
@@ -197,10 +203,24 @@ class Hazard:
     of: int
     pairs: int
     total: int
+    # False for a 3-D Conv, whose K order in onnxruntime's kernel is not known here: any two
+    # same-sign weights of a channel count as a possible pair, and pairs/total count channels
+    order_known: bool = True
 
     def to_dict(self) -> dict:
-        return {"node": self.node, "op_type": self.op_type, "channels_at_risk": self.channels,
-                "channels": self.of, "pairs_at_risk": self.pairs, "pairs": self.total}
+        found = {"node": self.node, "op_type": self.op_type, "channels_at_risk": self.channels,
+                 "channels": self.of, "pairs_at_risk": self.pairs, "pairs": self.total}
+        if not self.order_known:
+            found["pair_order"] = "unknown (3-D Conv): any two weights of a channel may pair"
+        return found
+
+
+def any_pair_risk(weight: np.ndarray) -> np.ndarray:
+    """bool [C_out]: some two same-sign weights of the output channel could saturate as a u8 x s8
+    pair, whatever order the kernel reads them in (a bound for a conv whose order is unknown)."""
+    w = weight.reshape(weight.shape[0], -1).astype(np.int64)
+    top = [np.sort(np.where(sign * w > 0, sign * w, 0), axis=1)[:, -2:].sum(axis=1) for sign in (1, -1)]
+    return RAW_MAX * np.maximum(*top) > INT16_MAX
 
 
 def hazards(executor) -> list[Hazard]:
@@ -209,6 +229,12 @@ def hazards(executor) -> list[Hazard]:
     onnxruntime multiplies."""
     found = []
     for step, _ in saturating_steps(executor):
+        if is_volume(step.params):
+            risky = any_pair_risk(step.params.weight)
+            if risky.any():
+                found.append(Hazard(step.node.name, step.node.op_type, int(risky.sum()), risky.size,
+                                    int(risky.sum()), risky.size, order_known=False))
+            continue
         risk = weight_risk(step.params)
         if not risk:
             continue
