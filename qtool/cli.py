@@ -575,7 +575,8 @@ def exec_(
     state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
     batch. An array shaped exactly as its model input (every size fixed) is fed whole to every
     run when the arrays' sample counts disagree: a state, or inputs of different fixed sizes run
-    once as they are.
+    once as they are. An output whose shape changes from sample to sample (a decoder that stops
+    on a value) is written per sample, as arrays NAME/0, NAME/1, ... of the .npz.
 
     \b
     Examples:
@@ -618,9 +619,16 @@ def exec_(
                           for name, value in outputs.items()}
                 writer.append(outputs)
                 bar.update(min(batch_size, len(data) - bar.n))
+        ragged = dict(writer.ragged)
         writer.close()
+        for name in ragged:
+            shapes[name] = None
         if note and len(data) > 1 and not quiet and not as_json:
             _log(note)
+        if not quiet and not as_json:
+            for name, count in ragged.items():
+                _log(f"output '{name}' changes shape from sample to sample: written per sample, as "
+                     f"'{name}/0' ... '{name}/{count - 1}'")
     except QtoolError as e:
         if writer is not None:
             writer.discard()
@@ -632,7 +640,7 @@ def exec_(
         typer.echo(json.dumps({
             "steps": len(executor.steps), "integer_steps": sum(s.kind == "integer" for s in executor.steps),
             "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in floats],
-            "outputs": shapes,
+            "outputs": shapes, "per_sample_outputs": list(ragged),
             "output": str(output)}, indent=1))
     elif not quiet:
         _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")

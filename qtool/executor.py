@@ -505,7 +505,7 @@ class IntegerExecutor:
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
         """A fenced float op, run alone in onnxruntime (session built once per input types)."""
-        key = (step.node.name, tuple(v.dtype.str for v in values))
+        key = (id(step), tuple(v.dtype.str for v in values))  # by step: node names may be empty or repeat
         session = self._float_sessions.get(key)
         if session is None:
             session = self._float_sessions[key] = self._float_session(step.node, step.inputs, values)

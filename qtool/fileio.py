@@ -76,25 +76,30 @@ class NpzWriter:
     (uncompressed, as ``np.savez`` does, with fixed timestamps so that equal arrays give equal
     bytes) into a temporary file beside ``path``, then renames it. Nothing is left behind when
     it fails or is abandoned (``discard``).
+
+    An array whose rows change shape (or type) from one batch to the next (a decoder that stops on
+    a value) cannot be one array: it is stored per sample instead, as ``NAME/0``, ``NAME/1``, ...
+    (the rows written before are moved there, one at a time). The archive lists the arrays in the
+    order they first came, each ragged one's samples in order, whatever the batch size.
     """
 
     def __init__(self, path: str | Path, total: int | None):
         """``total``: the rows every array will have; None: each array comes in one piece."""
         self.path, self.total = Path(path), total
         self.parts: dict[str, _Part] = {}
+        self.ragged: dict[str, int] = {}  # an array stored per sample: how many samples so far
+        self.names: list[str] = []  # the arrays, in the order they first came
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
             value = np.ascontiguousarray(value)
+            if name in self.ragged:
+                self._per_sample(name, value)
+                continue
             part = self.parts.get(name)
             if part is None:
-                whole = self.total is None  # written as it is, any shape
-                part = self.parts[name] = _Part(tempfile.TemporaryFile(prefix="qtool-out-"), value.dtype,
-                                                None if whole else value.shape[1:],
-                                                1 if whole else self.total)
-                header = {"descr": np.lib.format.dtype_to_descr(value.dtype), "fortran_order": False,
-                          "shape": value.shape if whole else (self.total,) + value.shape[1:]}
-                np.lib.format.write_array_header_2_0(part.file, header)
+                self.names.append(name)
+                part = self.parts[name] = self._new_part(value, self.total)
             if part.row is None:
                 if part.done:
                     raise RuntimeError(f"NpzWriter: output '{name}' given twice")
@@ -102,27 +107,67 @@ class NpzWriter:
                 part.done = 1
                 continue
             if value.shape[1:] != part.row or value.dtype != part.dtype:
-                raise QtoolError(f"output '{name}' is {value.dtype} {list(value.shape[1:])} per sample in "
-                                 f"samples {part.done}-{part.done + len(value) - 1} but {part.dtype} "
-                                 f"{list(part.row)} before; outputs that differ between batches cannot "
-                                 f"be stacked into one array (use --batch-size 1 and one sample per file)")
+                self._split(name, part)
+                self._per_sample(name, value)
+                continue
             part.file.write(value.tobytes())
             part.done += len(value)
+
+    @staticmethod
+    def _new_part(value: np.ndarray, total: int | None) -> _Part:
+        """A temporary .npy for ``value``: whole (``total`` None), or the first rows of ``total``."""
+        whole = total is None
+        part = _Part(tempfile.TemporaryFile(prefix="qtool-out-"), value.dtype, None if whole else value.shape[1:],
+                     1 if whole else total)
+        header = {"descr": np.lib.format.dtype_to_descr(value.dtype), "fortran_order": False,
+                  "shape": value.shape if whole else (total,) + value.shape[1:]}
+        np.lib.format.write_array_header_2_0(part.file, header)
+        return part
+
+    def _split(self, name: str, part: _Part) -> None:
+        """The rows of ``name`` written so far, moved to one array per sample (``NAME/i``)."""
+        self.ragged[name] = 0
+        part.file.seek(0)
+        np.lib.format.read_magic(part.file)
+        np.lib.format.read_array_header_2_0(part.file)
+        size = int(np.prod(part.row, dtype=np.int64)) * part.dtype.itemsize
+        for _ in range(part.done):
+            row = np.frombuffer(part.file.read(size), dtype=part.dtype).reshape(part.row)
+            self._per_sample(name, row[None])
+        part.file.close()
+        del self.parts[name]
+
+    def _per_sample(self, name: str, rows: np.ndarray) -> None:
+        for row in rows:
+            key = f"{name}/{self.ragged[name]}"
+            part = self.parts[key] = self._new_part(row, None)
+            part.file.write(np.ascontiguousarray(row).tobytes())
+            part.done = 1
+            self.ragged[name] += 1
 
     def close(self) -> None:
         short = [(n, p) for n, p in self.parts.items() if p.done != p.expected]
         if short:  # a bug in the caller, not a user error
             name, part = short[0]
             raise RuntimeError(f"NpzWriter: output '{name}' got {part.done} of {part.expected} samples")
+        if self.total is not None and any(count != self.total for count in self.ragged.values()):
+            raise RuntimeError(f"NpzWriter: a per-sample output got {self.ragged} of {self.total} samples")
         try:
             with atomic_file(self.path) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
-                for name, part in self.parts.items():
+                for name, part in self._in_order():
                     part.file.seek(0)
                     info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
                     with archive.open(info, "w", force_zip64=True) as member:
                         shutil.copyfileobj(part.file, member, 1 << 20)
         finally:
             self.discard()
+
+    def _in_order(self):
+        """(name, part) in the order the arrays first came; a ragged one's samples in order."""
+        order = []
+        for name in self.names:
+            order += [f"{name}/{i}" for i in range(self.ragged[name])] if name in self.ragged else [name]
+        return [(key, self.parts[key]) for key in order]
 
     def discard(self) -> None:
         for part in self.parts.values():

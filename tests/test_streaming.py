@@ -238,3 +238,65 @@ def test_verify_lets_each_reference_go_once_compared(demo_model, qmodel, demo_he
         reference, result = _side_by_side(executor, runner, feeds, tensors, {n: {} for n in tensors}, side)
     assert set(reference) == set(executor.output_names) == set(result.outputs)
     assert all(c.ref_sq > 0 for c in tensors.values())
+
+
+def test_npz_writer_stores_an_output_that_changes_shape_per_sample(tmp_path):
+    # "y" keeps its rows' shape for 3 samples, then changes: every sample of it is stored alone
+    # (the rows already written moved there), in order, with the same bytes whatever the batch
+    from qtool.fileio import NpzWriter
+
+    rows = [np.full((2, k), k, np.int16) for k in (3, 3, 3, 5, 4, 4)]
+    same = np.arange(12, dtype=np.float32).reshape(6, 2)
+    digests = set()
+    for batches in ([1, 1, 1, 1, 1, 1], [3, 1, 2]):
+        writer = NpzWriter(tmp_path / "y.npz", 6)
+        start = 0
+        for n in batches:
+            block = rows[start:start + n]
+            if len({r.shape for r in block}) == 1:
+                writer.append({"same": same[start:start + n], "y": np.stack(block)})
+            else:  # a batch's rows share one shape in a real run
+                raise AssertionError("test batches must not mix shapes")
+            start += n
+        assert writer.ragged == {"y": 6}
+        writer.close()
+        with np.load(tmp_path / "y.npz") as y:
+            assert y.files == ["same", *[f"y/{i}" for i in range(6)]]
+            np.testing.assert_array_equal(y["same"], same)
+            for i, row in enumerate(rows):
+                assert y[f"y/{i}"].dtype == np.int16 and y[f"y/{i}"].tolist() == row.tolist()
+        digests.add(hashlib.sha256((tmp_path / "y.npz").read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+
+def _data_dependent_slice(path) -> None:
+    """y = x[:, :ceil(max(x))]: its width depends on the sample's values (nodes without names, each
+    its own float session in the executor)."""
+    nodes = [helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+             helper.make_node("Ceil", ["m"], ["c"]),
+             helper.make_node("Cast", ["c"], ["e"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["e", "one"], ["ends"]),
+             helper.make_node("Slice", ["x", "zero", "ends", "axis"], ["y"])]
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n)
+              for n, v in (("one", [1]), ("zero", [0]), ("axis", [1]))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "W"])], consts)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+
+
+def test_exec_writes_an_output_that_changes_shape_per_sample(tmp_path):
+    _data_dependent_slice(tmp_path / "m.onnx")
+    x = np.array([[0.5, 0, 0, 0, 0, 0], [1.5, 1, 0, 0, 0, 0], [2.5, 0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]],
+                 np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    result = invoke("exec", tmp_path / "m.onnx", "-i", tmp_path / "x.npz", "-o", tmp_path / "y.npz",
+                    "--batch-size", 1)
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    assert "output 'y' changes shape from sample to sample: written per sample, as 'y/0' ... 'y/3'" \
+        in result.stderr
+    with np.load(tmp_path / "y.npz") as y:
+        assert y.files == ["y/0", "y/1", "y/2", "y/3"]
+        # each sample's row, without the sample axis
+        assert [y[k].tolist() for k in y.files] == [x[0, :1].tolist(), x[1, :2].tolist(), x[2, :3].tolist(),
+                                                      x[3, :1].tolist()]
