@@ -207,9 +207,15 @@ def run_scanned(p: ConvParams, x: np.ndarray, extra=None) -> np.ndarray:
     acc, out_h, out_w = conv_accumulate(padded, p.weight, p.group, p.strides, p.dilations)
     if extra is not None:
         acc = acc + extra(x)
-    acc = acc + p.bias[None, :, None]
-    y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
-    return saturate(y + p.zero_out, p.dtype).reshape(n, c_out, out_h, out_w)
+    return _requantized(p, acc).reshape(n, c_out, out_h, out_w)
+
+
+def _requantized(p: ConvParams, acc: np.ndarray) -> np.ndarray:
+    """The output levels of int64 sums [n, C_out, L]: bias, requantization scanning for int32
+    overflow, zero point, saturation."""
+    y = requantize(acc + p.bias[None, :, None], p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None],
+                   p.rounding)
+    return saturate(y + p.zero_out, p.dtype)
 
 
 def run_volume(p: ConvParams, x: np.ndarray) -> np.ndarray:
@@ -232,9 +238,7 @@ def run_volume(p: ConvParams, x: np.ndarray) -> np.ndarray:
         planes = planes.transpose(0, 2, 1, 3, 4).reshape(n * out_d, c_in, *planes.shape[3:])
         part, out_h, out_w = conv_accumulate(planes, p.weight[:, :, k], p.group, (sh, sw), (dh, dw))
         acc = part.astype(np.int64) if acc is None else acc + part
-    acc = acc + p.bias[None, :, None]
-    y = requantize(acc, p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None], p.rounding)
-    y = saturate(y + p.zero_out, p.dtype).reshape(n, out_d, c_out, out_h, out_w)
+    y = _requantized(p, acc).reshape(n, out_d, c_out, out_h, out_w)
     return np.ascontiguousarray(y.transpose(0, 2, 1, 3, 4))
 
 
