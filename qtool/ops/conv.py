@@ -62,11 +62,18 @@ def accumulator_bias(view: NodeView, bias_index: int | None, weight_q: np.ndarra
         bias_scale = np.broadcast_to(np.asarray(operand.qparams.scale, np.float64), (channels,))
         if np.any(np.asarray(operand.qparams.zero_point) != 0):
             raise Unsupported("bias zero point must be 0")
-        if np.array_equal(bias_scale.astype(np.float32), channel_scale.astype(np.float32)):
-            bias = stored
-        else:  # a bias stored at another scale is moved to the accumulator's, at setup
-            bias = np.rint(stored * bias_scale / channel_scale).astype(np.int64)
+        bias = in_accumulator_units(stored, bias_scale, channel_scale)
     return bias - zero_in * sums
+
+
+def in_accumulator_units(stored: np.ndarray, scale, accumulator_scale) -> np.ndarray:
+    """int64 ``stored`` (a bias at ``scale``) in units of ``accumulator_scale``: as it is where the
+    two agree in float32, else moved to the accumulator's scale at setup (rounded)."""
+    scale, accumulator_scale = np.asarray(scale, np.float64), np.asarray(accumulator_scale, np.float64)
+    if np.array_equal(np.broadcast_to(scale, np.shape(accumulator_scale)).astype(np.float32),
+                      accumulator_scale.astype(np.float32)):
+        return stored
+    return np.rint(stored * scale / accumulator_scale).astype(np.int64)
 
 
 def weight_scales(view: NodeView, index: int, channels: int, axis: int) -> np.ndarray:

@@ -45,7 +45,7 @@ from ..fixedpoint import Requant, quantize_multipliers, requantize, rounding_rsh
 from ..qparams import QParams
 from . import (NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Rescale, Unsupported, Weight, check_integer,
                per_tensor, register, rescale)
-from .conv import weight_scales
+from .conv import in_accumulator_units, weight_scales
 from .intmatmul import int_matmul
 from .lut import round_real
 
@@ -228,14 +228,8 @@ class Recurrent(IntegerOp):
             raise Unsupported("B's zero point must be 0")
         stored = operand.value.astype(np.int64).reshape(dirs, 2 * rows)
         scale = np.broadcast_to(np.asarray(operand.qparams.scale, np.float64).reshape(-1), (2 * rows,))
-        halves = []
-        for part, target in ((slice(0, rows), x_scale), (slice(rows, 2 * rows), h_scale)):
-            s = scale[part]
-            if np.array_equal(s.astype(np.float32), np.asarray(target).astype(np.float32)):
-                halves.append(stored[:, part])
-            else:  # stored at another scale: moved to the accumulator's at setup
-                halves.append(np.rint(stored[:, part] * s / target).astype(np.int64))
-        return halves
+        return [in_accumulator_units(stored[:, part], scale[part], target)
+                for part, target in ((slice(0, rows), x_scale), (slice(rows, 2 * rows), h_scale))]
 
     def run(self, p: RecurrentParams, x: np.ndarray, *states: np.ndarray) -> list[np.ndarray]:
         check_integer(x, *states)
