@@ -261,14 +261,55 @@ def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_
         batch_size, total = fixed, total - total % fixed
     if not spread or total == len(data):
         return Batches(data.batches(batch_size, total), samples=total)
-    picked = [data.batch(i * len(data) // total, i * len(data) // total + 1) for i in range(total)]
+    return _picked(data, [i * len(data) // total for i in range(total)], batch_size)
+
+
+def split_batches(float_model: onnx.ModelProto, data_path: str | Path, fit: int, held: int,
+                  batch_size: int, preprocess=None) -> tuple["Batches", "Batches | None"]:
+    """Two disjoint sets of DATA's samples, each spread evenly over it: ``fit`` samples that a
+    data-driven step fits on and ``held`` others that judge it. With fewer than fit + held samples
+    they share DATA in proportion (at least one each); the held-out set is None when ``held`` is 0
+    or DATA has a single sample (of the model's fixed batch)."""
+    data = load_dataset(data_path, float_model, preprocess)
+    fixed = fixed_batch(float_model) or 1
+    count = len(data) // fixed  # whole batches when the model's batch dim is fixed
+    units_fit, units_held = min(fit, len(data)) // fixed, held // fixed
+    if units_fit < 1:
+        raise QtoolError(f"data '{data_path}': the model takes batches of {fixed} samples, and "
+                         f"only {min(fit, len(data))} are used")
+    batch_size = fixed if fixed > 1 else batch_size
+    if units_held == 0 or count < 2:
+        units_fit = min(units_fit, count)
+        return _units(data, fixed, _spread(count, units_fit), batch_size), None
+    if units_fit + units_held > count:
+        units_held = min(count - 1, max(1, round(count * units_held / (units_fit + units_held))))
+        units_fit = count - units_held
+    chosen = _spread(count, units_fit + units_held)
+    # the held-out units spread over the chosen ones: the i-th at position (i + 0.5) * k / n
+    at = {int((i + 0.5) * len(chosen) / units_held) for i in range(units_held)}
+    held_units = [u for i, u in enumerate(chosen) if i in at]
+    fit_units = [u for i, u in enumerate(chosen) if i not in at]
+    return (_units(data, fixed, fit_units, batch_size), _units(data, fixed, held_units, batch_size))
+
+
+def _spread(count: int, n: int) -> list[int]:
+    return [i * count // n for i in range(n)]
+
+
+def _units(data, fixed: int, units: list[int], batch_size: int) -> "Batches":
+    return _picked(data, [u * fixed + k for u in units for k in range(fixed)], batch_size)
+
+
+def _picked(data, indices: list[int], batch_size: int) -> "Batches":
+    """The samples ``indices`` of ``data`` in batches of ``batch_size``."""
+    picked = [data.batch(i, i + 1) for i in indices]
 
     def joined(name: str, part: list[dict]) -> np.ndarray:
         axis = data.sample_axis(name)
         return part[0][name] if axis is None else np.concatenate([p[name] for p in part], axis=axis)
 
     return Batches(({name: joined(name, picked[start:start + batch_size]) for name in picked[0]}
-                    for start in range(0, total, batch_size)), samples=total)
+                    for start in range(0, len(indices), batch_size)), samples=len(indices))
 
 
 class Batches(list):

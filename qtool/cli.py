@@ -15,7 +15,7 @@ from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
-from .report import float_node_lines
+from .report import bias_summary, float_node_lines, methods_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -267,8 +267,9 @@ def quantize(
                                         "correction and the searches." + DATA_AXES),
     bias_correction: Optional[bool] = typer.Option(None, "--bias-correction/--no-bias-correction",
                                                    help="Shift each Conv/Gemm bias so that its output's "
-                                                   "per-channel mean matches float on DATA "
-                                                   "[default: on with --data]."),
+                                                   "per-channel mean matches float on DATA, applied "
+                                                   "in full, at half or not at all as the --holdout "
+                                                   "samples score it [default: on with --data]."),
     target_sqnr: Optional[float] = typer.Option(None, "--target-sqnr", help="Keep float the fewest "
                                                 "ops that bring the output SQNR against float on "
                                                 "DATA to this many dB (needs --data)."),
@@ -281,8 +282,12 @@ def quantize(
                                               "best output SQNR (needs --data)."),
     table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods, also "
                                              "write the per-tensor table it chose."),
-    num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) used by bias "
-                                             "correction and the searches."),
+    num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) that bias "
+                                             "correction and the searches fit on."),
+    holdout: Optional[int] = typer.Option(None, "--holdout", help="Other samples of DATA (spread "
+                                          "over it, disjoint from those) that judge each fitted "
+                                          "step: it is kept only if it scores better there "
+                                          "[default: as many as --num-samples; 0: keep unjudged]."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
@@ -343,6 +348,8 @@ def quantize(
         if num_samples < 1 or batch_size < 1:
             raise QtoolError(f"--num-samples and --batch-size must be at least 1, got {num_samples} "
                              f"and {batch_size}")
+        if holdout is not None and holdout < 0:
+            raise QtoolError(f"--holdout must be >= 0, got {holdout}")
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
@@ -352,14 +359,14 @@ def quantize(
             if table_out is not None:
                 check_writable(table_out)
             loaded, choice = choose_methods(model, loaded, methods, options, str(table), data, num_samples,
-                                            batch_size, progress=not quiet)
+                                            batch_size, progress=not quiet, holdout=holdout)
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
-                                       bias_correction is not False, progress=not quiet)
+                                       bias_correction is not False, progress=not quiet, holdout=holdout)
         elif data is not None and bias_correction is not False:
             qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
-                                                   batch_size, progress=not quiet)
+                                                   batch_size, progress=not quiet, holdout=holdout)
         else:
             qmodel, report = run(model, loaded, options, str(table))
         if choice is not None:
@@ -398,26 +405,11 @@ def quantize(
     if report.widened:
         typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
     if report.bias_correction is not None:
-        bc = report.bias_correction
-        typer.echo(f"bias:    {bc['ops']} ops corrected on {bc['samples']} samples in {bc['seconds']:.1f} s"
-                   + (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
-                      f"'{bc['largest_shift']['node']}')" if bc["ops"] else ""))
+        typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
     if report.method_choice is not None:
-        mc = report.method_choice
-        changed = ", ".join(f"{m} {n}" for m, n in mc["changed_tensors"].items() if n) or "none"
-        typer.echo(f"methods: tensors moved off the table's method: {changed}; SQNR {mc['before_sqnr_db']} "
-                   f"-> {mc['after_sqnr_db']} dB; {mc['evaluations']} runs on {mc['samples']} samples "
-                   f"in {mc['seconds']:.1f} s")
+        typer.echo(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
     if report.search is not None:
-        sr = report.search
-        names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])
-        more = f", and {len(sr['kept_float']) - 5} more" if len(sr["kept_float"]) > 5 else ""
-        goal = ("" if sr["target_sqnr_db"] is None else
-                f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
-        listed = f" ({names}{more})" if names else ""
-        typer.echo(f"search:  {len(sr['kept_float'])} ops kept float{listed}; "
-                   f"SQNR {sr['integer_sqnr_db']} dB all integer -> {sr['final_sqnr_db']} dB{goal}; "
-                   f"{sr['evaluations']} runs on {sr['samples']} samples in {sr['seconds']:.1f} s")
+        typer.echo(f"search:  {search_summary(report.search)}")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
                f"-> {output}")
 
@@ -476,7 +468,9 @@ def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name." + DATA_AXES),
-    tolerance: str = typer.Option("0.99", help="COS or COS,SQNR: minimum output cosine and SQNR (dB)."),
+    tolerance: str = typer.Option("0.99", help="COS or COS,SQNR: minimum output cosine and SQNR (dB), "
+                                 "for every output and every part of an output that joins tensors "
+                                 "(each input of its Concat, e.g. boxes and class scores)."),
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
@@ -512,7 +506,10 @@ def verify(
 ):
     """Compare the float model with the integer executor, output by output and tensor by tensor.
 
-    Exits 1 when an output misses the tolerance (the --report page is written all the same).
+    Exits 1 when an output, or a part of one, misses the tolerance (the --report page is written
+    all the same). An output that comes from a Concat (through reshapes, transposes and
+    elementwise maps) is also scored part by part, each Concat input where its values land: a
+    detector's class scores beside its box coordinates cannot hide behind them.
 
     \b
     Examples:

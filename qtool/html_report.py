@@ -13,7 +13,7 @@ from html import escape
 
 from . import __version__
 from .analyze import Analysis
-from .verify import ANALYSIS_TOP, Comparison, VerifyReport, format_diff, tolerance_rule
+from .verify import ANALYSIS_TOP, VerifyReport, format_diff, tolerance_rule
 
 NO_PLOT = "No plot: matplotlib is not installed (pip install 'qtool[report]')."
 
@@ -57,7 +57,7 @@ def render_html(report: VerifyReport, model: str, qmodel: str) -> str:
              f"<title>qtool verify: {escape(qmodel)} {status}</title>\n<style>{_CSS}</style>\n"
              f"</head>\n<body>\n<h1>qtool verify {badge}</h1>",
              _header(report, model, qmodel),
-             "<h2>Outputs: float model vs integer executor</h2>", _outputs_table(report.outputs)]
+             "<h2>Outputs: float model vs integer executor</h2>", _outputs_table(report)]
     if report.ort is not None:
         parts += ["<h2>onnxruntime on the quantized model</h2>", _ort_table(report)]
     if report.analysis is not None:
@@ -73,7 +73,7 @@ def _header(report: VerifyReport, model: str, qmodel: str) -> str:
     rows = [("float model", f"<span class=\"name\">{escape(model)}</span> (onnxruntime)"),
             ("quantized model", f"<span class=\"name\">{escape(qmodel)}</span> (integer executor)"),
             ("samples", str(report.samples)),
-            ("tolerance", escape(tolerance_rule(report.tolerance)))]
+            ("tolerance", escape(tolerance_rule(report.tolerance, bool(report.parts))))]
     if report.accuracy:
         a = report.accuracy
         rows.append((f"top-1 on '{escape(a['labels'])}'",
@@ -90,9 +90,17 @@ def _header(report: VerifyReport, model: str, qmodel: str) -> str:
     return text
 
 
-def _outputs_table(outputs: list[Comparison]) -> str:
-    rows = [f"<tr><td class=\"name\">{escape(c.name)}</td><td class=\"num\">{c.cosine:.6f}</td>"
-            f"<td class=\"num\">{_db(c.sqnr)}</td></tr>" for c in outputs]
+def _outputs_table(report: VerifyReport) -> str:
+    """Each output, then the parts of the Concat it joins (each scored where its values land)."""
+    rows = []
+    for c in report.outputs:
+        shown = [(escape(c.name), c)]
+        joined = report.parts.get(c.name)
+        if joined is not None and not joined.unplaced:
+            shown += [(f"&nbsp;&nbsp;part {escape(p.name)} (Concat {escape(joined.join.node)})", p)
+                      for p in joined.parts]
+        rows += [f"<tr><td class=\"name\">{label}</td><td class=\"num\">{x.cosine:.6f}</td>"
+                 f"<td class=\"num\">{_db(x.sqnr)}</td></tr>" for label, x in shown]
     return _table(["output", ("cosine", "num"), ("SQNR dB", "num")], rows)
 
 

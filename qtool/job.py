@@ -27,6 +27,7 @@ from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
+from .report import bias_summary, methods_summary, search_summary
 from .targets import TARGETS
 from .search import choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
@@ -67,6 +68,7 @@ SCHEMA = {
         "target": (("choice", tuple(TARGETS)), False),
         "bias_correction": (bool, False),
         "bias_samples": ("posint", False),
+        "holdout": ("count", False),
         "target_sqnr": (float, False),
         "max_float_layers": (int, False),
         "try_methods": (list, False),
@@ -81,7 +83,8 @@ SCHEMA = {
     }, False),
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
-DATA_DRIVEN = ("bias_correction", "bias_samples", "target_sqnr", "max_float_layers", "try_methods")
+DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
+               "try_methods")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -110,6 +113,10 @@ def _check(value, schema: dict, path: str, required: bool = True) -> None:
             _type(v, int, where)
             if v < 1:
                 raise QtoolError(f"{where}: must be >= 1, got {v}")
+        elif kind == "count":
+            _type(v, int, where)
+            if v < 0:
+                raise QtoolError(f"{where}: must be >= 0, got {v}")
         else:
             _type(v, kind, where)
 
@@ -387,21 +394,22 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
     samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8)
+    holdout = qz.get("holdout")
     choice = None
     if qz.get("try_methods"):
         table, choice = choose_methods(plan.model, table, qz["try_methods"], plan.options, str(plan.table),
                                        plan.calibrate_data, samples, batch, progress, plan.preprocess,
-                                       cal.get("batch_size"))
+                                       cal.get("batch_size"), holdout=holdout)
         write_table(table, plan.table)  # the table the model is quantized from
     if "target_sqnr" in qz or "max_float_layers" in qz:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
                                     samples, batch, qz.get("bias_correction", True), progress,
-                                    plan.preprocess)
+                                    plan.preprocess, holdout)
     elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
                                                 plan.calibrate_data, samples, batch, progress,
-                                                plan.preprocess)
+                                                plan.preprocess, holdout)
     else:
         qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())
@@ -409,15 +417,12 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
+    if qreport.bias_correction is not None:
+        log(f"bias: {bias_summary(qreport.bias_correction)}")
     if choice is not None:
-        mc = choice.to_dict()
-        log(f"methods: {', '.join(f'{m} {n}' for m, n in mc['changed_tensors'].items() if n) or 'none'} "
-            f"tensors moved off {table.method.split('+')[0]}, SQNR {mc['before_sqnr_db']} -> "
-            f"{mc['after_sqnr_db']} dB")
+        log(f"methods: {methods_summary(choice.to_dict(), table.method.split('+')[0])}")
     if qreport.search is not None:
-        sr = qreport.search
-        log(f"search: {len(sr['kept_float'])} ops kept float, SQNR {sr['integer_sqnr_db']} dB "
-            f"-> {sr['final_sqnr_db']} dB" + ("" if sr["reached"] else ", target NOT reached"))
+        log(f"search: {search_summary(qreport.search)}")
 
     t0 = time.perf_counter()
     report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
@@ -527,7 +532,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
     qz = plan.settings.get("quantize", {})
     if qz.get("bias_correction", True):
-        quantize += f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples"
+        quantize += (f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples, judged on "
+                     f"{qz.get('holdout', qz.get('bias_samples', BIAS_SAMPLES))} others")
     if qz.get("try_methods"):
         quantize += f", per-tensor choice of {', '.join(qz['try_methods'])}"
     if "target_sqnr" in qz:

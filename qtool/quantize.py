@@ -21,6 +21,7 @@ from . import __version__
 from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
+from .joins import find_joins
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
                     names_read, prepare, subgraph_reason)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
@@ -38,6 +39,10 @@ FORMATS = ("qdq", "qoperator")
 # onnxruntime fuses DQ -> Softmax -> Q into QLinearSoftmax, which outputs zeros when the output
 # scale is below 1/256 (onnxruntime 1.31).
 FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
+# an output's Concat whose parts' ranges differ more than this stays float with what follows it:
+# one scale for both leaves the narrow part 1/JOIN_RATIO of the steps (YOLOv8: boxes 0-320 beside
+# class scores 0-1 in one tensor, every score then 0 or one step)
+JOIN_RATIO = 4.0
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int32": onnx.TensorProto.INT32}
 
@@ -254,6 +259,7 @@ class _Rewriter:
 
     def run(self) -> onnx.ModelProto:
         integer = self._choose_nodes()
+        self._keep_mixed_joins(integer)
         counts = Counter(node.op_type for node in self.graph.node if node.name in integer)
         self.report.quantized = dict(sorted(counts.items()))
         activations = self._activations(integer)
@@ -315,6 +321,25 @@ class _Rewriter:
             else:
                 integer[node.name] = op
         return integer
+
+    def _keep_mixed_joins(self, integer: dict) -> None:
+        """A graph output that concatenates parts of very different ranges (qtool/joins.py) keeps
+        its Concat and the ops after it float: each part is dequantized with its own scale."""
+        for join in find_joins(self.model).values():
+            if join.node not in integer or any(n not in self.table.tensors for n in join.inputs):
+                continue
+            ranges = [(self.table.tensors[n].min, self.table.tensors[n].max) for n in join.inputs]
+            widths = [hi - lo for lo, hi in ranges]
+            if min(widths) <= 0 or max(widths) / min(widths) <= JOIN_RATIO:
+                continue
+            shown = ", ".join(f"'{n}' [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in zip(join.inputs, ranges))
+            reason = (f"joins ranges {max(widths) / min(widths):.0f}x apart into output '{join.output}' "
+                      f"({shown}): float, so each part keeps its own scale")
+            for name, op_type in [(join.node, "Concat")] + [(n.name, n.op_type) for n, _ in join.chain]:
+                if integer.pop(name, None) is not None:
+                    self.report.kept_float.append((op_type, name, reason if name == join.node else
+                                                   f"after Concat '{join.node}', which joins ranges "
+                                                   f"{max(widths) / min(widths):.0f}x apart"))
 
     def _layernorm_variance_nodes(self) -> set[str]:
         """The nodes of a decomposed normalization's statistics: those that compute, from

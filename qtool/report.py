@@ -22,3 +22,57 @@ def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", show
         listed = ", ".join(f"'{n}'" for n in names[:shown]) + (", ..." if len(names) > shown else "")
         lines.append(f"{indent}{op_type} x{len(names)}: {reason} ({listed})")
     return lines
+
+
+_CHOICES = {"none": "none", "1.0": "full", "0.5": "half"}
+
+
+def bias_summary(bc: dict) -> str:
+    """One line on a bias correction (``BiasCorrection.to_dict()``): what was fitted, how each
+    choice scored on the held-out samples, what was applied."""
+    text = f"{bc['ops']} ops fitted on {bc['samples']} samples"
+    applied = str(bc["applied"]) if bc["applied"] else "none"
+    if bc["ops"] and bc["heldout_samples"]:
+        scores = bc["heldout_sqnr_db"]
+        shown = ", ".join(f"{_CHOICES.get(k, k)} {v} dB" for k, v in scores.items())
+        text += f"; held-out SQNR on {bc['heldout_samples']} other samples: {shown} -> "
+        if applied == "none":
+            text += "not applied (no correction scores best)"
+        else:
+            gain = ((scores[applied] - scores["none"]) if all(isinstance(scores[k], float)
+                                                               for k in (applied, "none")) else None)
+            text += f"applied {_CHOICES[applied]}" + (f" ({gain:+.2f} dB)" if gain is not None else "")
+    elif bc["ops"]:
+        text += f"; {'applied' if applied != 'none' else 'not applied'}: {bc['not_judged']}"
+    if bc["ops"] and applied != "none":
+        text += (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
+                 f"'{bc['largest_shift']['node']}')")
+    return text + f" in {bc['seconds']:.1f} s"
+
+
+def methods_summary(mc: dict, base: str) -> str:
+    """One line on a per-tensor method choice (``MethodChoice.to_dict()``)."""
+    changed = ", ".join(f"{m} {n}" for m, n in mc["changed_tensors"].items() if n) or "none"
+    text = (f"tensors moved off {base}: {changed}; SQNR {mc['before_sqnr_db']} -> {mc['after_sqnr_db']} dB "
+            f"on {mc['samples']} samples")
+    if mc.get("heldout_samples"):
+        text += (f", held-out {mc['heldout_before_sqnr_db']} -> {mc['heldout_after_sqnr_db']} dB on "
+                 f"{mc['heldout_samples']} others" + ("" if mc["kept"] else ": not kept, the table's "
+                                                      "own ranges used"))
+    return text + f"; {mc['evaluations']} runs in {mc['seconds']:.1f} s"
+
+
+def search_summary(sr: dict) -> str:
+    """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
+    names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])
+    more = f", and {len(sr['kept_float']) - 5} more" if len(sr["kept_float"]) > 5 else ""
+    goal = ("" if sr["target_sqnr_db"] is None else
+            f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
+    listed = f" ({names}{more})" if names else ""
+    text = (f"{len(sr['kept_float'])} ops kept float{listed}; SQNR {sr['integer_sqnr_db']} dB all integer "
+            f"-> {sr['final_sqnr_db']} dB{goal} on {sr['samples']} samples")
+    if sr.get("heldout_samples"):
+        text += (f"; held-out {sr['heldout_integer_sqnr_db']} -> {sr['heldout_final_sqnr_db']} dB on "
+                 f"{sr['heldout_samples']} others" + (": the float ops bought nothing there, all integer "
+                                                      "kept" if sr.get("reverted") else ""))
+    return text + f"; {sr['evaluations']} runs in {sr['seconds']:.1f} s"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import onnx
 
-from .analyze import Evaluator, QdqModel, evaluation_batches
+from .analyze import Evaluator, QdqModel, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
 from .calibrate import calibrate
 from .errors import QtoolError
@@ -49,6 +49,11 @@ class SearchResult:
     samples: int = 0
     seconds: float = 0.0
     scored: str = ""  # the tensor SQNR is measured on
+    # the held-out judgement (0 samples: not judged): both models on samples the search never saw
+    heldout: int = 0
+    heldout_integer_db: float = 0.0
+    heldout_final_db: float = 0.0
+    reverted: bool = False  # the float ops lost there: the all-integer model was returned
 
     @property
     def reached(self) -> bool:
@@ -59,7 +64,9 @@ class SearchResult:
                 "integer_sqnr_db": _finite(self.integer_db), "final_sqnr_db": _finite(self.final_db),
                 "target_sqnr_db": self.target_db, "max_float_layers": self.max_float,
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
-                "samples": self.samples, "scored": self.scored, "seconds": round(self.seconds, 2)}
+                "samples": self.samples, "scored": self.scored, "seconds": round(self.seconds, 2),
+                "heldout_samples": self.heldout, "heldout_integer_sqnr_db": _finite(self.heldout_integer_db),
+                "heldout_final_sqnr_db": _finite(self.heldout_final_db), "reverted": self.reverted}
 
 
 def _finite(x: float):
@@ -77,11 +84,14 @@ def realizable(qdq: QdqModel, float_ops: set[str]) -> onnx.ModelProto:
 
 def search(model_path, table, options, table_name: str, data_path, target_db: float | None = None,
            max_float: int | None = None, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
-           bias_correction: bool = True, progress: bool = True, preprocess=None):
+           bias_correction: bool = True, progress: bool = True, preprocess=None,
+           holdout: int | None = None):
     """Quantize MODEL keeping float the fewest ops that bring the output SQNR on DATA to
     ``target_db`` (at most ``max_float`` of them), or with no target the costliest-first set of at
-    most ``max_float`` that scores best. Returns the model, its quantize report (with a ``search``
-    entry) and the search result."""
+    most ``max_float`` that scores best. The search scores on ``num_samples`` of DATA; ``holdout``
+    others (None: as many, 0: none) judge the result, and where the float ops do not raise the
+    SQNR there the all-integer model is returned. Returns the model, its quantize report (with a
+    ``search`` entry) and the search result."""
     if target_db is None and max_float is None:
         raise QtoolError("the search needs a target SQNR or a number of layers to keep float")
     if max_float is not None and max_float < 0:
@@ -94,12 +104,12 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
                        **({"format": fmt, "strict": False} if fmt else {}))
         if bias_correction:
             return quantize_corrected(model_path, table, opts, table_name, data_path, num_samples,
-                                      batch_size, False, preprocess)[:2]
+                                      batch_size, False, preprocess, holdout)[:2]
         return quantize(model_path, table, opts, table_name)
 
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
-                                                             preprocess, spread=True))
+    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    evaluator = Evaluator(float_model, fit)
     result.samples = evaluator.batches.samples
     result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
@@ -127,14 +137,31 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     check = final if options.format == "qdq" else build(tuple(op.node for op in chosen), "qdq")[0]
     result.final_db = evaluator.sqnr(check)
     result.evaluations += 1
-    if target_db is None and chosen and result.final_db < result.integer_db:
-        # re-quantized around the float ops (bias correction redone), the budget bought nothing
+    revert = bool(target_db is None and chosen and result.final_db < result.integer_db)
+    if held is not None and chosen:
+        judge = Evaluator(float_model, held)
+        result.heldout = held.samples
+        result.heldout_integer_db, result.heldout_final_db = judge.sqnr(qmodel), judge.sqnr(check)
+        result.evaluations += 2
+        # what the float ops buy must show on samples the search did not choose them on
+        revert = revert or not result.heldout_final_db > result.heldout_integer_db
+    result.reverted = revert
+    if revert:
+        # re-quantized around the float ops (bias correction redone), they bought nothing
         chosen, result.kept_float = [], []
         final, report = build(())
         result.final_db = result.integer_db
+        result.heldout_final_db = result.heldout_integer_db
     result.seconds = time.perf_counter() - start
     report.search = result.to_dict()
     return final, report, result
+
+
+def _split(float_model, data_path, num_samples, holdout, batch_size, preprocess):
+    """The samples a search fits on and those that judge it (None: not judged)."""
+    fit = BIAS_SAMPLES if num_samples is None else num_samples
+    return split_batches(float_model, data_path, fit, fit if holdout is None else holdout, batch_size,
+                         preprocess)
 
 
 def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> list:
@@ -197,6 +224,11 @@ class MethodChoice:
     samples: int = 0
     seconds: float = 0.0
     scored: str = ""
+    # the held-out judgement (0 samples: not judged); not kept: the table's own ranges returned
+    heldout: int = 0
+    heldout_before_db: float = 0.0
+    heldout_after_db: float = 0.0
+    kept: bool = True
 
     def to_dict(self) -> dict:
         counts = {m: 0 for m in self.methods}
@@ -205,18 +237,23 @@ class MethodChoice:
         return {"methods": list(self.methods), "changed_tensors": counts,
                 "before_sqnr_db": _finite(self.before_db), "after_sqnr_db": _finite(self.after_db),
                 "evaluations": self.evaluations, "samples": self.samples, "scored": self.scored,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2), "heldout_samples": self.heldout,
+                "heldout_before_sqnr_db": _finite(self.heldout_before_db),
+                "heldout_after_sqnr_db": _finite(self.heldout_after_db), "kept": self.kept}
 
 
 def choose_methods(model_path, table: Table, methods: list[str], options, table_name: str, data_path,
                    num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
                    preprocess=None, calibrate_batch: int | None = None,
-                   bias_corrections: dict | None = None) -> tuple[Table, MethodChoice]:
+                   bias_corrections: dict | None = None,
+                   holdout: int | None = None) -> tuple[Table, MethodChoice]:
     """Per activation, the calibration method (``table``'s or one of ``methods``, calibrated here
-    on DATA) whose range gives the best output SQNR, one tensor at a time in graph order with the
-    earlier choices kept. Tensors that share (S, Z) (an op's input and output that quantize joins)
-    are decided together. ``bias_corrections`` (from the table's own model) are applied to every
-    candidate. Returns the mixed table and the summary."""
+    on DATA) whose range gives the best output SQNR on ``num_samples`` of DATA, one tensor at a
+    time in graph order with the earlier choices kept. Tensors that share (S, Z) (an op's input
+    and output that quantize joins) are decided together. ``bias_corrections`` (from the table's
+    own model) are applied to every candidate. ``holdout`` other samples (None: as many, 0: none)
+    judge the choice: where it does not raise the SQNR there, ``table`` comes back unchanged.
+    Returns the mixed table and the summary."""
     start = time.perf_counter()
     candidates = [table.method] + [m for m in dict.fromkeys(methods) if m != table.method]
     tables = {table.method: table}
@@ -229,10 +266,9 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
     models = {m: model for m, (model, _) in built.items()}
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
-                                                          preprocess, spread=True))
-    result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored,
-                          samples=evaluator.batches.samples)
+    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    evaluator = Evaluator(float_model, fit)
+    result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored, samples=fit.samples)
     work = onnx.ModelProto()
     work.CopyFrom(models[table.method])
     # what a tensor's range decides in the model: its fence's (S, Z) and the int32 biases (at
@@ -266,6 +302,15 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
                 result.chosen.update({t: current for t in joined.get(members[0], members)})
             bar.update(1)
     result.after_db = best
+    if held is not None and result.chosen:
+        judge = Evaluator(float_model, held)
+        result.heldout = held.samples
+        result.heldout_before_db, result.heldout_after_db = judge.sqnr(models[table.method]), judge.sqnr(work)
+        result.evaluations += 2
+        result.kept = result.heldout_after_db > result.heldout_before_db
+    if not result.kept:
+        result.seconds = time.perf_counter() - start
+        return table, result
     mixed = replace(table, method=f"{table.method}+{'+'.join(candidates[1:])}",
                     tensors={name: tables[result.chosen.get(name, table.method)].tensors.get(name, entry)
                              for name, entry in table.tensors.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -92,7 +93,10 @@ def test_a_conv_without_bias_gets_one(tmp_path):
     data = tmp_path / "x.npz"
     np.savez(data, x=(rng.random((8, 3, 8, 8)) + 0.5).astype(np.float32))
     table = calibrate(path, data, "minmax", progress=False)
-    qmodel, _, correction = quantize_corrected(path, table, QuantizeOptions(), "t", data, 8, 8, False)
+    # --holdout 0: applied as fitted, whatever it scores (what is tested is the bias it adds)
+    qmodel, _, correction = quantize_corrected(path, table, QuantizeOptions(), "t", data, 8, 8, False,
+                                               holdout=0)
+    assert correction.factor == 1.0 and correction.heldout == 0
     conv = next(n for n in qmodel.graph.node if n.op_type == "Conv")
     assert len(conv.input) == 3 and conv.input[2]
     assert list(correction.deltas) == ["conv"]
@@ -115,7 +119,12 @@ def test_cli_reports_the_correction_and_is_deterministic(demo_model, table_file,
         out = tmp_path / f"q{k}.onnx"
         result = invoke("quantize", demo_model, "-t", table_file, "-o", out, "--data", demo_calib, "-q")
         assert result.exit_code == 0, result.output
-        assert "bias:    5 ops corrected on 16 samples" in result.stdout
+        line = re.search(r"^bias: +5 ops fitted on 16 samples; held-out SQNR on 16 other samples: "
+                         r"none ([\d.]+) dB, full ([\d.]+) dB, half ([\d.]+) dB -> applied full "
+                         r"\(\+([\d.]+) dB\)", result.stdout, re.MULTILINE)
+        assert line, result.stdout
+        none, full, half, gain = map(float, line.groups())
+        assert full > max(none, half) and gain == pytest.approx(full - none, abs=0.01)
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
@@ -156,3 +165,77 @@ def test_a_model_with_a_fixed_batch_dim_is_fed_whole_batches(demo_model, demo_ta
     assert report.bias_correction["samples"] == 8 and len(correction.deltas) == 5
     with pytest.raises(QtoolError, match="the model takes batches of 4 samples, and only 3 are used"):
         quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 3, 8, progress=False)
+
+
+def test_fit_and_held_out_samples_are_disjoint_and_spread(demo_model, tmp_path):
+    from qtool.analyze import split_batches
+
+    float_model = prepare(load_model(demo_model))
+    data = tmp_path / "numbered.npz"
+    np.savez(data, input=np.arange(40, dtype=np.float32).reshape(40, 1, 1, 1) * np.ones((1, 1, 8, 8), np.float32))
+
+    def numbers(batches):
+        return [int(v) for feeds in batches for v in feeds["input"][:, 0, 0, 0]]
+
+    fit, held = split_batches(float_model, data, 10, 10, 4)
+    assert numbers(fit) == [0, 4, 8, 12, 16, 20, 24, 28, 32, 36]  # every other of 20 spread over 40
+    assert numbers(held) == [2, 6, 10, 14, 18, 22, 26, 30, 34, 38]
+    assert (fit.samples, held.samples) == (10, 10)
+    # fewer samples than asked: shared in proportion, never overlapping
+    fit, held = split_batches(float_model, data, 30, 10, 8)
+    assert len(numbers(fit)) == 30 and len(numbers(held)) == 10
+    assert not set(numbers(fit)) & set(numbers(held))
+    fit, held = split_batches(float_model, data, 16, 0, 8)
+    assert held is None and len(numbers(fit)) == 16
+
+
+def test_a_correction_that_loses_on_held_out_samples_is_not_applied(demo_model, demo_table, demo_calib,
+                                                                    monkeypatch):
+    import qtool.bias_correction as bias_module
+
+    fitted = bias_module.correct_biases
+
+    def reversed_and_amplified(*args, **kwargs):  # a fit that cannot hold: 20 times the wrong way
+        result = fitted(*args, **kwargs)
+        result.deltas = {node: -20 * delta for node, delta in result.deltas.items()}
+        return result
+
+    monkeypatch.setattr(bias_module, "correct_biases", reversed_and_amplified)
+    qmodel, report, correction = quantize_corrected(demo_model, demo_table, QuantizeOptions(), "t",
+                                                    demo_calib, 16, 8, progress=False)
+    assert correction.factor == 0.0 and correction.applied == {}
+    summary = report.bias_correction
+    assert summary["applied"] == 0.0 and summary["heldout_samples"] == 16
+    scores = summary["heldout_sqnr_db"]
+    assert scores["none"] > max(scores["1.0"], scores["0.5"])
+    plain, _ = quantize(demo_model, demo_table)
+    # exactly the plain model's integers
+    assert {i.name: numpy_helper.to_array(i).tobytes() for i in qmodel.graph.initializer} == \
+        {i.name: numpy_helper.to_array(i).tobytes() for i in plain.graph.initializer}
+    # the held-out score of no correction, computed here: onnxruntime running the plain QDQ model as
+    # written on the 16 held-out samples (odd positions of 32 spread over the 256)
+    x = np.load(demo_calib)["input"][8::16]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(plain.SerializeToString(), options,
+                               providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    ref = ort.InferenceSession(str(demo_model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    ref64 = ref.astype(np.float64)
+    expected = 10 * np.log10((ref64 ** 2).sum() / ((ref64 - got) ** 2).sum())
+    assert scores["none"] == pytest.approx(expected, abs=0.01)
+
+
+def test_holdout_must_not_be_negative(demo_model, table_file, demo_calib, tmp_path):
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx",
+                    "--data", demo_calib, "--holdout", "-1")
+    assert_user_error(result, "--holdout must be >= 0, got -1")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_one_sample_leaves_nothing_to_judge_on(demo_model, demo_table, demo_calib, tmp_path):
+    one = tmp_path / "one.npz"
+    np.savez(one, input=np.load(demo_calib)["input"][:1])
+    qmodel, report, correction = quantize_corrected(demo_model, demo_table, QuantizeOptions(), "t", one,
+                                                    16, 8, progress=False)
+    assert correction.deltas and correction.factor == 0.0
+    assert "no sample left to judge it on (1 used to fit)" in report.bias_correction["not_judged"]

@@ -169,8 +169,9 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize.try_methods[1]: unknown 'kll'; choose one of"]),
     (lambda s: s["jobs"][0].update(quantize={"target": "avx2"}),
      ["jobs[0].quantize.target: unknown 'avx2'; choose one of portable, x86-vnni, exact"]),
+    (lambda s: s["jobs"][0].update(quantize={"holdout": -1}), ["jobs[0].quantize.holdout: must be >= 0, got -1"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
-        "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target"])
+        "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
@@ -195,11 +196,11 @@ def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
     spec["jobs"] = [{"name": "plain", "quantize": {"bias_correction": False}},
                     {"name": "corrected"},
                     {"name": "searched", "quantize": {"max_float_layers": 2, "target_sqnr": 100.0,
-                                                      "try_methods": ["mse"]}}]
+                                                      "try_methods": ["mse"], "holdout": 0}}]
     result = invoke("run", write(tmp_path, spec))
     assert result.exit_code == 0, result.output
     assert "search: 2 ops kept float" in result.stderr
-    assert "methods: mse " in result.stderr
+    assert "methods: tensors moved off minmax: mse " in result.stderr
     assert "method: mse" in (tmp_path / "out" / "searched" / "searched.table.yaml").read_text()
     out = tmp_path / "out"
     models = {n: (out / n / f"{n}.q.onnx").read_bytes() for n in ("plain", "corrected", "searched")}

@@ -22,6 +22,8 @@ from ..qparams import QParams
 from ..report import float_node_lines, progress_bar
 from ..targets.ortview import deployed_session, ort_notes
 from .compare import Comparison
+from ..joins import find_joins
+from .parts import PartComparisons
 
 
 @dataclass
@@ -80,6 +82,7 @@ class VerifyReport:
     arithmetic: str = "exact"  # the executor's (qtool/targets)
     ort_notes: list[str] = field(default_factory=list)  # the host, onnxruntime's rewrites, causes
     analysis: Analysis | None = None  # with verify(..., run_analyze=True)
+    parts: dict[str, PartComparisons] = field(default_factory=dict)  # output -> its joined parts
 
     @property
     def passed(self) -> bool:
@@ -92,7 +95,8 @@ class VerifyReport:
     def to_dict(self) -> dict:
         d = {"passed": self.passed, "samples": self.samples,
              "tolerance": {"cosine": self.tolerance[0], "sqnr_db": self.tolerance[1]},
-             "outputs": [c.to_dict() for c in self.outputs],
+             "outputs": [c.to_dict() | ({"parts": self.parts[c.name].to_dict()} if c.name in self.parts
+                                        else {}) for c in self.outputs],
              "tensors": [c.to_dict() for c in self.tensors],
              "worst": self.worst(),
              "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
@@ -163,9 +167,14 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     outputs = [Comparison(name) for name in executor.output_names]
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
                for name, t in executor.integer_tensors().items() if name in known]
+    # outputs that join tensors (a Concat of boxes and class scores): each part compared too
+    joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
+    parts = {name: PartComparisons(join) for name, join in joins.items()}
+    placing = {n for join in joins.values() for n in join.tensors()}  # their shapes place the parts
     # the float model on one thread, beside the executor on the other (two intra-op threads
     # spinning for work took the executor's core: rec 58 ms a line instead of 37)
-    runner = FloatRunner(model, [c.name for c in tensors], threads=1, arena=False)
+    runner = FloatRunner(model, [c.name for c in tensors] + sorted(placing - {c.name for c in tensors}),
+                         threads=1, arena=False)
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
                                           else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
@@ -187,11 +196,14 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
         start = batches = 0
         for feeds in data.batches(batch_size, total):
-            reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side)
+            reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
             for c in outputs:
                 if c.name not in reference:
                     raise QtoolError(f"the float model has no output '{c.name}'")
                 c.update(reference[c.name], result.outputs[c.name])
+                if c.name in parts:
+                    parts[c.name].update(reference[c.name], result.outputs[c.name],
+                                         {n: np.shape(reference[n]) for n in joins[c.name].tensors()})
             if ort_session is not None:
                 got = _ort_run(ort_session, feeds, qmodel_path)
                 for c in ort_checks:
@@ -209,7 +221,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
         log(note)
     report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
                           ort=ort_checks if run_ort else None, analysis=analysis,
-                          arithmetic=executor.arithmetic)
+                          arithmetic=executor.arithmetic, parts=parts)
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
     if labels is not None:
@@ -226,18 +238,29 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             report.failures.append(f"output '{c.name}' cosine {c.cosine:.6f} < {min_cos}")
         if min_sqnr is not None and c.sqnr < min_sqnr:
             report.failures.append(f"output '{c.name}' SQNR {c.sqnr:.2f} dB < {min_sqnr} dB")
+        joined = parts.get(c.name)
+        if joined is None or joined.unplaced or c.mismatched:
+            continue
+        # the tolerance holds for every part: a destroyed part of a join fails the output
+        for part in joined.parts:
+            where = f"output '{c.name}' part '{part.name}' (input of Concat '{joined.join.node}')"
+            if part.cosine < min_cos:
+                report.failures.append(f"{where} cosine {part.cosine:.6f} < {min_cos}")
+            if min_sqnr is not None and part.sqnr < min_sqnr:
+                report.failures.append(f"{where} SQNR {part.sqnr:.2f} dB < {min_sqnr} dB")
     return report
 
 
 def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,
-                  tables: dict, side: concurrent.futures.Executor):
+                  tables: dict, side: concurrent.futures.Executor, keep: set[str] = frozenset()):
     """One batch through the float model and the executor, every integer tensor compared as soon
     as the executor computes it: the float model runs on ``side`` (a second thread; onnxruntime and
     the compiled comparisons release the GIL) while the executor runs here, then both threads take
     the computed tensors from a queue until the executor is done. Each tensor is compared whole by
-    one thread, so the sums are the same whichever thread does it. (reference, executor result)."""
+    one thread, so the sums are the same whichever thread does it. (reference, executor result);
+    the reference keeps the outputs and ``keep``."""
     computed: queue.SimpleQueue = queue.SimpleQueue()
-    keep = set(executor.output_names)
+    keep = set(executor.output_names) | set(keep)
 
     def compare(reference: dict) -> None:
         while (item := computed.get()) is not None:
@@ -317,6 +340,17 @@ def format_report(report: VerifyReport) -> str:
              f"{'output':<32} {'cosine':>9} {'SQNR dB':>8}"]
     for c in report.outputs:
         lines.append(f"{c.name:<32} {c.cosine:>9.6f} {c.sqnr:>8.2f}")
+        joined = report.parts.get(c.name)
+        if joined is not None and joined.unplaced:
+            lines.append(f"  (its parts, the inputs of Concat '{joined.join.node}', could not be placed "
+                         f"in it: not scored one by one)")
+        elif joined is not None:
+            worst_part = joined.worst().name
+            for part in joined.parts:
+                mark = "  <- worst part" if part.name == worst_part else ""
+                lines.append(f"  part {part.name:<25} {part.cosine:>9.6f} {part.sqnr:>8.2f}{mark}")
+    if report.parts:
+        lines.append("(part: an input of the Concat the output joins, scored where its values land)")
     worst = set(report.worst())
     lines += ["", f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
     for c in report.tensors:
@@ -345,15 +379,16 @@ def format_report(report: VerifyReport) -> str:
         lines += ["", "most sensitive ops (qtool analyze: onnxruntime on the QDQ model)",
                   format_analysis(report.analysis, ANALYSIS_TOP).replace("(--top 0 for all)",
                                                                          "(--json for all)")]
-    rule = tolerance_rule(report.tolerance)
+    rule = tolerance_rule(report.tolerance, bool(report.parts))
     lines.append("")
     lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))
     return "\n".join(lines)
 
 
-def tolerance_rule(tolerance: tuple[float, float | None]) -> str:
+def tolerance_rule(tolerance: tuple[float, float | None], parts: bool = False) -> str:
     cos, sqnr = tolerance
-    return f"output cosine >= {cos}" + (f", SQNR >= {sqnr} dB" if sqnr is not None else "")
+    return (f"output cosine >= {cos}" + (f", SQNR >= {sqnr} dB" if sqnr is not None else "")
+            + (", each joined part too" if parts else ""))
 
 
 def format_diff(c: OrtCheck) -> str:

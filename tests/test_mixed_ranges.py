@@ -1,0 +1,171 @@
+"""Outputs that join values of very different ranges (a detector's boxes in pixels beside its class
+probabilities): quantize keeps the join float so that each part keeps its own scale, and verify
+scores every part, failing a model whose narrow part is destroyed.
+
+The expected per-part figures are computed here with numpy from onnxruntime's float outputs and
+the integer executor's outputs, sliced by hand (the model's layout is known), not by the part
+placement under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
+
+import qtool.quantize as quantize_module
+from qtool.calibrate import calibrate
+from qtool.cli import app
+from qtool.executor import IntegerExecutor
+from qtool.joins import find_joins
+from qtool.quantize import quantize
+from qtool.verify.parts import part_map
+
+runner = CliRunner()
+BOXES, SCORES, POSITIONS = 4, 6, 64
+
+
+def _init(name, array, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(array, dtype), name)
+
+
+def detector(box_scale: float = 300.0, opset: int = 13) -> onnx.ModelProto:
+    """Conv -> Relu, then boxes (Sigmoid * box_scale, 4 channels) and scores (Sigmoid, 6 channels),
+    concatenated on the channel axis, transposed to NHWC and reshaped to [N, 64, 10]."""
+    rng = np.random.default_rng(0)
+    inits = [_init("w1", rng.normal(0, .3, (8, 3, 3, 3))), _init("b1", rng.normal(0, .1, 8)),
+             _init("wb", rng.normal(0, .3, (BOXES, 8, 1, 1))),
+             _init("wc", rng.normal(0, .3, (SCORES, 8, 1, 1))), _init("k", [box_scale]),
+             _init("shape", [0, -1, BOXES + SCORES], np.int64)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+             helper.make_node("Conv", ["hr", "wb"], ["box0"], name="convbox"),
+             helper.make_node("Sigmoid", ["box0"], ["box1"], name="boxsig"),
+             helper.make_node("Mul", ["box1", "k"], ["boxes"], name="scale"),
+             helper.make_node("Conv", ["hr", "wc"], ["cls0"], name="convcls"),
+             helper.make_node("Sigmoid", ["cls0"], ["scores"], name="clssig"),
+             helper.make_node("Concat", ["boxes", "scores"], ["joined"], name="join", axis=1),
+             helper.make_node("Transpose", ["joined"], ["t"], name="tr", perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", ["t", "shape"], ["out"], name="rs")]
+    graph = helper.make_graph(
+        nodes, "detector", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", POSITIONS, BOXES + SCORES])],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(1)
+    paths = {"model": folder / "det.onnx", "data": folder / "data.npz",
+             "narrow": folder / "narrow.onnx"}
+    onnx.save(detector(), str(paths["model"]))
+    onnx.save(detector(box_scale=2.0), str(paths["narrow"]))
+    np.savez(paths["data"], x=rng.normal(0, 1, (24, 3, 8, 8)).astype(np.float32))
+    return paths
+
+
+def _sqnr(ref, got) -> float:
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    return 10 * math.log10((ref * ref).sum() / ((ref - got) ** 2).sum())
+
+
+def _cosine(ref, got) -> float:
+    ref, got = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
+    return float(ref @ got / math.sqrt((ref @ ref) * (got @ got)))
+
+
+def _outputs(files, qmodel):
+    x = np.load(files["data"])["x"]
+    ref = ort.InferenceSession(str(files["model"]), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = IntegerExecutor(qmodel).run({"x": x}).outputs["out"]
+    return ref, got
+
+
+def test_find_joins_walks_back_through_moves(files):
+    join = find_joins(onnx.load(str(files["model"])))["out"]
+    assert (join.node, join.axis, join.inputs) == ("join", 1, ["boxes", "scores"])
+    assert [n.name for n, _ in join.chain] == ["tr", "rs"]
+
+
+def test_part_map_places_each_part_where_its_values_land():
+    join = find_joins(detector())["out"]
+    shapes = {"boxes": (2, BOXES, 8, 8), "scores": (2, SCORES, 8, 8), "joined": (2, 10, 8, 8),
+              "t": (2, 8, 8, 10), "out": (2, POSITIONS, 10)}
+    labels = part_map(join, shapes)
+    expected = np.zeros((2, POSITIONS, 10), np.int16)
+    expected[..., BOXES:] = 1  # NHWC then flattened positions: the channels are the last axis
+    np.testing.assert_array_equal(labels, expected)
+    # a broadcast in the chain cannot be followed: no placement rather than a wrong one
+    assert part_map(join, shapes | {"t": (1, 8, 8, 10)}) is None
+
+
+def test_quantize_keeps_a_mixed_range_join_float(files):
+    table = calibrate(files["model"], files["data"], progress=False)
+    qmodel, report = quantize(files["model"], table)
+    kept = {n: r for _, n, r in report.kept_float}
+    assert set(kept) == {"join", "tr", "rs"}
+    assert "joins ranges" in kept["join"] and "output 'out'" in kept["join"]
+    ref, got = _outputs(files, qmodel)
+    # each part dequantized with its own scale: the scores keep about int8's precision
+    assert _sqnr(ref[..., BOXES:], got[..., BOXES:]) > 30
+    assert _sqnr(ref[..., :BOXES], got[..., :BOXES]) > 30
+
+
+def test_quantize_keeps_a_join_of_like_ranges_integer(files):
+    table = calibrate(files["narrow"], files["data"], progress=False)
+    _, report = quantize(files["narrow"], table)
+    assert not report.kept_float
+    assert report.quantized["Concat"] == 1
+
+
+def _verify_json(files, qpath):
+    result = runner.invoke(app, ["verify", str(files["model"]), str(qpath), "--data", str(files["data"]),
+                                 "--json", "-q"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result, json.loads(result.stdout)
+
+
+def test_verify_fails_a_destroyed_part_behind_a_good_whole(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(quantize_module, "JOIN_RATIO", math.inf)  # the join quantized as one tensor
+    table = calibrate(files["model"], files["data"], progress=False)
+    qmodel, report = quantize(files["model"], table)
+    assert not report.kept_float
+    qpath = tmp_path / "det.q.onnx"
+    onnx.save(qmodel, str(qpath))
+    ref, got = _outputs(files, qmodel)
+    assert _cosine(ref, got) > 0.99  # the boxes dominate the whole tensor
+    assert _cosine(ref[..., BOXES:], got[..., BOXES:]) < 0.99
+    result, report = _verify_json(files, qpath)
+    assert result.exit_code == 1
+    out = report["outputs"][0]
+    assert out["cosine"] == pytest.approx(_cosine(ref, got), abs=2e-6)
+    parts = {p["name"]: p for p in out["parts"]["parts"]}
+    assert parts["boxes"]["sqnr_db"] == pytest.approx(_sqnr(ref[..., :BOXES], got[..., :BOXES]), abs=2e-3)
+    assert parts["scores"]["sqnr_db"] == pytest.approx(_sqnr(ref[..., BOXES:], got[..., BOXES:]), abs=2e-3)
+    assert parts["scores"]["cosine"] == pytest.approx(_cosine(ref[..., BOXES:], got[..., BOXES:]), abs=2e-6)
+    assert out["parts"]["worst"] == "scores"
+    assert report["failures"] == [f"output 'out' part 'scores' (input of Concat 'join') cosine "
+                                  f"{parts['scores']['cosine']:.6f} < 0.99"]
+    text = runner.invoke(app, ["verify", str(files["model"]), str(qpath), "--data", str(files["data"]), "-q"])
+    assert text.exit_code == 1
+    assert "part scores" in text.stdout and "<- worst part" in text.stdout
+
+
+def test_verify_passes_the_default_quantization(files, tmp_path):
+    table = calibrate(files["model"], files["data"], progress=False)
+    qpath = tmp_path / "det.q.onnx"
+    onnx.save(quantize(files["model"], table)[0], str(qpath))
+    result, report = _verify_json(files, qpath)
+    assert result.exit_code == 0, report["failures"]
+    assert [p["name"] for p in report["outputs"][0]["parts"]["parts"]] == ["boxes", "scores"]
