@@ -30,6 +30,7 @@ from .calibrate import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
+from .pixels import feeds_for, pixel_inputs
 from .report import progress_bar
 
 FENCE_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -201,9 +202,11 @@ class Evaluator:
                 raise QtoolError(f"the model variant has no node '{self.node}' to score")
             name = node.input[0]
             model = with_outputs(model, [name])
+        pixels = pixel_inputs(model)
         try:
             session = as_written_session(model)
-            return [session.run([name] if name else None, feeds)[0] for feeds in self.batches]
+            return [session.run([name] if name else None, feeds_for(pixels, feeds))[0]
+                    for feeds in self.batches]
         except Exception as e:
             raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}") from None
 

@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from .analyze import Evaluator, as_written_session, split_batches, with_outputs
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
+from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
 from .report import progress_bar
 
@@ -163,6 +164,7 @@ def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
                               [i for i in model.graph.initializer if i.name in used])
     out = helper.make_model(graph, opset_imports=list(model.opset_import))
     out.ir_version = model.ir_version
+    out.metadata_props.extend(model.metadata_props)  # an --input-pixels model's preprocessing
     return out
 
 
@@ -171,11 +173,12 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
     """Per-channel mean (float64) and overall RMS of each tensor over all batches."""
     try:
         session = as_written_session(with_outputs(model, names))
+        pixels = pixel_inputs(model)
         sums = [None] * len(names)
         squares = [0.0] * len(names)
         counts = [0] * len(names)
         for feeds in batches:
-            for i, (y, axis) in enumerate(zip(session.run(names, feeds), axes)):
+            for i, (y, axis) in enumerate(zip(session.run(names, feeds_for(pixels, feeds)), axes)):
                 y = np.moveaxis(y.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
                 sums[i] = y.sum(axis=0) if sums[i] is None else sums[i] + y.sum(axis=0)
                 squares[i] += float((y * y).sum())

@@ -262,6 +262,14 @@ def quantize(
                                "with int32 accumulation). The same integers either way."),
     params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
                                               "parameters per op as JSON."),
+    input_pixels: bool = typer.Option(False, "--input-pixels", help="The quantized model takes the "
+                                      "raw uint8 pixels that --mean/--std/--scale normalize for the "
+                                      "float model: the normalization moves into the Conv layers "
+                                      "that read the input, and the input adds no rounding."),
+    mean: str = typer.Option("0", help="With --input-pixels: per-channel mean after scaling, in the "
+                             "model's channel order, e.g. 0.5,0.5,0.5."),
+    std: str = typer.Option("1", help="With --input-pixels: per-channel std, e.g. 0.5,0.5,0.5."),
+    scale: float = typer.Option(1 / 255, help="With --input-pixels: pixel multiplier before mean/std."),
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
                                         "(or a folder of .npy/.npz): calibration samples for bias "
                                         "correction and the searches." + DATA_AXES),
@@ -311,6 +319,7 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --max-float-layers 5
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --try-methods mse,kl
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --input-pixels --mean 0.5 --std 0.5
 
     With --target-sqnr, --max-float-layers and --try-methods, SQNR is measured on the first output,
     or on the input of the Softmax/Sigmoid that makes it (the logits).
@@ -319,12 +328,19 @@ def quantize(
     from .calibrate import make_calibrator
     from .search import choose_methods, search
     from .params import model_params
+    from .pixels import PixelInput
     from .quantize import QuantizeOptions, quantize as run
     from .table_formats import read_table, write_table
 
-    options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                              tuple(keep_float), format, strict, target)
     try:
+        pixels = None
+        if input_pixels:
+            pre = _preprocess(None, mean, std, scale, "rgb", "nchw", None)
+            pixels = PixelInput(pre.mean, pre.std, pre.scale)
+        elif (mean, std, scale) != ("0", "1", 1 / 255):
+            raise QtoolError("--mean, --std and --scale describe the pixels of --input-pixels: add it")
+        options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
+                                  tuple(keep_float), format, strict, target, pixels)
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         searching = target_sqnr is not None or max_float_layers is not None

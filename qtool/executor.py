@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from .errors import QtoolError
 from .model import graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
+from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
 from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
@@ -126,6 +127,7 @@ class IntegerExecutor:
                 self.consumers.setdefault(name, []).append(node)
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
+        self.pixels = pixel_inputs(model)  # quantize --input-pixels: float data become pixels
         self.lowering = None  # _qparams_of, which QOperatorLowering calls, checks for it
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
@@ -384,6 +386,8 @@ class IntegerExecutor:
             if name not in feeds:
                 raise QtoolError(f"missing input '{name}' (inputs: {', '.join(self.input_names)})")
             env[name] = feeds[name]
+        if self.pixels:
+            env.update(feeds_for(self.pixels, {n: env[n] for n in self.pixels if n in env}))
         result = Result({})
         steps = self.steps if keep_integer else self._chained_steps
         for step, done in zip(steps, self._frees[keep_integer]):

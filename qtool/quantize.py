@@ -26,6 +26,7 @@ from .model import (default_opset, file_digest, float_tensors, graph_inputs, ini
                     names_read, prepare, subgraph_reason)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .params import PARAMS_KEY, integer_params, lookup_tables
+from .pixels import PixelInput, fold, metadata as pixel_metadata
 from .qoperator import to_qoperator
 from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
 from .table import Table
@@ -58,9 +59,12 @@ class QuantizeOptions:
     format: str = "qdq"
     strict: bool = False
     target: str = DEFAULT_TARGET  # qtool/targets: the form the model is written in
+    input_pixels: PixelInput | None = None  # qtool/pixels.py: the model takes raw uint8 pixels
 
     def check(self) -> None:
         get_target(self.target)
+        if self.input_pixels is not None:
+            self.input_pixels.check()
         if self.format not in FORMATS:
             raise QtoolError(f"unknown format '{self.format}'; choose one of {', '.join(FORMATS)}")
         if self.activation_type not in ACTIVATION_TYPES:
@@ -136,9 +140,12 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     report.opset = default_opset(model)
     if default_opset(source) < report.opset:
         report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}")
+    pixels = None
+    if options.input_pixels is not None:
+        pixels = fold(model, options.input_pixels)  # (input name, zero point)
     corrections = dict(bias_corrections or {})
     _add_zero_biases(model, corrections)
-    rewritten = _Rewriter(model, table, options, report, table_name, corrections).run()
+    rewritten = _Rewriter(model, table, options, report, table_name, corrections, pixels).run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
     report.guarded = guard_float_ops(rewritten)
@@ -147,6 +154,8 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
             TARGET_KEY: options.target}
     for key, value in meta.items():
         rewritten.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
+    if pixels is not None:
+        rewritten.metadata_props.append(pixel_metadata(pixels[0], options.input_pixels, pixels[1]))
     _check(rewritten)
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
@@ -237,9 +246,10 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
 
 class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
-                 table_name: str, bias_corrections: dict[str, np.ndarray]):
+                 table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None):
         self.model, self.table, self.opt, self.report = model, table, options, report
         self.bias_corrections = bias_corrections
+        self.pixels = pixels  # (input name, zero point) with --input-pixels
         self.table_name = table_name
         self.graph = model.graph
         self.inits = initializers(model)
@@ -265,8 +275,10 @@ class _Rewriter:
         activations = self._activations(integer)
         qparams = self._activation_qparams(integer, activations)
         dq_name = {}
+        if self.pixels is not None:
+            self._pixel_input(qparams, dq_name)
         for vi in graph_inputs(self.model):
-            if vi.name in qparams:
+            if vi.name in qparams and vi.name not in dq_name:
                 dq_name[vi.name] = self._fence(vi.name, vi.name, qparams[vi.name])
         for node in self.graph.node:
             node = onnx.NodeProto.FromString(node.SerializeToString())
@@ -290,6 +302,24 @@ class _Rewriter:
                         node.output[list(node.output).index(out)] = produced
                     dq_name[out] = self._fence(produced, out, qparams[out])
         return self._assemble()
+
+    def _pixel_input(self, qparams: dict, dq_name: dict) -> None:
+        """--input-pixels: the input is uint8 pixels, dequantized with the preprocessing's scale
+        and the zero point the Conv layers were folded for (qtool/pixels.py): no QuantizeLinear."""
+        name, zero = self.pixels
+        readers = [n for n in self.graph.node if name in n.input]
+        floats = [n for n in readers if name not in qparams or n.name in {k for _, k, _ in self.report.kept_float}]
+        if floats:
+            why = next((r for t, k, r in self.report.kept_float if k == floats[0].name), "float")
+            raise QtoolError(f"--input-pixels: {floats[0].op_type} '{floats[0].name}', which reads input "
+                             f"'{name}', stays float ({why}); the pixels need an integer first layer")
+        qp = QParams(float(np.float32(self.opt.input_pixels.scale)), zero, "uint8")
+        qparams[name] = qp
+        scale, zero_point = self._qp_inits(name, qp)
+        out = self._fresh(f"{name}_dequantized")
+        self.nodes.append(helper.make_node("DequantizeLinear", [name, scale, zero_point], [out],
+                                           name=self._fresh(f"{name}_DequantizeLinear")))
+        dq_name[name] = out
 
     # -- which nodes and tensors -------------------------------------------------------------------
     def _choose_nodes(self) -> dict:
@@ -596,8 +626,11 @@ class _Rewriter:
         inits = [numpy_helper.from_array(a, n) for n, a in self.inits.items() if n in used]
         inits += [t for t in self.new_inits if t.name in used]
         # weights' DequantizeLinear precede their users and Q/DQ follow producers: still topological
-        graph = helper.make_graph(self.nodes, self.graph.name,
-                                  list(self.graph.input), list(self.graph.output), inits)
+        inputs = [onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in self.graph.input]
+        for vi in inputs:
+            if self.pixels is not None and vi.name == self.pixels[0]:
+                vi.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+        graph = helper.make_graph(self.nodes, self.graph.name, inputs, list(self.graph.output), inits)
         model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
                                   producer_name="qtool", producer_version=__version__)
         model.ir_version = self.model.ir_version

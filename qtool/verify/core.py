@@ -18,6 +18,7 @@ from ..executor import IntegerExecutor
 from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
 from ..ops import blas, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare
+from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
 from ..report import float_node_lines, progress_bar
 from ..targets.ortview import deployed_session, ort_notes
@@ -178,6 +179,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
                                           else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
+    pixels = pixel_inputs(qmodel)  # quantize --input-pixels: onnxruntime gets the pixels
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     total = len(data) if num_samples is None else min(num_samples, len(data))
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP)
@@ -205,7 +207,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                     parts[c.name].update(reference[c.name], result.outputs[c.name],
                                          {n: np.shape(reference[n]) for n in joins[c.name].tensors()})
             if ort_session is not None:
-                got = _ort_run(ort_session, feeds, qmodel_path)
+                got = _ort_run(ort_session, feeds_for(pixels, feeds), qmodel_path)
                 for c in ort_checks:
                     c.update(reference[c.name], got[c.name], result.outputs[c.name])
             n = data.samples_in(feeds)

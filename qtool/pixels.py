@@ -1,0 +1,152 @@
+"""Lossless 8-bit input: the quantized model takes the raw pixels (``quantize --input-pixels``).
+
+A model fed ``x = (p * scale - mean) / std`` of 8-bit pixels p loses half a grey level to its input
+QuantizeLinear whenever the zero point cannot sit on the pixel grid: with mean 0.5 and scale 1/255
+zero is pixel 127.5, so every pixel lands half a step between two int8 codes (the float model
+itself loses ~24 dB on PP-OCRv4 det with that much noise). TPU-MLIR fuses the preprocessing into
+the model for the same reason.
+
+Here the normalization moves into the Conv layers that read the input. With Z the pixel nearest
+the channels' mean (round(mean / scale), one for all channels):
+
+    x_c = (scale * p - mean_c) / std_c = (scale * (p - Z)) / std_c + (scale * Z - mean_c) / std_c
+
+so each such Conv gets weights ``W[:, c] / std_c`` and the bias ``b + sum_{c,k} W[o, c, k] *
+(scale * Z - mean_c) / std_c``, and reads ``a = scale * (p - Z)``: exactly the uint8 pixels with
+scale ``scale`` and zero point Z. The quantized model's input is then uint8, dequantized as it is:
+no rounding. Inside the image the result is the float model's; where a Conv pads, the padded taps
+stand for pixel Z instead of mean_c / scale (half a grey level at PP-OCR's 127.5; up to
+|Z - mean_c / scale| grey levels where the channels' means differ, as ImageNet's do).
+
+The model's metadata (``qtool.input_pixels``) keeps mean, std and scale, so that qtool's own runs
+(exec, verify, the searches) can turn float data made with that preprocessing back into pixels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .errors import QtoolError
+
+METADATA_KEY = "qtool.input_pixels"
+
+
+@dataclass(frozen=True)
+class PixelInput:
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    scale: float = 1 / 255
+
+    def check(self) -> None:
+        if not self.scale > 0:
+            raise QtoolError(f"--input-pixels: --scale must be > 0, got {self.scale}")
+        if any(s == 0 for s in self.std):
+            raise QtoolError("--input-pixels: --std must not be 0")
+
+    def per_channel(self, channels: int) -> tuple[np.ndarray, np.ndarray]:
+        mean, std = (np.asarray(v, np.float64) for v in (self.mean, self.std))
+        for key, v in (("mean", mean), ("std", std)):
+            if v.size not in (1, channels):
+                raise QtoolError(f"--input-pixels: --{key} needs 1 or {channels} values (the input's "
+                                 f"channels), got {v.size}")
+        return np.broadcast_to(mean, (channels,)), np.broadcast_to(std, (channels,))
+
+    def zero_point(self, channels: int) -> int:
+        mean, _ = self.per_channel(channels)
+        return int(np.clip(np.rint(float(mean.mean()) / self.scale), 0, 255))
+
+
+def fold(model: onnx.ModelProto, spec: PixelInput) -> tuple[str, int]:
+    """Move the normalization of the model's only input into the Conv layers that read it (in
+    place; ``model`` is prepared). Returns the input's name and the pixels' zero point."""
+    spec.check()
+    inputs = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    if len(inputs) != 1:
+        raise QtoolError(f"--input-pixels needs a model with one input, this one has {len(inputs)} "
+                         f"({', '.join(i.name for i in inputs)})")
+    name = inputs[0].name
+    dims = inputs[0].type.tensor_type.shape.dim
+    if len(dims) != 4:
+        raise QtoolError(f"--input-pixels: input '{name}' has rank {len(dims)}; an NCHW image (rank "
+                         f"4) is expected")
+    readers = [n for n in model.graph.node if name in n.input]
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in readers:
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if node.op_type != "Conv" or list(node.input).index(name) != 0 or node.input[1] not in inits \
+                or group != 1 or (len(node.input) > 2 and node.input[2] and node.input[2] not in inits):
+            raise QtoolError(f"--input-pixels: input '{name}' is read by {node.op_type} node "
+                             f"'{node.name}'; only Conv layers (group 1, constant weights) can take "
+                             f"the normalization in")
+    if not readers:
+        raise QtoolError(f"--input-pixels: no node reads input '{name}'")
+    shared = {t for node in readers for t in node.input[1:] if t}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output}
+    channels = numpy_helper.to_array(inits[readers[0].input[1]]).shape[1]
+    mean, std = spec.per_channel(channels)
+    zero = spec.zero_point(channels)
+    for node in readers:
+        w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
+        if w.shape[1] != channels:
+            raise QtoolError(f"--input-pixels: Conv '{node.name}' reads {w.shape[1]} channels, "
+                             f"'{readers[0].name}' {channels}")
+        b = (numpy_helper.to_array(inits[node.input[2]]).astype(np.float64)
+             if len(node.input) > 2 and node.input[2] else np.zeros(w.shape[0]))
+        shape = (1, -1) + (1,) * (w.ndim - 2)
+        offset = (spec.scale * zero - mean) / std  # per input channel
+        folded_b = b + (w * offset.reshape(shape)).sum(axis=tuple(range(1, w.ndim)))
+        folded_w = w / std.reshape(shape)
+        for index, array in ((1, folded_w), (2, folded_b)):
+            fresh = _fresh(f"{node.name}_pixels_{'weight' if index == 1 else 'bias'}", taken)
+            model.graph.initializer.append(numpy_helper.from_array(array.astype(np.float32), fresh))
+            if index < len(node.input):
+                node.input[index] = fresh
+            else:
+                node.input.append(fresh)
+    still_used = {t for n in model.graph.node for t in n.input}
+    kept = [t for t in model.graph.initializer if t.name not in shared or t.name in still_used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return name, zero
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def metadata(name: str, spec: PixelInput, zero: int) -> onnx.StringStringEntryProto:
+    value = {name: {"mean": list(spec.mean), "std": list(spec.std), "scale": spec.scale, "zero_point": zero}}
+    return onnx.StringStringEntryProto(key=METADATA_KEY, value=json.dumps(value))
+
+
+def pixel_inputs(model: onnx.ModelProto) -> dict[str, dict]:
+    """Input name -> its preprocessing, for a model ``quantize --input-pixels`` wrote."""
+    entry = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    return json.loads(entry) if entry else {}
+
+
+def as_pixels(x: np.ndarray, info: dict) -> np.ndarray:
+    """Float data normalized as ``info`` says, back to the uint8 pixels they were made from
+    (rounded: data that came from 8-bit pixels come back exactly)."""
+    channels = x.shape[1]
+    mean, std = PixelInput(tuple(info["mean"]), tuple(info["std"]), info["scale"]).per_channel(channels)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    p = (x.astype(np.float64) * std.reshape(shape) + mean.reshape(shape)) / info["scale"]
+    return np.clip(np.rint(p), 0, 255).astype(np.uint8)
+
+
+def feeds_for(pixels: dict[str, dict], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with each pixel input given as float turned into its uint8 pixels."""
+    if not pixels:
+        return feeds
+    return {k: as_pixels(v, pixels[k]) if k in pixels and v.dtype.kind == "f" else v
+            for k, v in feeds.items()}

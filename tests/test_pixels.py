@@ -1,0 +1,147 @@
+"""quantize --input-pixels: the quantized model takes the uint8 pixels, the normalization folded into
+the Conv layers that read the input (qtool/pixels.py).
+
+Expected values come from the float model run by onnxruntime on the normalized data, computed here
+from the pixels with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.model import load_model, prepare
+from qtool.pixels import PixelInput, as_pixels, fold, pixel_inputs
+from qtool.quantize import QuantizeOptions, quantize
+from test_cli import assert_user_error, invoke
+
+MEAN, STD, SCALE = (0.5, 0.4, 0.3), (0.5, 0.25, 0.2), 1 / 255
+
+
+def _model(pads: int, reader: str = "Conv") -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, .3, (4, 3, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.normal(0, .1, 4).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.normal(0, .3, (2, 4, 1, 1)).astype(np.float32), "w2")]
+    first = (helper.make_node("Conv", ["x", "w1", "b1"], ["h"], name="conv1", pads=[pads] * 4)
+             if reader == "Conv" else helper.make_node("Relu", ["x"], ["h0"], name="relu0"))
+    nodes = [first] if reader == "Conv" else [
+        first, helper.make_node("Conv", ["h0", "w1", "b1"], ["h"], name="conv1", pads=[pads] * 4)]
+    nodes += [helper.make_node("Relu", ["h"], ["r"], name="relu"),
+              helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, None, None])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def _pixels(n: int = 16) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, 256, (n, 3, 8, 8), dtype=np.uint8)
+
+
+def _normalized(p: np.ndarray) -> np.ndarray:
+    mean, std = (np.asarray(v, np.float32).reshape(1, 3, 1, 1) for v in (MEAN, STD))
+    return ((p.astype(np.float32) * np.float32(SCALE) - mean) / std).astype(np.float32)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    p = _pixels()
+    paths = {"model": tmp_path / "m.onnx", "padded": tmp_path / "padded.onnx", "data": tmp_path / "d.npz",
+             "relu": tmp_path / "relu.onnx"}
+    onnx.save(_model(0), str(paths["model"]))
+    onnx.save(_model(1), str(paths["padded"]))
+    onnx.save(_model(0, "Relu"), str(paths["relu"]))
+    np.savez(paths["data"], x=_normalized(p))
+    return paths, p
+
+
+def test_folded_conv_reads_the_pixels_and_gives_the_float_result():
+    p = _pixels()
+    model = prepare(_model(0))
+    reference = _run(model, _normalized(p))
+    name, zero = fold(model, PixelInput(MEAN, STD, SCALE))
+    assert (name, zero) == ("x", 102)  # round(mean(0.5, 0.4, 0.3) * 255)
+    folded = _run(model, (SCALE * (p.astype(np.float64) - zero)).astype(np.float32))
+    np.testing.assert_allclose(folded, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_differs_only_where_the_kernel_reads_padded_taps():
+    p = _pixels()
+    model = prepare(_model(1))
+    reference = _run(model, _normalized(p))
+    _, zero = fold(model, PixelInput(MEAN, STD, SCALE))
+    folded = _run(model, (SCALE * (p.astype(np.float64) - zero)).astype(np.float32))
+    # conv2 (1x1) keeps positions: conv1's border is the output's border
+    np.testing.assert_allclose(folded[:, :, 1:-1, 1:-1], reference[:, :, 1:-1, 1:-1], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(folded, reference, atol=1e-4)
+
+
+def test_quantized_model_takes_uint8_pixels_without_rounding(files):
+    paths, p = files
+    table = calibrate(paths["model"], paths["data"], progress=False)
+    qmodel, _ = quantize(paths["model"], table, QuantizeOptions(input_pixels=PixelInput(MEAN, STD, SCALE)))
+    assert qmodel.graph.input[0].type.tensor_type.elem_type == TensorProto.UINT8
+    assert pixel_inputs(qmodel)["x"]["zero_point"] == 102
+    executor = IntegerExecutor(qmodel)
+    from_floats = executor.run({"x": _normalized(p)}, keep_integer=True)
+    from_pixels = executor.run({"x": p}).outputs["y"]
+    np.testing.assert_array_equal(from_floats.outputs["y"], from_pixels)  # the data came from pixels
+    np.testing.assert_array_equal(as_pixels(_normalized(p), pixel_inputs(qmodel)["x"]), p)
+    # onnxruntime runs the model on the pixels, and it scores better than the float input's rounding
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    got = ort.InferenceSession(qmodel.SerializeToString(), options,
+                               providers=["CPUExecutionProvider"]).run(None, {"x": p})[0]
+    plain, _ = quantize(paths["model"], table)
+    ref = _run(onnx.load(str(paths["model"])), _normalized(p)).astype(np.float64)
+
+    def sqnr(y):
+        return 10 * np.log10((ref ** 2).sum() / ((ref - y) ** 2).sum())
+
+    assert sqnr(got) > sqnr(_run(plain, _normalized(p)))
+    np.testing.assert_allclose(got, from_pixels, atol=1e-5)
+
+
+def test_cli_input_pixels_and_verify(files, tmp_path):
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    out = tmp_path / "q.onnx"
+    result = invoke("quantize", paths["model"], "-t", table, "-o", out, "--input-pixels", "--mean", "0.5,0.4,0.3",
+                    "--std", "0.5,0.25,0.2", "-q")
+    assert result.exit_code == 0, result.output
+    result = invoke("verify", paths["model"], out, "-d", paths["data"], "--ort", "-q")
+    assert result.exit_code == 0, result.output
+
+
+def test_input_read_by_another_op_is_one_line(files, tmp_path):
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["relu"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", paths["relu"], "-t", table, "-o", tmp_path / "q.onnx", "--input-pixels")
+    assert_user_error(result, "--input-pixels: input 'x' is read by Relu node 'relu0'")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mean", "0.5"], "--mean, --std and --scale describe the pixels of --input-pixels: add it"),
+    (["--input-pixels", "--mean", "0.5,0.5"], "--input-pixels: --mean needs 1 or 3 values"),
+    (["--input-pixels", "--std", "0"], "--input-pixels: --std must not be 0"),
+    (["--input-pixels", "--mean", "a"], "--mean takes comma-separated numbers, got 'a'"),
+])
+def test_bad_pixel_settings(files, tmp_path, args, message):
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "q.onnx", *args)
+    assert_user_error(result, message)
