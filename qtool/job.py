@@ -26,6 +26,7 @@ from .errors import QtoolError
 from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
+from .pixels import PixelInput
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
 from .report import bias_summary, methods_summary, search_summary
 from .targets import TARGETS
@@ -66,6 +67,7 @@ SCHEMA = {
         "format": (("choice", FORMATS), False),
         "strict": (bool, False),
         "target": (("choice", tuple(TARGETS)), False),
+        "input_pixels": (bool, False),  # the calibrate preprocessing folded in: uint8 pixels in
         "bias_correction": (bool, False),
         "bias_samples": ("posint", False),
         "holdout": ("count", False),
@@ -314,8 +316,14 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         _choice(method, calibrators.names(), f"job file '{path}': {prefix}quantize.try_methods[{i}]")
     if qz.get("max_float_layers", 0) < 0:
         raise fail("quantize.max_float_layers", f"must be >= 0, got {qz['max_float_layers']}")
+    pixels = None
+    if qz.get("input_pixels"):
+        if preprocess is None:
+            raise fail("quantize.input_pixels", "needs calibrate.preprocess (the mean, std and scale "
+                                                "that make the float input from the pixels)")
+        pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale)
     options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()
-                                 if k not in DATA_DRIVEN})
+                                 if k not in DATA_DRIVEN and k != "input_pixels"}, input_pixels=pixels)
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job)
@@ -530,6 +538,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
+    if opt.input_pixels is not None:
+        quantize += ", uint8 pixel input (the preprocessing folded into the first Conv layers)"
     qz = plan.settings.get("quantize", {})
     if qz.get("bias_correction", True):
         quantize += (f", bias correction on {qz.get('bias_samples', BIAS_SAMPLES)} samples, judged on "

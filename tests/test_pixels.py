@@ -145,3 +145,23 @@ def test_bad_pixel_settings(files, tmp_path, args, message):
     assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
     result = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "q.onnx", *args)
     assert_user_error(result, message)
+
+
+def test_a_job_folds_its_calibration_preprocessing(files, tmp_path):
+    import json
+
+    import yaml
+
+    paths, _ = files
+    job = {"model": str(paths["model"]), "output_dir": str(tmp_path / "out"),
+           "calibrate": {"data": str(paths["data"]),
+                         "preprocess": {"mean": list(MEAN), "std": list(STD), "scale": SCALE}},
+           "quantize": {"input_pixels": True}}
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job))
+    result = invoke("run", spec)
+    assert result.exit_code == 0, result.output
+    qmodel = load_model(tmp_path / "out" / "m.q.onnx")
+    assert qmodel.graph.input[0].type.tensor_type.elem_type == TensorProto.UINT8
+    assert pixel_inputs(qmodel)["x"] == {"mean": list(MEAN), "std": list(STD), "scale": SCALE, "zero_point": 102}
+    assert json.loads((tmp_path / "out" / "m.verify.json").read_text())["passed"]
