@@ -13,23 +13,52 @@ Every builder returns float32 NCHW arrays preprocessed exactly as rapidocr 1.4.4
   `norm="imagenet"`), side lengths multiples of 32.
 
 Builders (each seed draws from its own random stream, and the strings of seeds 0..15 are pairwise
-disjoint; use seed 0 for calibration, 1 for evaluation):
+disjoint; use seed 0 for calibration, 1, 2, ... for evaluation):
 
-    text_lines(n, seed, width=320) -> (x [n,3,48,width], strings)      # PP-OCRv4 rec
-    cls_lines(n, seed)             -> (x [n,3,48,192], labels int64)   # 0 upright, 1 rotated 180
-    det_crops(n, seed, size=640)   -> x [n,3,size,size]                # PP-OCRv4 det
+    text_lines(n, seed, width=320, style=DEFAULT_STYLE) -> (x [n,3,48,width], strings)   # PP-OCRv4 rec
+    cls_lines(n, seed, style=DEFAULT_STYLE)   -> (x [n,3,48,192], labels int64)  # 0 upright, 1 rotated 180
+    det_crops(n, seed, size=640, norm="rapidocr", style=DEFAULT_STYLE) -> x [n,3,size,size]  # PP-OCRv4 det
 
-Text is rendered with Pillow and the DejaVu TTF fonts in /usr/share/fonts/truetype/dejavu/;
-photos come from `skimage.data` (only images shipped inside scikit-image, no download).
-The first k samples of a set do not depend on n.
+Two styles (`STYLES`):
+
+- "plain": the original data, byte for byte: DejaVu fonts (the 14 faces of `FONTS`), dark text on a
+  light uniform background, a little Gaussian noise; det pages the same way, or photo crops.
+  Figures measured on it did not carry over to lines rendered otherwise.
+- "varied" (the default): per sample, drawn from the seed's stream,
+  * fonts: a family uniformly (DejaVu Sans / Serif / Mono, STIX, Computer Modern, Aileron), then
+    one of its faces (30 faces here; `varied_fonts()` lists those installed, missing ones are
+    skipped, see VARIED_FONTS);
+  * text height: the font's ascender-to-descender extent ("Hdgjpqy") fills 50-92% of the line box,
+    placed anywhere between top and bottom; font sizes 14-60 px (log-uniform) before the resize to
+    48, so small text is upsampled and large text downsampled;
+  * backgrounds: uniform light, tinted (30%), dark with light ink (15%), mid tones with dark or
+    light ink (15%), horizontal or vertical two-colour gradients (20%, a quarter of them dark), and
+    crops of the skimage photos without text, blurred and veiled towards a light (or dark, with
+    light ink) colour (20%); ink colours vary too (at least ~70-90 luma levels of contrast);
+  * geometry: lines from one token to a full `width`-pixel line (1-2 tokens for 30% of lines, else
+    up to 10 for rec / 4 for cls, dropped from the end until the line fits unsqueezed), side
+    margins 2-10% of the box height, sometimes a slight rotation (25%, at most 2 degrees, the
+    line's ends kept inside the box) or a horizontal shear of up to 0.25 (20%, faux italic);
+  * degradations in camera order: Gaussian blur (50%, sigma 0.3-1.0 px at the 48-pixel scale),
+    Gaussian noise (60%, sigma 2-12 grey levels), JPEG re-encoding (50%, Pillow, quality 20-95);
+  * det: 45% pages (fonts from the same list, sizes, inks, left/centred/right alignment and
+    backgrounds as above, 30% of them turned by up to 4 degrees), 25% photo crops with up to six
+    non-overlapping text labels (a line on its own box, like a sign, or text drawn straight onto
+    the photo), 30% photo crops as plain; then blur, noise and JPEG (quality 30-95) as above.
+  The float PP-OCRv4 rec model still reads ~97-98% of varied lines when spaces are ignored (about
+  80-86% exactly: it drops or adds spaces on tightly set or degraded lines); see `python
+  bench/datasets.py`.
+
+Text is rendered with Pillow; photos come from `skimage.data` (only images shipped inside
+scikit-image, no download). The first k samples of a set do not depend on n.
 
 Helpers: `model_path("rec"|"det"|"cls")`, `rec_charset()` (the dictionary stored in the rec model's
 metadata under key `character`, with rapidocr's blank at index 0 and space appended last),
-`ctc_decode(logits, charset)` (greedy CTC).
+`ctc_decode(logits, charset)` (greedy CTC), `varied_fonts()`.
 
 Run `python bench/datasets.py` to write a sample grid to /tmp/bench_samples.png and check the float
-models on the data (rec exact-string accuracy, cls accuracy, det output statistics);
-`--no-models` skips the check.
+models on the data (rec accuracy exact and ignoring spaces, cls accuracy, det output statistics);
+`--no-models` skips the check, `--style plain` selects the original data.
 """
 
 from __future__ import annotations
@@ -38,13 +67,14 @@ import argparse
 import datetime
 import functools
 import importlib.util
+import io
 import math
 import os
 import string
 import zlib
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 FONT_DIR = "/usr/share/fonts/truetype/dejavu"
 FONTS = (
@@ -62,6 +92,8 @@ PHOTOS = (
     "gravel", "coins", "moon", "hubble_deep_field", "immunohistochemistry", "clock", "cell",
     "colorwheel",
 )
+# backgrounds of varied lines and pages: the photos without text in them
+_BACKDROPS = tuple(p for p in PHOTOS if p not in ("page", "text"))
 DET_NORMS = {"rapidocr": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
              "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 # a string belongs to seed s only if crc32(string) % SEED_BUCKETS == s % SEED_BUCKETS, so seeds
@@ -69,6 +101,36 @@ DET_NORMS = {"rapidocr": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 SEED_BUCKETS = 16
 # stream tags so text_lines(seed=0) and cls_lines(seed=0) differ
 _TAG_REC, _TAG_CLS, _TAG_DET = 101, 202, 303
+STYLES = ("plain", "varied")
+DEFAULT_STYLE = "varied"
+# The varied style's fonts: (family, source, file), in this order. Sources: "dejavu" = FONT_DIR;
+# "matplotlib" = mpl-data/fonts/ttf inside the installed matplotlib package (found, not imported);
+# "pillow" = Pillow's built-in Aileron Regular (ImageFont.load_default(size), Pillow >= 10.1 with
+# FreeType). A face that is not installed is skipped (the data then differ from a machine that has
+# it: varied_fonts() lists the faces used). Left out on purpose: DejaVu Sans/Serif Display and the
+# STIX NonUni/Size faces (no ASCII letters), LastResort (placeholder boxes), DejaVu Math and
+# cmmi10/cmsy10/cmex10 (math symbols), cmti10 ("$" is a pound sign in its TeX encoding). The other
+# Computer Modern faces draw some ASCII (quotes, < > \\ _ { | }) as other glyphs (TeX encoding),
+# so they only get text of _CM_SAFE (everything _token writes is in it).
+_DEJAVU_FAMILIES = {
+    "DejaVu Sans": ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf",
+                    "DejaVuSans-BoldOblique.ttf", "DejaVuSans-ExtraLight.ttf", "DejaVuSansCondensed.ttf",
+                    "DejaVuSansCondensed-Bold.ttf", "DejaVuSansCondensed-Oblique.ttf",
+                    "DejaVuSansCondensed-BoldOblique.ttf"),
+    "DejaVu Serif": ("DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf",
+                     "DejaVuSerif-BoldItalic.ttf", "DejaVuSerifCondensed.ttf", "DejaVuSerifCondensed-Bold.ttf",
+                     "DejaVuSerifCondensed-Italic.ttf", "DejaVuSerifCondensed-BoldItalic.ttf"),
+    "DejaVu Mono": ("DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
+                    "DejaVuSansMono-BoldOblique.ttf"),
+}
+VARIED_FONTS = tuple((fam, "dejavu", f) for fam, files in _DEJAVU_FAMILIES.items() for f in files) + (
+    ("STIX", "matplotlib", "STIXGeneral.ttf"), ("STIX", "matplotlib", "STIXGeneralBol.ttf"),
+    ("STIX", "matplotlib", "STIXGeneralItalic.ttf"), ("STIX", "matplotlib", "STIXGeneralBolIta.ttf"),
+    ("Computer Modern", "matplotlib", "cmr10.ttf"), ("Computer Modern", "matplotlib", "cmb10.ttf"),
+    ("Computer Modern", "matplotlib", "cmss10.ttf"), ("Computer Modern", "matplotlib", "cmtt10.ttf"),
+    ("Aileron", "pillow", "Aileron-Regular"),
+)
+_CM_SAFE = set(string.ascii_letters + string.digits + " !#$%&()*+,-./:;=?@[]")
 
 WORDS = """
 account address after again air almost also always amount animal answer apple april area around
@@ -249,28 +311,39 @@ def _fitting_line(rng, seed: int, width: int, max_tokens: int, seen: set) -> tup
 
 # ---------------------------------------------------------------- builders
 
-def text_lines(n: int, seed: int, width: int = 320) -> tuple[np.ndarray, list[str]]:
+def _check_style(style: str) -> None:
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
+
+
+def text_lines(n: int, seed: int, width: int = 320, style: str = DEFAULT_STYLE) -> tuple[np.ndarray, list[str]]:
     """n rendered single text lines for PP-OCRv4 rec: (x [n,3,48,width] float32, strings).
 
     Strings are distinct within a set, disjoint between seeds 0..15 (see SEED_BUCKETS), and fit
-    `width` at height 48 without squeezing.
+    `width` at height 48 without squeezing. style: "plain" (the original data) or "varied".
     """
+    _check_style(style)
     rng = np.random.default_rng([seed, _TAG_REC])
     x = np.zeros((n, 3, REC_HEIGHT, width), dtype=np.float32)
     seen: set = set()
     strings = []
     for i in range(n):
-        img, text = _fitting_line(rng, seed, width, max_tokens=4, seen=seen)
+        if style == "plain":
+            img, text = _fitting_line(rng, seed, width, max_tokens=4, seen=seen)
+        else:
+            img, text = _fitting_line_varied(rng, seed, width, max_tokens=10, seen=seen)
         x[i] = _line_to_tensor(img, width)
         strings.append(text)
     return x, strings
 
 
-def cls_lines(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def cls_lines(n: int, seed: int, style: str = DEFAULT_STYLE) -> tuple[np.ndarray, np.ndarray]:
     """n text lines for the 0/180 degree classifier: (x [n,3,48,192] float32, labels [n] int64).
 
     Exactly one of each consecutive pair is rotated by 180 degrees (label 1), which one is random.
+    style: "plain" (the original data) or "varied".
     """
+    _check_style(style)
     rng = np.random.default_rng([seed, _TAG_CLS])
     x = np.zeros((n, 3, REC_HEIGHT, CLS_WIDTH), dtype=np.float32)
     labels = np.zeros(n, dtype=np.int64)
@@ -279,7 +352,10 @@ def cls_lines(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         if i % 2 == 0:
             flip_first = bool(rng.integers(2))
         labels[i] = int(flip_first == (i % 2 == 0))
-        img, _ = _fitting_line(rng, seed, CLS_WIDTH, max_tokens=2, seen=seen)
+        if style == "plain":
+            img, _ = _fitting_line(rng, seed, CLS_WIDTH, max_tokens=2, seen=seen)
+        else:
+            img, _ = _fitting_line_varied(rng, seed, CLS_WIDTH, max_tokens=4, seen=seen)
         if labels[i]:
             img = np.ascontiguousarray(img[::-1, ::-1])
         x[i] = _line_to_tensor(img, CLS_WIDTH)
@@ -336,12 +412,333 @@ def _text_page(rng, size: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def det_crops(n: int, seed: int, size: int = 640, norm: str = "rapidocr") -> np.ndarray:
+# ---------------------------------------------------------------- varied style
+
+def _font_file(source: str, name: str) -> str | None:
+    if source == "dejavu":
+        return os.path.join(FONT_DIR, name)
+    if source == "matplotlib":
+        spec = importlib.util.find_spec("matplotlib")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return os.path.join(spec.submodule_search_locations[0], "mpl-data", "fonts", "ttf", name)
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _vfont(index: int, size: int) -> ImageFont.FreeTypeFont:
+    _, source, name = VARIED_FONTS[index]
+    if source == "pillow":
+        font = ImageFont.load_default(size)
+        if not isinstance(font, ImageFont.FreeTypeFont):
+            raise OSError("Pillow's built-in font needs Pillow >= 10.1 with FreeType")
+        return font
+    path = _font_file(source, name)
+    if path is None:
+        raise OSError(f"{source} is not installed")
+    return ImageFont.truetype(path, size)
+
+
+@functools.lru_cache(maxsize=1)
+def _varied_font_indices() -> tuple[int, ...]:
+    found = []
+    for i, (_, source, name) in enumerate(VARIED_FONTS):
+        try:
+            _vfont(i, 20)
+        except (OSError, ValueError):
+            continue
+        found.append(i)
+    if not found:
+        raise FileNotFoundError(f"none of the varied style's fonts is installed ({FONT_DIR}, "
+                                "matplotlib's mpl-data, Pillow's built-in font)")
+    return tuple(found)
+
+
+def varied_fonts() -> list[str]:
+    """The faces the varied style draws from on this machine, as "family: source/file"."""
+    return [f"{VARIED_FONTS[i][0]}: {VARIED_FONTS[i][1]}/{VARIED_FONTS[i][2]}" for i in _varied_font_indices()]
+
+
+def _pick_font(rng) -> int:
+    """A family uniformly among the installed ones, then one of its installed faces."""
+    found = _varied_font_indices()
+    families = list(dict.fromkeys(VARIED_FONTS[i][0] for i in found))
+    family = families[rng.integers(len(families))]
+    faces = [i for i in found if VARIED_FONTS[i][0] == family]
+    return faces[rng.integers(len(faces))]
+
+
+def _font_ok(index: int, text: str) -> bool:
+    return VARIED_FONTS[index][0] != "Computer Modern" or set(text) <= _CM_SAFE
+
+
+def _luma(c) -> float:
+    return 0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]
+
+
+def _colour(rng, lo: int, hi: int, tint: int) -> np.ndarray:
+    """A colour of grey level lo..hi with each channel moved by up to `tint`."""
+    grey = rng.uniform(lo, hi)
+    return np.clip(grey + rng.uniform(-tint, tint, 3), 0, 255)
+
+
+def _ink_for(rng, backgrounds, dark: bool, min_contrast: float = 90.0) -> np.ndarray:
+    """A dark (or light) ink colour at least `min_contrast` luma away from every background colour."""
+    for _ in range(50):
+        ink = _colour(rng, 0, 90, 70) if dark else _colour(rng, 190, 255, 40)
+        if all(abs(_luma(ink) - _luma(b)) >= min_contrast for b in backgrounds):
+            return ink
+    return np.zeros(3) if dark else np.full(3, 255.0)
+
+
+def _photo_patch(rng, w: int, h: int) -> np.ndarray:
+    """A (h, w, 3) float crop of a skimage photo (not one of text) with the aspect of w:h, resized
+    to w x h."""
+    photo = _photo(_BACKDROPS[rng.integers(len(_BACKDROPS))])
+    ph, pw = photo.shape[:2]
+    ch = rng.uniform(0.08, 1.0) * min(ph, pw * h / w)
+    ch = max(4.0, ch)
+    cw = min(pw, ch * w / h)
+    x0, y0 = rng.uniform(0, pw - cw), rng.uniform(0, ph - ch)
+    img = Image.fromarray(photo).resize((w, h), Image.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
+    return np.asarray(img, dtype=np.float32)
+
+
+def _background(rng, w: int, h: int, scale: float):
+    """(background [h,w,3] float, ink colour): a uniform, gradient or photo background.
+
+    `scale` is the size of one output pixel in background pixels (blur radii follow it).
+    """
+    kind = rng.choice(["light", "dark", "mid", "gradient", "photo"], p=[0.3, 0.15, 0.15, 0.2, 0.2])
+    if kind == "light":
+        bg = _colour(rng, 175, 255, 30)
+        return np.broadcast_to(bg, (h, w, 3)).copy(), _ink_for(rng, [bg], dark=True)
+    if kind == "dark":
+        bg = _colour(rng, 0, 90, 60)
+        return np.broadcast_to(bg, (h, w, 3)).copy(), _ink_for(rng, [bg], dark=False)
+    if kind == "mid":
+        bg = _colour(rng, 100, 170, 80)
+        dark = bool(rng.random() < 0.6)
+        ink = _ink_for(rng, [bg], dark, min_contrast=75.0)
+        return np.broadcast_to(bg, (h, w, 3)).copy(), ink
+    if kind == "gradient":
+        dark_bg = bool(rng.random() < 0.25)
+        c0, c1 = ((_colour(rng, 0, 100, 60) for _ in range(2)) if dark_bg
+                  else (_colour(rng, 150, 255, 50) for _ in range(2)))
+        across = bool(rng.random() < 0.5)                # horizontal, else vertical
+        t = np.linspace(0.0, 1.0, w if across else h, dtype=np.float32)
+        t = t[None, :, None] if across else t[:, None, None]
+        bg = np.broadcast_to(c0 * (1 - t) + c1 * t, (h, w, 3)).astype(np.float32)
+        return bg.copy(), _ink_for(rng, [c0, c1], dark=not dark_bg)
+    # photo: blurred, then blended towards a light (or dark) colour so the text stays readable
+    img = Image.fromarray(_photo_patch(rng, w, h).astype(np.uint8))
+    img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.5, 2.5) * scale))
+    dark_bg = bool(rng.random() < 0.25)
+    veil = _colour(rng, 0, 40, 20) if dark_bg else _colour(rng, 215, 255, 25)
+    a = rng.uniform(0.55, 0.8)
+    bg = a * veil + (1 - a) * np.asarray(img, dtype=np.float32)
+    return bg, _ink_for(rng, _luma_range(bg), dark=not dark_bg, min_contrast=70.0)
+
+
+def _luma_range(img: np.ndarray) -> list:
+    """Grey colours at the 2nd and 98th percentile of an image's luma (for _ink_for)."""
+    lo, hi = np.percentile(img.reshape(-1, 3) @ np.array([0.299, 0.587, 0.114]), [2, 98])
+    return [np.full(3, lo), np.full(3, hi)]
+
+
+def _degrade(rng, img: np.ndarray, scale: float, jpeg_min: int = 20) -> np.ndarray:
+    """Blur, noise and JPEG (each with some chance) on a float [h,w,3] image -> uint8.
+
+    `scale` = image pixels per pixel at the size the model sees (blur radii follow it).
+    """
+    out = Image.fromarray(np.clip(img + 0.5, 0, 255).astype(np.uint8))
+    if rng.random() < 0.5:
+        out = out.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 1.0) * scale))
+    arr = np.asarray(out, dtype=np.float32)
+    if rng.random() < 0.6:
+        arr = arr + rng.normal(0, rng.uniform(2, 12), arr.shape)
+    arr = np.clip(arr + 0.5, 0, 255).astype(np.uint8)
+    if rng.random() < 0.5:
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="JPEG", quality=int(rng.integers(jpeg_min, 96)))
+        arr = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    return np.ascontiguousarray(arr)
+
+
+def _line_style(rng) -> dict:
+    """What a varied line looks like, drawn before its text so the text can be cut to fit."""
+    return {"font": _pick_font(rng),
+            "size": int(round(math.exp(rng.uniform(math.log(14), math.log(60))))),
+            "fill": rng.uniform(0.50, 0.92),     # ascender-to-descender extent / box height
+            "top": rng.uniform(0.2, 0.8),        # share of the free height above the text
+            "side": rng.uniform(0.02, 0.10, 2),  # left, right margins / box height
+            "shear": rng.uniform(-0.25, 0.25) if rng.random() < 0.2 else 0.0,
+            "turn": rng.uniform(-1, 1) if rng.random() < 0.25 else 0.0}
+
+
+def _line_geometry(st: dict, text: str) -> dict:
+    font = _vfont(st["font"], st["size"])
+    _, rt, _, rb = font.getbbox("Hdgjpqy", anchor="ls")
+    l, _, r, _ = font.getbbox(text, anchor="ls")
+    ink_h = rb - rt
+    box_h = max(8, int(round(ink_h / st["fill"])))
+    top = (box_h - ink_h) * st["top"]
+    base = top - rt                                   # baseline y in the box
+    lm, rm = (int(round(f * box_h)) + 1 for f in st["side"])
+    s = st["shear"]                                    # x' = x - s * (y - base): leans right for s > 0
+    lm += int(math.ceil(max(0.0, s) * (box_h - base)))
+    rm += int(math.ceil(max(0.0, s) * base))
+    lm += int(math.ceil(max(0.0, -s) * base))
+    rm += int(math.ceil(max(0.0, -s) * (box_h - base)))
+    return {"font": font, "box_h": box_h, "box_w": r - l + lm + rm, "x": lm - l, "base": base,
+            "free": min(top, box_h - ink_h - top)}
+
+
+def _draw_line(rng, text: str, st: dict, geo: dict) -> np.ndarray:
+    w, h = geo["box_w"], geo["box_h"]
+    scale = h / REC_HEIGHT
+    mask = Image.new("L", (w, h), 0)
+    ImageDraw.Draw(mask).text((geo["x"], geo["base"]), text, font=geo["font"], fill=255, anchor="ls")
+    if st["shear"]:
+        s = st["shear"]
+        mask = mask.transform((w, h), Image.AFFINE, (1, s, -s * geo["base"], 0, 1, 0), Image.BICUBIC)
+    if st["turn"]:
+        # at most 2 degrees, and the line's ends stay inside the vertical margins
+        limit = math.degrees(math.atan(max(0.0, geo["free"]) / max(1.0, w / 2)))
+        mask = mask.rotate(st["turn"] * min(2.0, limit), Image.BICUBIC, center=(w / 2, geo["base"]))
+    bg, ink = _background(rng, w, h, scale)
+    m = np.asarray(mask, dtype=np.float32)[:, :, None] / 255.0
+    return _degrade(rng, bg * (1 - m) + ink * m, scale)
+
+
+def _fitting_line_varied(rng, seed: int, width: int, max_tokens: int, seen: set) -> tuple[np.ndarray, str]:
+    """Like _fitting_line for the varied style: 1-2 tokens (30%) or 1-max_tokens, then tokens are
+    dropped from the end of the line until it fits `width` unsqueezed, so lengths run from one
+    token to the full width."""
+    while True:
+        st = _line_style(rng)
+        count = rng.integers(1, 3) if rng.random() < 0.3 else rng.integers(1, max_tokens + 1)
+        tokens = [_token(rng) for _ in range(int(count))]
+        while True:
+            text = " ".join(tokens)
+            geo = _line_geometry(st, text)
+            fits = math.ceil(REC_HEIGHT * geo["box_w"] / geo["box_h"]) <= width
+            if fits or len(tokens) == 1:
+                break
+            tokens.pop()
+        assert set(text) <= _REC_ALPHABET, text
+        if (not fits or text in seen or not _font_ok(st["font"], text)
+                or zlib.crc32(text.encode()) % SEED_BUCKETS != seed % SEED_BUCKETS):
+            continue
+        seen.add(text)
+        return _draw_line(rng, text, st, geo), text
+
+
+def _text_page_varied(rng, size: int) -> np.ndarray:
+    """A page of paragraphs on a varied background: per block its own font, size, ink and alignment;
+    sometimes turned by a few degrees. Float [size,size,3] before degradation."""
+    turn = rng.uniform(-4, 4) if rng.random() < 0.3 else 0.0
+    big = int(size * 1.12) if turn else size              # room to turn without blank corners
+    bg, ink0 = _background(rng, big, big, 1.0)
+    dark_ink = _luma(ink0) < 128
+    bg_range = _luma_range(bg[::8, ::8])
+    mask_layers = []
+    y = int(rng.integers(4, size // 8))
+    while y < big:
+        face = _pick_font(rng)
+        font = _vfont(face, int(rng.integers(max(11, size // 50), size // 11)))
+        ink = ink0 if rng.random() < 0.6 else _ink_for(rng, bg_range, dark_ink, 70.0)
+        left = int(rng.integers(4, big // 6))
+        right = big - int(rng.integers(4, big // 5))
+        align = rng.choice(["left", "left", "center", "right"])
+        ascent, descent = font.getmetrics()
+        step = int((ascent + descent) * rng.uniform(1.1, 1.8))
+        mask = Image.new("L", (big, big), 0)
+        draw = ImageDraw.Draw(mask)
+        for _ in range(int(rng.integers(1, 7))):
+            line = ""
+            limit = (right - left) * (rng.uniform(0.3, 1.0) if align != "left" else 1.0)
+            while True:
+                cand = (line + " " + _token(rng)).strip()
+                if font.getlength(cand) > limit or not _font_ok(face, cand):
+                    break
+                line = cand
+            if line:
+                length = font.getlength(line)
+                x = {"left": left, "right": right - length}.get(align, (left + right - length) / 2)
+                draw.text((x, y), line, font=font, fill=255)
+            y += step
+            if y >= big:
+                break
+        mask_layers.append((mask, ink))
+        y += int(step * rng.uniform(0.5, 2.0))
+    img = bg
+    for mask, ink in mask_layers:
+        m = np.asarray(mask, dtype=np.float32)[:, :, None] / 255.0
+        img = img * (1 - m) + ink * m
+    if turn:
+        pil = Image.fromarray(np.clip(img + 0.5, 0, 255).astype(np.uint8)).rotate(turn, Image.BICUBIC)
+        off = (big - size) // 2
+        img = np.asarray(pil.crop((off, off, off + size, off + size)), dtype=np.float32)
+    return img
+
+
+def _labelled_photo(rng, size: int) -> np.ndarray:
+    """A photo crop with up to 6 text labels that do not overlap: a varied line on its own box (a
+    sign), or text drawn straight onto the photo in a colour that contrasts with the spot's mean.
+    Float [size,size,3]."""
+    img = _photo_crop(rng, size).astype(np.float32)
+    taken = np.zeros((size, size), dtype=bool)            # labels do not overlap
+    for _ in range(int(rng.integers(1, 7))):
+        st = _line_style(rng)
+        st["size"] = int(rng.integers(max(11, size // 50), size // 10))
+        st["turn"] = 0.0
+        tokens = [_token(rng) for _ in range(int(rng.integers(1, 4)))]
+        text = " ".join(tokens)
+        if not _font_ok(st["font"], text):
+            continue
+        geo = _line_geometry(st, text)
+        w, h = geo["box_w"], geo["box_h"]
+        if w >= size or h >= size:
+            continue
+        x0, y0 = int(rng.integers(0, size - w)), int(rng.integers(0, size - h))
+        if taken[y0:y0 + h, x0:x0 + w].any():
+            continue
+        taken[y0:y0 + h, x0:x0 + w] = True
+        mask = Image.new("L", (w, h), 0)
+        ImageDraw.Draw(mask).text((geo["x"], geo["base"]), text, font=geo["font"], fill=255, anchor="ls")
+        m = np.asarray(mask, dtype=np.float32)[:, :, None] / 255.0
+        spot = img[y0:y0 + h, x0:x0 + w]
+        if rng.random() < 0.5:                             # a sign: its own background
+            bg, ink = _background(rng, w, h, 1.0)
+        else:                                              # painted on the photo
+            bg = spot
+            ink = _ink_for(rng, [spot.reshape(-1, 3).mean(0)], _luma(spot.reshape(-1, 3).mean(0)) >= 128, 100.0)
+        img[y0:y0 + h, x0:x0 + w] = bg * (1 - m) + ink * m
+    return img
+
+
+def _det_varied(rng, size: int) -> np.ndarray:
+    u = rng.random()
+    if u < 0.45:
+        img = _text_page_varied(rng, size)
+    elif u < 0.7:
+        img = _labelled_photo(rng, size)
+    else:
+        img = _photo_crop(rng, size).astype(np.float32)
+    return _degrade(rng, img, 1.0, jpeg_min=30)
+
+
+def det_crops(n: int, seed: int, size: int = 640, norm: str = "rapidocr",
+              style: str = DEFAULT_STYLE) -> np.ndarray:
     """n images for PP-OCRv4 det: x [n,3,size,size] float32 (size a multiple of 32).
 
-    Each sample is, with equal chance, a random crop of a scikit-image sample photo (rescaled so
-    its short side covers the crop) or a rendered page of text paragraphs.
+    plain: each sample is, with equal chance, a random crop of a scikit-image sample photo
+    (rescaled so its short side covers the crop) or a rendered page of text paragraphs.
+    varied: 45% pages (varied fonts, sizes, inks, alignment, backgrounds, sometimes turned), 25%
+    photo crops with text labels, 30% photo crops; then blur, noise and JPEG (each by chance).
     """
+    _check_style(style)
     if size % 32:
         raise ValueError(f"det input size {size} must be a multiple of 32")
     if norm not in DET_NORMS:
@@ -350,7 +747,10 @@ def det_crops(n: int, seed: int, size: int = 640, norm: str = "rapidocr") -> np.
     rng = np.random.default_rng([seed, _TAG_DET])
     x = np.zeros((n, 3, size, size), dtype=np.float32)
     for i in range(n):
-        img = _text_page(rng, size) if rng.random() < 0.5 else _photo_crop(rng, size)
+        if style == "plain":
+            img = _text_page(rng, size) if rng.random() < 0.5 else _photo_crop(rng, size)
+        else:
+            img = _det_varied(rng, size)
         chw = img[:, :, ::-1].transpose(2, 0, 1).astype(np.float32) / 255.0
         x[i] = (chw - mean) / std
     return x
@@ -391,38 +791,52 @@ def save_grid(path: str, rec=None, cls=None, det=None) -> None:
     canvas.save(path)
 
 
-def _check_models(n_rec: int, n_cls: int, n_det: int) -> None:
+def _check_models(n_rec: int, n_cls: int, n_det: int, seeds=(1,), style: str = DEFAULT_STYLE,
+                  show: int = 40) -> None:
+    """Float rec (exact and ignoring spaces), cls and det statistics on each seed's data."""
     import onnxruntime as ort
 
+    sessions = {}
+
     def run(kind, x, bs=8):
-        sess = ort.InferenceSession(model_path(kind), providers=["CPUExecutionProvider"])
+        if kind not in sessions:
+            sessions[kind] = ort.InferenceSession(model_path(kind), providers=["CPUExecutionProvider"])
+        sess = sessions[kind]
         name = sess.get_inputs()[0].name
         return np.concatenate([sess.run(None, {name: x[i:i + bs]})[0] for i in range(0, len(x), bs)])
 
-    x, strings = text_lines(n_rec, seed=1)
-    pred = ctc_decode(run("rec", x), rec_charset())
-    ok = [p == s for p, s in zip(pred, strings)]
-    print(f"rec: exact-string accuracy {sum(ok)}/{len(ok)} = {np.mean(ok):.3f} (seed 1)")
-    for p, s, good in zip(pred, strings, ok):
-        if not good:
+    for seed in seeds:
+        x, strings = text_lines(n_rec, seed=seed, style=style)
+        pred = ctc_decode(run("rec", x), rec_charset())
+        ok = [p == s for p, s in zip(pred, strings)]
+        ok_ns = [p.replace(" ", "") == s.replace(" ", "") for p, s in zip(pred, strings)]
+        print(f"rec: {style}, seed {seed}: exact-string accuracy {sum(ok)}/{len(ok)} = {np.mean(ok):.3f}, "
+              f"ignoring spaces {sum(ok_ns)}/{len(ok)} = {np.mean(ok_ns):.3f}")
+        wrong = [(s, p) for p, s, good in zip(pred, strings, ok_ns) if not good]
+        for s, p in wrong[:show]:
             print(f"  want {s!r:40} got {p!r}")
-    x, labels = cls_lines(n_cls, seed=1)
-    acc = np.mean(run("cls", x).argmax(1) == labels)
-    print(f"cls: accuracy {acc:.3f} on {n_cls} lines (seed 1)")
-    x = det_crops(n_det, seed=1)
-    prob = run("det", x, bs=2)
-    print(f"det: output {prob.shape}, per-image fraction of pixels with p>0.3: "
-          f"{np.round((prob > 0.3).mean(axis=(1, 2, 3)), 3).tolist()}")
+        x, labels = cls_lines(n_cls, seed=seed, style=style)
+        acc = np.mean(run("cls", x, bs=16).argmax(1) == labels)
+        print(f"cls: {style}, seed {seed}: accuracy {acc:.3f} on {n_cls} lines")
+        if n_det:
+            x = det_crops(n_det, seed=seed, style=style)
+            prob = run("det", x, bs=1)
+            frac = (prob > 0.3).mean(axis=(1, 2, 3))
+            print(f"det: {style}, seed {seed}: output {prob.shape}, per-image fraction of pixels with "
+                  f"p>0.3: {np.round(frac, 3).tolist()} (mean {frac.mean():.3f}); mean p {prob.mean():.4f}, "
+                  f"fraction p>0.9 {(prob > 0.9).mean():.4f}")
 
 
-def write_npz(folder: str) -> None:
+def write_npz(folder: str, style: str = DEFAULT_STYLE) -> None:
     """The calibration and evaluation files that configs/ppocr.yaml reads (disjoint seeds)."""
     os.makedirs(folder, exist_ok=True)
-    files = {"rec_calib": {"x": text_lines(64, seed=0)[0]}, "rec_eval": {"x": text_lines(32, seed=1)[0]},
-             "det_calib": {"x": det_crops(8, seed=0)}, "det_eval": {"x": det_crops(2, seed=1)}}
-    x, labels = cls_lines(64, seed=0)
+    files = {"rec_calib": {"x": text_lines(64, seed=0, style=style)[0]},
+             "rec_eval": {"x": text_lines(32, seed=1, style=style)[0]},
+             "det_calib": {"x": det_crops(8, seed=0, style=style)},
+             "det_eval": {"x": det_crops(2, seed=1, style=style)}}
+    x, labels = cls_lines(64, seed=0, style=style)
     files["cls_calib"] = {"x": x}
-    x, labels = cls_lines(64, seed=1)
+    x, labels = cls_lines(64, seed=1, style=style)
     files["cls_eval"] = {"x": x, "label": labels.astype(np.int64)}
     for name, arrays in files.items():
         path = os.path.join(folder, f"{name}.npz")
@@ -434,17 +848,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--write-npz", metavar="DIR", help="write the data files of configs/ppocr.yaml "
                                                        "to DIR and stop")
+    ap.add_argument("--style", choices=STYLES, default=DEFAULT_STYLE)
     ap.add_argument("--out", default="/tmp/bench_samples.png")
     ap.add_argument("--no-models", action="store_true", help="skip running the float models")
     ap.add_argument("--n-rec", type=int, default=64, help="lines for the rec accuracy check")
+    ap.add_argument("--n-cls", type=int, default=64, help="lines for the cls accuracy check")
+    ap.add_argument("--n-det", type=int, default=4, help="crops for the det statistics")
+    ap.add_argument("--seeds", default="1", help="comma-separated seeds of the model check")
     args = ap.parse_args()
     if args.write_npz:
-        write_npz(args.write_npz)
+        write_npz(args.write_npz, args.style)
         return
-    save_grid(args.out, rec=text_lines(12, seed=0), cls=cls_lines(6, seed=0), det=det_crops(4, seed=0))
+    if args.style == "varied":
+        print("varied-style fonts on this machine:\n  " + "\n  ".join(varied_fonts()))
+    save_grid(args.out, rec=text_lines(12, seed=0, style=args.style), cls=cls_lines(6, seed=0, style=args.style),
+              det=det_crops(4, seed=0, style=args.style))
     print(f"wrote {args.out}")
     if not args.no_models:
-        _check_models(args.n_rec, n_cls=64, n_det=4)
+        _check_models(args.n_rec, args.n_cls, args.n_det, [int(v) for v in args.seeds.split(",")], args.style)
 
 
 if __name__ == "__main__":
