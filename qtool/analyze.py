@@ -274,13 +274,14 @@ def split_batches(float_model: onnx.ModelProto, data_path: str | Path, fit: int,
     they share DATA in proportion (at least one each); the held-out set is None when ``held`` is 0
     or DATA has a single sample (of the model's fixed batch)."""
     data = load_dataset(data_path, float_model, preprocess)
-    fixed = fixed_batch(float_model) or 1
+    pinned = fixed_batch(float_model)  # the model's own batch size, when its batch dim is fixed
+    fixed = pinned or 1
     count = len(data) // fixed  # whole batches when the model's batch dim is fixed
     units_fit, units_held = min(fit, len(data)) // fixed, held // fixed
     if units_fit < 1:
         raise QtoolError(f"data '{data_path}': the model takes batches of {fixed} samples, and "
                          f"only {min(fit, len(data))} are used")
-    batch_size = fixed if fixed > 1 else batch_size
+    batch_size = pinned or batch_size  # a model fixed at batch 1 takes one sample a run
     if units_held == 0 or count < 2:
         units_fit = min(units_fit, count)
         return _units(data, fixed, _spread(count, units_fit), batch_size), None

@@ -239,3 +239,13 @@ def test_one_sample_leaves_nothing_to_judge_on(demo_model, demo_table, demo_cali
                                                     16, 8, progress=False)
     assert correction.deltas and correction.factor == 0.0
     assert "no sample left to judge it on (1 used to fit)" in report.bias_correction["not_judged"]
+
+
+def test_a_model_fixed_at_batch_one_is_fed_one_sample_a_run(demo_model, demo_table, demo_calib, tmp_path):
+    model = onnx.load(demo_model)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    path = tmp_path / "batch1.onnx"
+    onnx.save(model, path)
+    table = calibrate(path, demo_calib, progress=False)
+    _, report, _ = quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 8, 8, progress=False)
+    assert report.bias_correction["samples"] == 8 and report.bias_correction["heldout_samples"] == 8
