@@ -31,7 +31,7 @@ from .data import load_dataset
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
 from .pixels import feeds_for, pixel_inputs
-from .report import progress_bar
+from .report import finite, progress_bar
 
 FENCE_OPS = ("QuantizeLinear", "DequantizeLinear")
 
@@ -224,8 +224,8 @@ class OpSensitivity:
 
     def to_dict(self) -> dict:
         return {"op_type": self.op_type, "node": self.node,
-                "only_quantized_db": _finite(self.only_quantized_db),
-                "only_float_db": _finite(self.only_float_db), "gain_db": _finite(self.gain_db)}
+                "only_quantized_db": finite(self.only_quantized_db),
+                "only_float_db": finite(self.only_float_db), "gain_db": finite(self.gain_db)}
 
 
 @dataclass
@@ -239,14 +239,10 @@ class Analysis:
     scored: str = "the output"  # the tensor SQNR is measured on (Evaluator.scored)
 
     def to_dict(self) -> dict:
-        return {"samples": self.samples, "scored": self.scored, "quantized_db": _finite(self.quantized_db),
-                "weights_only_db": _finite(self.weights_only_db),
-                "activations_only_db": _finite(self.activations_only_db),
+        return {"samples": self.samples, "scored": self.scored, "quantized_db": finite(self.quantized_db),
+                "weights_only_db": finite(self.weights_only_db),
+                "activations_only_db": finite(self.activations_only_db),
                 "ops": [o.to_dict() for o in self.ops]}
-
-
-def _finite(x: float):
-    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
 def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_samples: int | None,

@@ -31,7 +31,7 @@ from .errors import QtoolError
 from .model import first_line, load_model, prepare
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
-from .report import progress_bar
+from .report import finite, progress_bar
 
 CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # the axis the bias runs along
 REFERENCE_CHUNK = 16  # float tensors fetched per run: bounds the memory a batch holds
@@ -75,16 +75,12 @@ class BiasCorrection:
                "largest_shift": {"node": self.largest[0], "relative": round(self.largest[1], 4)},
                "applied": self.factor, "heldout_samples": self.heldout}
         if self.heldout:
-            out["heldout_sqnr_db"] = {"none": _finite(self.plain_db)} | {
-                str(f): _finite(db) for f, db in self.scores.items()}
+            out["heldout_sqnr_db"] = {"none": finite(self.plain_db)} | {
+                str(f): finite(db) for f, db in self.scores.items()}
             out["scored"] = self.scored
         if self.reason:
             out["not_judged"] = self.reason
         return out
-
-
-def _finite(x: float):
-    return round(x, 3) if np.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
 def targets(qmodel: onnx.ModelProto) -> list[Target]:

@@ -308,7 +308,8 @@ class _Rewriter:
         and the zero point the Conv layers were folded for (qtool/pixels.py): no QuantizeLinear."""
         name, zero = self.pixels
         readers = [n for n in self.graph.node if name in n.input]
-        floats = [n for n in readers if name not in qparams or n.name in {k for _, k, _ in self.report.kept_float}]
+        kept = {k for _, k, _ in self.report.kept_float}
+        floats = [n for n in readers if name not in qparams or n.name in kept]
         if floats:
             why = next((r for t, k, r in self.report.kept_float if k == floats[0].name), "float")
             raise QtoolError(f"--input-pixels: {floats[0].op_type} '{floats[0].name}', which reads input "

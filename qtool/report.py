@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from tqdm import tqdm
@@ -10,6 +11,11 @@ from tqdm import tqdm
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "sample") -> tqdm:
     """A units/s bar on stderr; also off when stderr is not a terminal (logs stay clean)."""
     return tqdm(total=total, unit=unit, desc=desc, disable=None if enabled else True, leave=False)
+
+
+def finite(x: float):
+    """A figure (dB) for JSON: rounded to 3 decimals, or "inf"/"-inf" (JSON has no infinity)."""
+    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
 def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", shown: int = 3) -> list[str]:

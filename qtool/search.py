@@ -33,7 +33,7 @@ from .calibrate import calibrate
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize
-from .report import progress_bar
+from .report import finite, progress_bar
 from .table import Table
 
 
@@ -61,16 +61,12 @@ class SearchResult:
 
     def to_dict(self) -> dict:
         return {"kept_float": [{"op_type": t, "node": n} for t, n in self.kept_float],
-                "integer_sqnr_db": _finite(self.integer_db), "final_sqnr_db": _finite(self.final_db),
+                "integer_sqnr_db": finite(self.integer_db), "final_sqnr_db": finite(self.final_db),
                 "target_sqnr_db": self.target_db, "max_float_layers": self.max_float,
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
                 "samples": self.samples, "scored": self.scored, "seconds": round(self.seconds, 2),
-                "heldout_samples": self.heldout, "heldout_integer_sqnr_db": _finite(self.heldout_integer_db),
-                "heldout_final_sqnr_db": _finite(self.heldout_final_db), "reverted": self.reverted}
-
-
-def _finite(x: float):
-    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+                "heldout_samples": self.heldout, "heldout_integer_sqnr_db": finite(self.heldout_integer_db),
+                "heldout_final_sqnr_db": finite(self.heldout_final_db), "reverted": self.reverted}
 
 
 def realizable(qdq: QdqModel, float_ops: set[str]) -> onnx.ModelProto:
@@ -235,11 +231,11 @@ class MethodChoice:
         for m in self.chosen.values():
             counts[m] += 1
         return {"methods": list(self.methods), "changed_tensors": counts,
-                "before_sqnr_db": _finite(self.before_db), "after_sqnr_db": _finite(self.after_db),
+                "before_sqnr_db": finite(self.before_db), "after_sqnr_db": finite(self.after_db),
                 "evaluations": self.evaluations, "samples": self.samples, "scored": self.scored,
                 "seconds": round(self.seconds, 2), "heldout_samples": self.heldout,
-                "heldout_before_sqnr_db": _finite(self.heldout_before_db),
-                "heldout_after_sqnr_db": _finite(self.heldout_after_db), "kept": self.kept}
+                "heldout_before_sqnr_db": finite(self.heldout_before_db),
+                "heldout_after_sqnr_db": finite(self.heldout_after_db), "kept": self.kept}
 
 
 def choose_methods(model_path, table: Table, methods: list[str], options, table_name: str, data_path,

@@ -154,12 +154,17 @@ def test_bad_data_file_is_one_line(demo_model, table_file, tmp_path):
     assert not (tmp_path / "q.onnx").exists()
 
 
-def test_a_model_with_a_fixed_batch_dim_is_fed_whole_batches(demo_model, demo_table, demo_calib, tmp_path):
+def _fixed_batch_model(demo_model, demo_calib, size: int, tmp_path):
+    """The demo model with its batch dim fixed at ``size``, saved, and its table."""
     model = onnx.load(demo_model)
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
-    path = tmp_path / "batch4.onnx"
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = size
+    path = tmp_path / f"batch{size}.onnx"
     onnx.save(model, path)
-    table = calibrate(path, demo_calib, progress=False)
+    return path, calibrate(path, demo_calib, progress=False)
+
+
+def test_a_model_with_a_fixed_batch_dim_is_fed_whole_batches(demo_model, demo_table, demo_calib, tmp_path):
+    path, table = _fixed_batch_model(demo_model, demo_calib, 4, tmp_path)
     qmodel, report, correction = quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 10, 8,
                                                     progress=False)
     assert report.bias_correction["samples"] == 8 and len(correction.deltas) == 5
@@ -242,10 +247,6 @@ def test_one_sample_leaves_nothing_to_judge_on(demo_model, demo_table, demo_cali
 
 
 def test_a_model_fixed_at_batch_one_is_fed_one_sample_a_run(demo_model, demo_table, demo_calib, tmp_path):
-    model = onnx.load(demo_model)
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
-    path = tmp_path / "batch1.onnx"
-    onnx.save(model, path)
-    table = calibrate(path, demo_calib, progress=False)
+    path, table = _fixed_batch_model(demo_model, demo_calib, 1, tmp_path)
     _, report, _ = quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 8, 8, progress=False)
     assert report.bias_correction["samples"] == 8 and report.bias_correction["heldout_samples"] == 8

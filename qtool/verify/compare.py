@@ -18,6 +18,7 @@ import numpy as np
 
 from ..ops.bytetable import BYTE_TYPES, byte_values
 from ..qparams import QParams, dequantize_array
+from ..report import finite
 
 ENABLED = True
 _loops = None  # qtool/verify/_loops.py once imported; False without numba
@@ -141,7 +142,3 @@ def _sums(ref: np.ndarray, got: np.ndarray, table: np.ndarray | None) -> tuple[f
     if not diff.size:
         return (*sums, -math.inf, math.inf)
     return (*sums, float(diff.max()), float(diff.min()))
-
-
-def finite(x: float):
-    return round(x, 3) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
