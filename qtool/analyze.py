@@ -29,6 +29,7 @@ from onnx import helper
 from .calibrate import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
+from .joins import find_joins, part_map
 from .model import first_line, load_model, prepare
 from .pixels import feeds_for, pixel_inputs
 from .report import finite, progress_bar
@@ -158,14 +159,19 @@ SHAPE_ONLY = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identi
 
 
 def scored_node(model: onnx.ModelProto) -> onnx.NodeProto | None:
-    """The Softmax/Sigmoid that makes the first output (through shape-only ops), if any.
+    """The Softmax/Sigmoid that makes the first output (through shape-only ops), if any."""
+    return saturating_producer(model, model.graph.output[0].name)
+
+
+def saturating_producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto | None:
+    """The Softmax/Sigmoid that makes ``output`` (through shape-only ops), if any.
 
     Its input (the logits) is what variants are scored on: a probability near 0 or 1 hides most
     of a difference, and a few flipped maxima dominate the rest (on PP-OCRv4 rec, two models
     whose only difference is the rounding of three biases scored 28.5 and 17.8 dB on the
     probabilities of four samples)."""
     producer = {o: n for n in model.graph.node for o in n.output}
-    node = producer.get(model.graph.output[0].name)
+    node = producer.get(output)
     while node is not None and node.op_type in SHAPE_ONLY:
         node = producer.get(node.input[0])
     return node if node is not None and node.op_type in SATURATING else None
@@ -183,35 +189,107 @@ def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 class Evaluator:
-    """Runs models on fixed batches and scores their first output against the float model's; when
-    that output is a Softmax or Sigmoid (through shape-only ops), its input instead."""
+    """Runs models on fixed batches and scores them against the float model: the worst SQNR of
+    every float graph output, where an output is a Softmax or Sigmoid (through shape-only ops) its
+    input (the logits) instead, and where an output joins tensors (a Concat, qtool/joins.py) each
+    part on its own. A detector whose boxes survive while its class scores are lost scores low."""
 
     def __init__(self, float_model: onnx.ModelProto, batches: list[dict]):
         self.batches = batches
-        node = scored_node(float_model)
-        self.node = node.name if node is not None else None
-        self.scored = (f"the logits '{node.input[0]}' (input of {node.op_type} '{node.name}')"
-                       if node is not None else f"output '{float_model.graph.output[0].name}'")
-        self.reference = self.outputs(float_model)
+        self.items = scored_items(float_model)  # (label, node whose input 0 is scored | None, output)
+        joins = {name: join for name, join in find_joins(float_model).items()
+                 if any(node is None and out == name for _, node, out in self.items)}
+        self.scored = (self.items[0][0] if len(self.items) == 1 and not joins else
+                       "the worst of " + ", ".join(
+                           label if out not in joins else f"each part of {label} (Concat "
+                           f"'{joins[out].node}')" for label, _, out in self.items))
+        placing = sorted({n for join in joins.values() for n in join.tensors()})
+        runs = self._run(float_model, placing)
+        self.reference = [run[:len(self.items)] for run in runs]
+        # each scored piece: (item index, per batch the flat indices of its values or None: all)
+        self.pieces: list[tuple[int, list[np.ndarray | None]]] = []
+        for i, (_, node, out) in enumerate(self.items):
+            join = joins.get(out) if node is None else None
+            placed = None
+            if join is not None:
+                placed = []
+                for run in runs:
+                    shapes = dict(zip(placing, (r.shape for r in run[len(self.items):])))
+                    labels = part_map(join, shapes)
+                    if labels is None or labels.shape != run[i].shape:
+                        placed = None
+                        break
+                    placed.append(np.ravel(labels))
+            if placed is None:
+                self.pieces.append((i, [None] * len(runs)))
+            else:
+                self.pieces += [(i, [np.flatnonzero(labels == p) for labels in placed])
+                                for p in range(len(join.inputs))]
+        # a piece that is zero in float has no SQNR to keep; it does not decide the score
+        self.pieces = [p for p in self.pieces if self._energy(p, self.reference) > 0] or self.pieces[:1]
 
-    def outputs(self, model: onnx.ModelProto) -> list[np.ndarray]:
-        name = None
-        if self.node is not None:
-            node = next((n for n in model.graph.node if n.name == self.node), None)
+    def _run(self, model: onnx.ModelProto, extra: list[str] = ()) -> list[list[np.ndarray]]:
+        names = []
+        for _, node_name, out in self.items:
+            if node_name is None:
+                names.append(out)
+                continue
+            node = next((n for n in model.graph.node if n.name == node_name), None)
             if node is None:
-                raise QtoolError(f"the model variant has no node '{self.node}' to score")
-            name = node.input[0]
-            model = with_outputs(model, [name])
+                raise QtoolError(f"the model variant has no node '{node_name}' to score")
+            names.append(node.input[0])
+        names += [n for n in extra]
+        model = with_outputs(model, names)
         pixels = pixel_inputs(model)
         try:
             session = as_written_session(model)
-            return [session.run([name] if name else None, feeds_for(pixels, feeds))[0]
-                    for feeds in self.batches]
+            return [session.run(names, feeds_for(pixels, feeds)) for feeds in self.batches]
         except Exception as e:
             raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}") from None
 
+    @staticmethod
+    def _values(piece, runs, b):
+        i, where = piece
+        value = np.ravel(runs[b][i])
+        return value if where[b] is None else value[where[b]]
+
+    def _energy(self, piece, runs) -> float:
+        return sum(float((self._values(piece, runs, b).astype(np.float64) ** 2).sum())
+                   for b in range(len(runs)))
+
+    def outputs(self, model: onnx.ModelProto) -> list[list[np.ndarray]]:
+        """Per batch, the scored tensors of ``model`` (in the order of ``items``)."""
+        return self._run(model)
+
+    def scores(self, model: onnx.ModelProto) -> list[float]:
+        """The SQNR of each scored piece (an output, its logits, or one part of a join)."""
+        got = self.outputs(model)
+        out = []
+        for piece in self.pieces:
+            b_range = range(len(got))
+            out.append(sqnr_db([self._values(piece, self.reference, b) for b in b_range],
+                               [self._values(piece, got, b) for b in b_range]))
+        return out
+
     def sqnr(self, model: onnx.ModelProto) -> float:
-        return sqnr_db(self.reference, self.outputs(model))
+        return min(self.scores(model))
+
+
+def scored_items(model: onnx.ModelProto) -> list[tuple[str, str | None, str]]:
+    """What Evaluator scores: per float graph output (the first one when none is float), a label,
+    the Softmax/Sigmoid whose input is scored instead (None: the output itself) and the output."""
+    outputs = [o for o in model.graph.output
+               if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                   onnx.TensorProto.DOUBLE, 0)] or model.graph.output[:1]
+    items = []
+    for output in outputs:
+        node = saturating_producer(model, output.name)
+        if node is not None:
+            items.append((f"the logits '{node.input[0]}' (input of {node.op_type} '{node.name}')",
+                          node.name, output.name))
+        else:
+            items.append((f"output '{output.name}'", None, output.name))
+    return items
 
 
 @dataclass

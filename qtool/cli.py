@@ -321,8 +321,9 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --try-methods mse,kl
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --input-pixels --mean 0.5 --std 0.5
 
-    With --target-sqnr, --max-float-layers and --try-methods, SQNR is measured on the first output,
-    or on the input of the Softmax/Sigmoid that makes it (the logits).
+    With --target-sqnr, --max-float-layers, --try-methods and the bias-correction judge, the score
+    is the worst SQNR over the outputs: an output made by a Softmax/Sigmoid is scored on its input
+    (the logits), an output that concatenates tensors (a detector's boxes and scores) part by part.
     """
     from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 MOVES = {"Identity", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze"}
@@ -73,3 +74,26 @@ def find_joins(model: onnx.ModelProto) -> dict[str, Join]:
             chain.append((node, following))
             name = following
     return joins
+
+
+def part_map(join: Join, shapes: dict[str, tuple]) -> np.ndarray | None:
+    """Each output element's part number (index into ``join.inputs``), from the float run's
+    ``shapes`` of ``join.tensors()``; None where an op changes the number of values (a broadcast)."""
+    sizes = [shapes[n] for n in join.inputs]
+    rank = len(sizes[0])
+    axis = join.axis % rank if rank else 0
+    labels = np.concatenate([np.full(s, i, dtype=np.int16) for i, s in enumerate(sizes)], axis=axis)
+    for node, moved in join.chain:
+        out = tuple(shapes[node.output[0]])
+        if tuple(shapes[moved]) != labels.shape:
+            return None  # the other operand broadcast this one
+        if node.op_type == "Transpose":
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            labels = np.transpose(labels, perm)
+        elif labels.size == int(np.prod(out, dtype=np.int64)):
+            labels = labels.reshape(out)  # moves in C order, or maps in place
+        else:
+            return None
+        if labels.shape != out:
+            return None
+    return labels

@@ -13,8 +13,8 @@ float model reaches a target (``quantize --target-sqnr``), or the N ops that cos
    then scored once more. With only a budget, a result below the all-integer model's SQNR gives
    the all-integer model back.
 
-SQNR is measured on the first output, or on the logits when it comes from a Softmax or Sigmoid
-(``qtool.analyze.Evaluator``). Costs: one run per integer op, then about log2(ops) runs for the
+The score is the worst SQNR over the outputs: the logits of an output made by a Softmax or
+Sigmoid, and each part of an output that concatenates tensors (``qtool.analyze.Evaluator``). Costs: one run per integer op, then about log2(ops) runs for the
 target search (eight for a budget), each over the same samples; the same inputs give the same
 choice.
 """

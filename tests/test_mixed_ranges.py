@@ -23,9 +23,9 @@ import qtool.quantize as quantize_module
 from qtool.calibrate import calibrate
 from qtool.cli import app
 from qtool.executor import IntegerExecutor
-from qtool.joins import find_joins
+from qtool.analyze import Evaluator
+from qtool.joins import find_joins, part_map
 from qtool.quantize import quantize
-from qtool.verify.parts import part_map
 
 runner = CliRunner()
 BOXES, SCORES, POSITIONS = 4, 6, 64
@@ -169,3 +169,46 @@ def test_verify_passes_the_default_quantization(files, tmp_path):
     result, report = _verify_json(files, qpath)
     assert result.exit_code == 0, report["failures"]
     assert [p["name"] for p in report["outputs"][0]["parts"]["parts"]] == ["boxes", "scores"]
+
+
+def _as_written(model, x):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def test_searches_score_the_worst_part_of_a_join(files, monkeypatch):
+    # the searches' and the held-out judge's score (Evaluator) is the worst part, not the whole output
+    monkeypatch.setattr(quantize_module, "JOIN_RATIO", math.inf)
+    float_model = onnx.load(str(files["model"]))
+    qmodel, _ = quantize(files["model"], calibrate(files["model"], files["data"], progress=False))
+    x = np.load(files["data"])["x"]
+    evaluator = Evaluator(float_model, [{"x": x[:12]}, {"x": x[12:]}])
+    assert "each part of output 'out' (Concat 'join')" in evaluator.scored
+    ref, got = _as_written(float_model, x), _as_written(qmodel, x)
+    expected = [_sqnr(ref[..., :BOXES], got[..., :BOXES]), _sqnr(ref[..., BOXES:], got[..., BOXES:])]
+    assert evaluator.scores(qmodel) == pytest.approx(expected, abs=1e-6)
+    assert evaluator.sqnr(qmodel) == pytest.approx(min(expected), abs=1e-6)
+    assert evaluator.sqnr(qmodel) < _sqnr(ref, got) - 10  # the whole output hides the scores' loss
+
+
+def test_searches_score_every_output(files):
+    # two graph outputs, one under a Sigmoid: its logits are scored, and the worst output decides
+    model = onnx.load(str(files["model"]))
+    model.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, None))
+    model.graph.output.append(helper.make_tensor_value_info("ints", TensorProto.INT64, None))
+    model.graph.node.append(helper.make_node("Shape", ["x"], ["ints"], name="shape_of_x"))
+    x = np.load(files["data"])["x"][:8]
+    evaluator = Evaluator(model, [{"x": x}])
+    labels = [label for label, _, _ in evaluator.items]
+    assert labels == ["output 'out'", "the logits 'cls0' (input of Sigmoid 'clssig')"]  # not the INT64 one
+    noisy = onnx.load(str(files["model"]))
+    noisy.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, None))
+    wc = next(i for i in noisy.graph.initializer if i.name == "wc")
+    wc.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(wc) * 1.1, "wc"))
+    scores = evaluator.scores(noisy)
+    assert len(scores) == 3  # the boxes part, the scores part of 'out', the logits
+    assert scores[0] == math.inf  # the boxes do not read wc
+    assert scores[2] == pytest.approx(20 * math.log10(1 / 0.1), abs=1e-4)  # logits scaled by 1.1
+    assert evaluator.sqnr(noisy) == min(scores)

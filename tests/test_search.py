@@ -187,7 +187,8 @@ def test_scoring_reads_the_logits_under_a_softmax(demo_model, tmp_path):
     x = np.random.default_rng(0).random((4, 1, 8, 8)).astype(np.float32)
     evaluator = Evaluator(model, [{"input": x}])
     assert "(input of Softmax 'softmax')" in evaluator.scored
-    assert evaluator.reference[0].shape == (4, 10) and not np.allclose(evaluator.reference[0].sum(1), 1)
+    logits = evaluator.reference[0][0]  # batch 0, scored tensor 0
+    assert logits.shape == (4, 10) and not np.allclose(logits.sum(1), 1)
 
 
 def test_a_method_choice_that_loses_on_held_out_samples_gives_the_table_back(demo_model, demo_table,
