@@ -231,4 +231,16 @@ class HistogramCalibrator:
         if not h.finite:
             return Range(math.nan, math.nan, math.nan)
         threshold = min(self.threshold(), h.peak())
-        return Range(max(h.min, -threshold), min(h.max, threshold), threshold)
+        return clipped_range(h, -threshold, threshold, threshold)
+
+
+def clipped_range(h: Histogram, lo: float, hi: float, threshold: float):
+    """The observed [min, max] cut to [lo, hi]. Where every value lies beyond the cut on one side
+    (a constant 32 whose threshold is a bin edge below it), the range is that edge alone, not an
+    inverted [32, 31.98]."""
+    from . import Range
+
+    lo, hi = max(h.min, lo), min(h.max, hi)
+    if lo > hi:
+        lo = hi = hi if h.min > 0 else lo
+    return Range(lo, hi, threshold)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import Range, register
-from .histogram import DEFAULT_BINS, HistogramCalibrator
+from .histogram import DEFAULT_BINS, HistogramCalibrator, clipped_range
 
 
 def _quantile_edge(counts: np.ndarray, fraction: float) -> int:
@@ -43,4 +43,4 @@ class Percentile(HistogramCalibrator):
         tail = (1 - self.percentile / 100) / 2
         lo = (_quantile_edge(h.counts, tail) - h.bins) * h.width
         hi = (_quantile_edge(h.counts, 1 - tail) - h.bins + 1) * h.width
-        return Range(max(h.min, lo), min(h.max, hi), threshold)
+        return clipped_range(h, lo, hi, threshold)

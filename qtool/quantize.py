@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +274,7 @@ class _Rewriter:
         self.report.quantized = dict(sorted(counts.items()))
         activations = self._activations(integer)
         qparams = self._activation_qparams(integer, activations)
+        self._fit_biases(integer, qparams)
         dq_name = {}
         if self.pixels is not None:
             self._pixel_input(qparams, dq_name)
@@ -574,6 +575,45 @@ class _Rewriter:
             else:
                 self.weight_qparams[key] = symmetric(float(np.abs(w).max(initial=0.0)), "int8")
         return self.weight_qparams[key]
+
+    def _fit_biases(self, integer: dict, qparams: dict) -> None:
+        """Raise the weight scale of channels whose int32 bias would not fit. A bias is stored at
+        ``S_x * S_w``: a channel whose weights are all but zero (PP-OCRv6 det has channels with
+        max |w| = 1e-6) gets a tiny S_w, and its bias then exceeds int32 (it was clipped, and the
+        executor's accumulator overflowed). Such channels get S_w = |b| / (S_x * 2^30), leaving
+        half the int32 range to the products; their weights were a step or less anyway."""
+        for node in self.graph.node:
+            op = integer.get(node.name)
+            if op is None:
+                continue
+            consts = self._specs(node, op)
+            for i, spec in consts.items():
+                name = node.input[i] if i < len(node.input) else ""
+                if not isinstance(spec, Bias) or spec.recurrent is not None or not name:
+                    continue
+                w_name = node.input[spec.weight]
+                w_spec = consts.get(spec.weight)
+                x = qparams.get(node.input[spec.activation])
+                if not isinstance(w_spec, Weight) or x is None or w_name not in self.inits:
+                    continue
+                w_qp = self._weight_qparams(w_name, w_spec.axis)
+                bias = np.abs(self.inits[name].astype(np.float64).reshape(-1))
+                if node.name in self.bias_corrections:
+                    bias = bias + np.abs(np.asarray(self.bias_corrections[node.name], np.float64).reshape(-1))
+                needed = bias / (np.float64(x.scale) * 2.0 ** 30)
+                scale = np.asarray(w_qp.scale, np.float64)
+                if scale.ndim == 0:
+                    needed = needed.max(initial=0.0)
+                elif needed.shape != scale.shape:
+                    continue
+                if not np.any(needed > scale):
+                    continue
+                widened = np.maximum(scale, needed).astype(np.float32)
+                key = (w_name, w_spec.axis if self.opt.per_channel and self.inits[w_name].ndim > 1 else None)
+                self.weight_qparams[key] = replace(w_qp, scale=widened if scale.ndim else float(widened))
+                self.report.warnings.append(
+                    f"{node.op_type} '{node.name}': the weight scale of {int(np.sum(needed > scale))} "
+                    f"channel(s) raised so that their int32 bias fits")
 
     def _weight(self, name: str, spec: Weight) -> str:
         key = (name, spec.axis if self.opt.per_channel else None)

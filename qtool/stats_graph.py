@@ -118,10 +118,14 @@ def build(model: onnx.ModelProto, tensors: list[str], types: dict[str, int],
             is_zero = b.op("Equal", [x, const("zero", 0.0, np.float32)])
             out["zeros"] = b.op("ReduceSum", [b.op("Cast", [is_zero], to=TensorProto.INT64)], keepdims=0)
         if "sample" in reductions:
-            step = _step(shapes.get(t), samples_per_tensor, batch_dim)
+            shape = shapes.get(t)
+            step = 1 if shape == [] else _step(shape, samples_per_tensor, batch_dim)  # a scalar: itself
             if step == 1:
                 out["sample"] = x
             else:
+                if shape is None:  # rank unknown, maybe 0: Flatten needs rank >= 1, and [..., 1] flattens alike
+                    x = (b.op("Unsqueeze", [x, const("last_axis", [-1], np.int64)]) if opset >= 13
+                         else b.op("Unsqueeze", [x], axes=[-1]))
                 flat = b.op("Flatten", [x], axis=1)  # [rows, n]
                 if step is None:
                     # k = ceil(elements per sample / cap) with elements per sample = size / batch,

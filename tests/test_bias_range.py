@@ -1,0 +1,45 @@
+"""A channel whose weights are all but zero gets a tiny weight scale, and its bias, stored at
+S_x * S_w, would leave int32 (PP-OCRv6 det: max |w| = 1e-6 on some channels). quantize raises
+that channel's weight scale until the bias fits, so the bias keeps its value and the integer
+executor does not overflow."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.quantize import quantize
+
+
+def _model(path):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.5, (3, 2, 3, 3)).astype(np.float32)
+    w[1] = 1e-7 * np.sign(w[1])  # a dead channel
+    b = np.array([0.1, 5.0, -0.2], np.float32)  # whose bias carries its whole output
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 6, 6])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+
+
+def test_a_dead_channel_keeps_its_bias(tmp_path):
+    _model(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).uniform(0, 0.01, (4, 2, 6, 6)).astype(np.float32)  # S_x ~ 4e-5
+    np.savez(tmp_path / "d.npz", x=x)
+    qmodel, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz",
+                                                              progress=False))
+    assert any("Conv 'conv': the weight scale of 1 channel(s) raised" in w for w in report.warnings)
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    bias_q = next(v for n, v in inits.items() if v.dtype == np.int32 and v.shape == (3,))
+    assert np.abs(bias_q.astype(np.int64)).max() <= 2**30
+    ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = IntegerExecutor(qmodel).run({"x": x}).outputs["y"]
+    step = (ref.max() - min(ref.min(), 0)) / 255
+    assert np.abs(got - ref).max() <= 1.01 * step  # the dead channel reads 5.0, as in float
+    assert np.abs(got[:, 1] - 5.0).max() <= 1.01 * step
