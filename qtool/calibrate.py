@@ -288,14 +288,18 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             params: dict | None = None, num_samples: int | None = None, batch_size: int | None = None,
             progress: bool = True, preprocess=None, log=None,
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR,
-            memory_mb: int = DEFAULT_MEMORY_MB) -> Statistics:
-    """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``."""
+            memory_mb: int = DEFAULT_MEMORY_MB, feeds=None) -> Statistics:
+    """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
+    ``feeds`` (qtool.analyze.Batches): these batches of DATA's samples instead of DATA in order
+    (a data-driven step calibrating on its fit samples only)."""
     new_calibrator = calibrator_factory(method, params)
     new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
     check_memory(memory_mb)
     model, data = _model_and_data(model_path, data_path, preprocess)
     total = len(data) if num_samples is None else min(num_samples, len(data))
+    if feeds is not None:
+        total = feeds.samples
     shape_batch = min(fixed_batch(model) or batch_size or CALIBRATE_BATCH_CAP, total)
     typed, shapes = _fix_dims(model, data, shape_batch)
     batch_size, note = default_batch(model, data, batch_size, CALIBRATE_FACTOR, memory_mb,
@@ -311,9 +315,9 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     update = _updater(model, typed, names, stats.calibrators, histogram_samples)
     with progress_bar(total, "calibrate", progress) as bar:
         try:
-            for feeds in data.batches(batch_size, total):
-                update(feeds)
-                n = data.samples_in(feeds)
+            for batch in (data.batches(batch_size, total) if feeds is None else feeds):
+                update(batch)
+                n = data.samples_in(batch)
                 stats.samples += n
                 bar.update(n)
         except BaseException:

@@ -15,7 +15,7 @@ from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
-from .report import bias_summary, float_node_lines, methods_summary, search_summary
+from .report import bias_summary, float_node_lines, methods_summary, pick_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -284,12 +284,18 @@ def quantize(
     max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="At most this many "
                                                    "ops float; alone, the costliest-first set of at "
                                                    "most N that scores best (needs --data)."),
+    method_choice: Optional[bool] = typer.Option(None, "--method-choice/--no-method-choice",
+                                                 help="Score TABLE against minmax, percentile and mse "
+                                                 "calibrated on DATA's fit samples; the best replaces "
+                                                 "TABLE (recalibrated on DATA) only if it also scores "
+                                                 "higher on the --holdout samples [default: on with "
+                                                 "--data, unless --try-methods]."),
     try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "
                                               "best output SQNR (needs --data)."),
-    table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods, also "
-                                             "write the per-tensor table it chose."),
+    table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods or the "
+                                             "method choice, also write the table chosen."),
     num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) that bias "
                                              "correction and the searches fit on."),
     holdout: Optional[int] = typer.Option(None, "--holdout", help="Other samples of DATA (spread "
@@ -327,7 +333,7 @@ def quantize(
     """
     from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator
-    from .search import choose_methods, search
+    from .search import choose_method, choose_methods, search
     from .params import model_params
     from .pixels import PixelInput
     from .quantize import QuantizeOptions, quantize as run
@@ -344,13 +350,20 @@ def quantize(
                                   tuple(keep_float), format, strict, target, pixels)
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
+        if method_choice and data is None:
+            raise QtoolError("--method-choice needs samples to score on: add --data DATA")
+        if method_choice and try_methods is not None:
+            raise QtoolError("--method-choice and --try-methods both choose the table's methods: "
+                             "give one")
+        picking = data is not None and try_methods is None and method_choice is not False
         searching = target_sqnr is not None or max_float_layers is not None
         needs = [o for o, v in (("--target-sqnr", target_sqnr), ("--max-float-layers", max_float_layers),
                                 ("--try-methods", try_methods)) if v is not None]
         if needs and data is None:
             raise QtoolError(f"{needs[0]} needs samples to score on: add --data DATA")
-        if table_out is not None and try_methods is None:
-            raise QtoolError("--table-out writes the table --try-methods chooses: add --try-methods")
+        if table_out is not None and try_methods is None and not picking:
+            raise QtoolError("--table-out writes the table --try-methods or --method-choice chooses: "
+                             "add --data (and not --no-method-choice)")
         if table_out is not None and str(table_out) == "-":
             raise QtoolError("--table-out needs a file name (standard output carries the report)")
         methods = [m.strip() for m in (try_methods or "").split(",") if m.strip()]
@@ -371,12 +384,15 @@ def quantize(
         if params_out is not None:
             check_writable(params_out)
         loaded = read_table(table, table_format)
-        choice = None
+        choice = pick = None
+        if table_out is not None:
+            check_writable(table_out)
         if methods:
-            if table_out is not None:
-                check_writable(table_out)
             loaded, choice = choose_methods(model, loaded, methods, options, str(table), data, num_samples,
                                             batch_size, progress=not quiet, holdout=holdout)
+        elif picking:
+            loaded, pick = choose_method(model, loaded, options, str(table), data, num_samples=num_samples,
+                                         batch_size=batch_size, progress=not quiet, holdout=holdout)
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
@@ -388,6 +404,8 @@ def quantize(
             qmodel, report = run(model, loaded, options, str(table))
         if choice is not None:
             report.method_choice = choice.to_dict()
+        if pick is not None:
+            report.method_pick = pick.to_dict()
         extras = [p for p in (table_out, params_out) if p is not None]
         try:
             if table_out is not None:
@@ -421,10 +439,12 @@ def quantize(
             typer.echo(line)
     if report.widened:
         typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
-    if report.bias_correction is not None:
-        typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
     if report.method_choice is not None:
         typer.echo(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
+    if report.method_pick is not None:
+        typer.echo(f"method:  {pick_summary(report.method_pick)}")
+    if report.bias_correction is not None:
+        typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
     if report.search is not None:
         typer.echo(f"search:  {search_summary(report.search)}")
     typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "

@@ -28,9 +28,9 @@ from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest
 from .pixels import PixelInput
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
-from .report import bias_summary, methods_summary, search_summary
+from .report import bias_summary, methods_summary, pick_summary, search_summary
 from .targets import TARGETS
-from .search import choose_methods, search
+from .search import choose_method, choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table_formats import write_table
 from .verify import VerifyReport, parse_tolerance, verify
@@ -74,6 +74,7 @@ SCHEMA = {
         "target_sqnr": (float, False),
         "max_float_layers": (int, False),
         "try_methods": (list, False),
+        "method_choice": (bool, False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -86,7 +87,7 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods")
+               "try_methods", "method_choice")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -403,12 +404,18 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     qz = plan.settings.get("quantize", {})
     samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8)
     holdout = qz.get("holdout")
-    choice = None
+    choice = pick = None
     if qz.get("try_methods"):
         table, choice = choose_methods(plan.model, table, qz["try_methods"], plan.options, str(plan.table),
                                        plan.calibrate_data, samples, batch, progress, plan.preprocess,
                                        cal.get("batch_size"), holdout=holdout)
         write_table(table, plan.table)  # the table the model is quantized from
+    elif qz.get("method_choice", "method" not in cal):  # a method the job names is kept unless asked
+        table, pick = choose_method(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
+                                    num_samples=samples, batch_size=batch, progress=progress,
+                                    preprocess=plan.preprocess, holdout=holdout)
+        if pick.changed:
+            write_table(table, plan.table)  # the table the model is quantized from
     if "target_sqnr" in qz or "max_float_layers" in qz:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
@@ -425,10 +432,13 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
-    if qreport.bias_correction is not None:
-        log(f"bias: {bias_summary(qreport.bias_correction)}")
     if choice is not None:
         log(f"methods: {methods_summary(choice.to_dict(), table.method.split('+')[0])}")
+    if pick is not None:
+        qreport.method_pick = pick.to_dict()
+        log(f"method: {pick_summary(qreport.method_pick)}")
+    if qreport.bias_correction is not None:
+        log(f"bias: {bias_summary(qreport.bias_correction)}")
     if qreport.search is not None:
         log(f"search: {search_summary(qreport.search)}")
 
@@ -546,6 +556,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                      f"{qz.get('holdout', qz.get('bias_samples', BIAS_SAMPLES))} others")
     if qz.get("try_methods"):
         quantize += f", per-tensor choice of {', '.join(qz['try_methods'])}"
+    elif qz.get("method_choice", "method" not in plan.settings.get("calibrate", {})):
+        quantize += ", calibration method chosen of minmax/percentile/mse on held-out samples"
     if "target_sqnr" in qz:
         quantize += f", float ops searched for {qz['target_sqnr']:g} dB"
     if "max_float_layers" in qz:

@@ -93,6 +93,7 @@ class QuantizeReport:
     bias_correction: dict | None = None  # qtool.bias_correction's summary, when it ran
     search: dict | None = None  # qtool.search's result, when it ran
     method_choice: dict | None = None  # qtool.search.choose_methods's summary, when it ran
+    method_pick: dict | None = None  # qtool.search.choose_method's summary, when it ran
     target: str = DEFAULT_TARGET
     # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
     hazards: list[dict] = field(default_factory=list)
@@ -115,6 +116,8 @@ class QuantizeReport:
             out["search"] = self.search
         if self.method_choice is not None:
             out["method_choice"] = self.method_choice
+        if self.method_pick is not None:
+            out["method_pick"] = self.method_pick
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out

@@ -68,6 +68,22 @@ def methods_summary(mc: dict, base: str) -> str:
     return text + f"; {mc['evaluations']} runs in {mc['seconds']:.1f} s"
 
 
+def pick_summary(mp: dict) -> str:
+    """One line on the whole-model method choice (``MethodPick.to_dict()``)."""
+    if not mp["fit_sqnr_db"]:
+        return f"{mp['table_method']} kept (no held-out samples to judge another method on)"
+    fit = ", ".join(f"{m} {v}" for m, v in mp["fit_sqnr_db"].items())
+    text = f"SQNR on {mp['fit_samples']} fit samples: {fit} dB"
+    if not mp["heldout_samples"]:
+        return f"{mp['table_method']} kept; {text}"
+    best = max(mp["fit_sqnr_db"], key=lambda m: mp["fit_sqnr_db"][m] or -1e9)
+    held = (f"held-out {mp['table_method']} {mp['heldout_table_sqnr_db']} -> {best} "
+            f"{mp['heldout_chosen_sqnr_db']} dB on {mp['heldout_samples']} others")
+    if mp["changed"]:
+        return f"{mp['chosen']} chosen (recalibrated on DATA); {text}; {held}"
+    return f"{mp['table_method']} kept; {text}; {held}: not higher"
+
+
 def search_summary(sr: dict) -> str:
     """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
     names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])

@@ -29,7 +29,7 @@ import onnx
 
 from .analyze import Evaluator, QdqModel, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
-from .calibrate import calibrate
+from .calibrate import calibrate, collect
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize
@@ -341,3 +341,84 @@ def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
             if q is not None and q.op_type == "QuantizeLinear" and q.input[0] in decided:
                 renamed[q.input[0]] = node.output[0]
     return {renamed.get(name, name): names for name, names in decided.items()}
+
+
+MODEL_METHODS = ("minmax", "percentile", "mse")  # what --data tries for the whole model by default
+
+
+@dataclass
+class MethodPick:
+    """One calibration method for the whole model, chosen on the fit samples and kept only where
+    it beats the table on the held-out ones."""
+
+    table_method: str
+    chosen: str  # the table's method when nothing else was kept
+    fit_db: dict[str, float] = field(default_factory=dict)  # each method calibrated on the fit samples
+    fit_samples: int = 0
+    heldout: int = 0  # 0: not judged (nothing changed)
+    heldout_table_db: float = 0.0  # the table as given
+    heldout_chosen_db: float = 0.0  # the best method on the fit samples, calibrated on them
+    scored: str = ""
+    seconds: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return self.chosen != self.table_method
+
+    def to_dict(self) -> dict:
+        return {"table_method": self.table_method, "chosen": self.chosen, "changed": self.changed,
+                "fit_sqnr_db": {m: finite(v) for m, v in self.fit_db.items()},
+                "fit_samples": self.fit_samples, "heldout_samples": self.heldout,
+                "heldout_table_sqnr_db": finite(self.heldout_table_db),
+                "heldout_chosen_sqnr_db": finite(self.heldout_chosen_db), "scored": self.scored,
+                "seconds": round(self.seconds, 2)}
+
+
+def choose_method(model_path, table: Table, options, table_name: str, data_path,
+                  methods=MODEL_METHODS, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
+                  progress: bool = True, preprocess=None,
+                  holdout: int | None = None) -> tuple[Table, MethodPick]:
+    """The calibration method for the whole model: ``table`` as given and each other of
+    ``methods`` calibrated on the fit samples of DATA, scored there (Evaluator: the worst output
+    or part); where another method scores best, it is scored on the held-out samples against
+    ``table`` and kept only where it is higher there, then calibrated again on all of DATA.
+
+    No method suits every model (zoo, no data: percentile gains PP-OCRv4 det 4.3 dB and costs
+    YOLOv8n's class scores 6.4 dB; mse gains orientation 2.2 dB and costs YOLOX 4 dB), so the
+    choice is per model and judged on samples it was not made on. Without held-out samples
+    (``holdout`` 0, or one sample), nothing changes."""
+    start = time.perf_counter()
+    pick = MethodPick(table_method=table.method, chosen=table.method)
+    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    if held is None:
+        pick.seconds = time.perf_counter() - start
+        return table, pick
+    qdq_options = replace(options, format="qdq", strict=False)
+    evaluator = Evaluator(float_model, fit)
+    pick.scored, pick.fit_samples = evaluator.scored, fit.samples
+    candidates = list(dict.fromkeys([table.method, *methods]))
+    models = {}
+    with progress_bar(len(candidates), "methods", progress, unit="method") as bar:
+        for method in candidates:
+            fitted = table if method == table.method else collect(
+                model_path, data_path, method, batch_size=batch_size, progress=False,
+                preprocess=preprocess, feeds=fit).table()
+            models[method], _ = quantize(model_path, fitted, qdq_options, table_name)
+            pick.fit_db[method] = evaluator.sqnr(models[method])
+            bar.update(1)
+    best = max(candidates, key=lambda m: (pick.fit_db[m], m == table.method))
+    if best == table.method:
+        pick.seconds = time.perf_counter() - start
+        return table, pick
+    judge = Evaluator(float_model, held)
+    pick.heldout = held.samples
+    pick.heldout_table_db = judge.sqnr(models[table.method])
+    pick.heldout_chosen_db = judge.sqnr(models[best])
+    if not pick.heldout_chosen_db > pick.heldout_table_db:
+        pick.seconds = time.perf_counter() - start
+        return table, pick
+    pick.chosen = best
+    chosen = calibrate(model_path, data_path, best, progress=False, preprocess=preprocess)
+    pick.seconds = time.perf_counter() - start
+    return chosen, pick

@@ -172,8 +172,11 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
     (lambda s: s["jobs"][0].update(quantize={"holdout": -1}), ["jobs[0].quantize.holdout: must be >= 0, got -1"]),
     (lambda s: s["jobs"][0].update(quantize={"input_pixels": True}),
      ["jobs[0].quantize.input_pixels: needs calibrate.preprocess"]),
+    (lambda s: s["jobs"][0].update(quantize={"method_choice": "yes"}),
+     ["jobs[0].quantize.method_choice: expected true or false, got 'yes'"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
-        "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels"])
+        "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels",
+        "method-choice"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)

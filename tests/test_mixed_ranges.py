@@ -212,3 +212,24 @@ def test_searches_score_every_output(files):
     assert scores[0] == math.inf  # the boxes do not read wc
     assert scores[2] == pytest.approx(20 * math.log10(1 / 0.1), abs=1e-4)  # logits scaled by 1.1
     assert evaluator.sqnr(noisy) == min(scores)
+
+
+def test_an_output_whose_size_changes_scores_minus_infinity(files):
+    # an output whose length depends on values (a decoder loop, NonZero) can come out of a
+    # variant with another size: the worst score, not a broadcast error
+    model = onnx.load(str(files["model"]))
+    model.graph.node.append(helper.make_node("NonZero", ["scores"], ["nz"], name="nonzero"))
+    model.graph.node.append(helper.make_node("Cast", ["nz"], ["picked"], name="cast", to=TensorProto.FLOAT))
+    model.graph.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, None))
+    x = np.load(files["data"])["x"][:4]
+    evaluator = Evaluator(model, [{"x": x}])
+    shifted = onnx.load(str(files["model"]))
+    shifted.graph.node.append(helper.make_node("Sub", ["scores", "half"], ["centred"], name="sub"))
+    shifted.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    shifted.graph.node.append(helper.make_node("Relu", ["centred"], ["kept"], name="relu_kept"))
+    shifted.graph.node.append(helper.make_node("NonZero", ["kept"], ["nz"], name="nonzero"))
+    shifted.graph.node.append(helper.make_node("Cast", ["nz"], ["picked"], name="cast", to=TensorProto.FLOAT))
+    shifted.graph.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, None))
+    scores = evaluator.scores(shifted)
+    assert scores[-1] == -math.inf and evaluator.sqnr(shifted) == -math.inf
+    assert scores[0] == math.inf  # the first output is unchanged

@@ -220,7 +220,8 @@ def test_table_out_requantizes_to_the_same_model(demo_model, table_file, demo_ca
     (["--try-methods", "mse"], "--try-methods needs samples to score on: add --data DATA"),
     (["--data", "{calib}", "--try-methods", "kll"], "unknown calibration method 'kll'; choose one of"),
     (["--data", "{calib}", "--try-methods", ","], "--try-methods: no method named"),
-    (["--data", "{calib}", "--table-out", "t2.yaml"], "--table-out writes the table --try-methods chooses"),
+    (["--data", "{calib}", "--no-method-choice", "--table-out", "t2.yaml"],
+     "--table-out writes the table --try-methods or --method-choice chooses"),
     (["--data", "{calib}", "--try-methods", "mse", "--table-out", "-"], "--table-out needs a file name"),
 ], ids=["no-data", "unknown", "empty", "table-out-alone", "table-out-stdout"])
 def test_bad_method_choice_settings(demo_model, table_file, demo_calib, tmp_path, args, message):

@@ -1,0 +1,118 @@
+"""The whole-model calibration method: chosen on the fit samples of --data among the table's own,
+percentile and mse, kept only where it also scores higher on the held-out samples.
+
+Figures are recomputed here: candidate ranges by calibrating .npz files that hold exactly the fit
+samples, SQNR with numpy over onnxruntime runs (graph optimizations off) on the held-out samples."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.analyze import split_batches
+from qtool.calibrate import calibrate
+from qtool.model import load_model, prepare
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.search import choose_method
+from qtool.table_formats import write_table
+from test_cli import assert_user_error, invoke
+
+
+@pytest.fixture(scope="module")
+def heavy(tmp_path_factory):
+    """Conv -> Relu on Student-t inputs: rare large values stretch minmax ranges."""
+    folder = tmp_path_factory.mktemp("heavy")
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["h"], name="conv"),
+         helper.make_node("Relu", ["h"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])],
+        [numpy_helper.from_array(rng.normal(0, .5, (4, 4, 1, 1)).astype(np.float32), "w")])
+    model = folder / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), model)
+    np.savez(folder / "d.npz", x=rng.standard_t(3, (64, 4, 16, 16)).astype(np.float32))
+    return model, folder / "d.npz"
+
+
+def _run(model, batches):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return np.concatenate([session.run(None, feeds)[0] for feeds in batches])
+
+
+def _sqnr(ref, got):
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    return 10 * math.log10((ref ** 2).sum() / ((ref - got) ** 2).sum())
+
+
+def test_a_method_that_wins_on_held_out_samples_replaces_the_table(heavy, tmp_path):
+    model, data = heavy
+    table = calibrate(model, data, progress=False)
+    chosen, pick = choose_method(model, table, QuantizeOptions(), "t", data, progress=False)
+    assert pick.changed and pick.chosen == chosen.method == "percentile"
+    assert chosen.tensors == calibrate(model, data, "percentile", progress=False).tensors  # all of DATA
+    float_model = prepare(load_model(model))
+    fit, held = split_batches(float_model, data, 16, 16, 8)
+    np.savez(tmp_path / "fit.npz", x=np.concatenate([b["x"] for b in fit]))
+    options = QuantizeOptions(format="qdq")
+    fitted = quantize(model, calibrate(model, tmp_path / "fit.npz", "percentile", progress=False), options)[0]
+    ref = _run(float_model, held)
+    assert pick.heldout == 16
+    assert pick.heldout_chosen_db == pytest.approx(_sqnr(ref, _run(fitted, held)), abs=1e-3)
+    assert pick.heldout_table_db == pytest.approx(_sqnr(ref, _run(quantize(model, table, options)[0], held)),
+                                                  abs=1e-3)
+    assert pick.heldout_chosen_db > pick.heldout_table_db
+    fit_ref = _run(float_model, fit)
+    assert pick.fit_db["percentile"] == pytest.approx(_sqnr(fit_ref, _run(fitted, fit)), abs=1e-3)
+
+
+def test_a_method_that_loses_on_held_out_samples_leaves_the_table(demo_model, demo_table, demo_calib):
+    # on the demo, mse scores best on the 16 fit samples and below minmax on the 16 held-out ones
+    chosen, pick = choose_method(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, progress=False)
+    best = max(pick.fit_db, key=pick.fit_db.get)
+    assert best != "minmax" and pick.heldout == 16
+    assert not pick.changed and chosen is demo_table
+    assert pick.heldout_chosen_db <= pick.heldout_table_db
+
+
+def test_without_held_out_samples_nothing_is_chosen(heavy):
+    model, data = heavy
+    table = calibrate(model, data, progress=False)
+    chosen, pick = choose_method(model, table, QuantizeOptions(), "t", data, holdout=0, progress=False)
+    assert chosen is table and not pick.fit_db and not pick.changed
+
+
+def test_quantize_with_data_chooses_and_reports(heavy, tmp_path):
+    model, data = heavy
+    write_table(calibrate(model, data, progress=False), tmp_path / "t.yaml")
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--data", data,
+                    "--table-out", tmp_path / "chosen.yaml", "--json")
+    assert result.exit_code == 0, result.output
+    pick = json.loads(result.stdout)["method_pick"]
+    assert pick["chosen"] == "percentile" and pick["changed"]
+    assert "method: percentile" in (tmp_path / "chosen.yaml").read_text()
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q2.onnx", "--data", data,
+                    "--no-method-choice", "--json")
+    assert result.exit_code == 0 and "method_pick" not in json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method-choice"], "--method-choice needs samples to score on: add --data DATA"),
+    (["--method-choice", "--data", "DATA", "--try-methods", "mse"],
+     "--method-choice and --try-methods both choose the table's methods: give one"),
+    (["--table-out", "t2.yaml"], "--table-out writes the table --try-methods or --method-choice chooses"),
+])
+def test_method_choice_errors(demo_model, demo_calib, tmp_path, args, message):
+    write_table(calibrate(demo_model, demo_calib, progress=False), tmp_path / "t.yaml")
+    args = [str(demo_calib) if a == "DATA" else a for a in args]
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", *args)
+    assert_user_error(result, message)
+    assert not (tmp_path / "q.onnx").exists()
