@@ -61,7 +61,7 @@ from qtool.bias_correction import quantize_corrected  # noqa: E402
 from qtool.calibrate import calibrate  # noqa: E402
 from qtool.executor import IntegerExecutor  # noqa: E402
 from qtool.quantize import QuantizeOptions, quantize  # noqa: E402
-from qtool.search import choose_methods, search  # noqa: E402
+from qtool.search import choose_method, choose_methods, search  # noqa: E402
 
 DEMO = ROOT / "qtool" / "demo"
 BATCH = {"rec": 8, "det": 1, "cls": 16, "demo": 64}
@@ -304,6 +304,20 @@ def qtool_row(w: Workload, method: str, refs, args, workdir: Path, bias: bool = 
     return measured(w, qmodel, report, refs, args, seconds)
 
 
+def default_row(w: Workload, refs, args) -> tuple[list, dict]:
+    """What `qtool quantize --data` does by default: minmax table, the whole-model method choice
+    (percentile, mse; judged on held-out calibration samples), then judged bias correction."""
+    t = time.perf_counter()
+    table = calibrate(w.model, w.calib, "minmax", batch_size=BATCH[w.kind], progress=False)
+    table, pick = choose_method(w.model, table, QuantizeOptions(), "table", w.calib,
+                                num_samples=args.bias_samples, batch_size=BATCH[w.kind], progress=False)
+    qmodel, report, _ = quantize_corrected(w.model, table, QuantizeOptions(), "table", w.calib,
+                                           args.bias_samples, BATCH[w.kind], progress=False)
+    print(f"{w.kind} default: method {pick.chosen} (fit {pick.fit_db}, held-out {pick.heldout_table_db} "
+          f"-> {pick.heldout_chosen_db})", file=sys.stderr, flush=True)
+    return measured(w, qmodel, report, refs, args, time.perf_counter() - t)
+
+
 def best_row(w: Workload, refs, args) -> tuple[list, dict]:
     """minmax, then (with --best-methods) each tensor's best method among them, then bias
     correction and the float-op search for --best-target dB (at most --best-max-float ops)."""
@@ -418,6 +432,9 @@ def main() -> None:
                     name = f"qtool {method}" + (" + bias correction" if bias else "")
                     rows.append(Row(name, *qtool_row(w, method, refs, args, workdir, bias)))
                     print(f"{kind} {name}: {rows[-1].text()}", file=sys.stderr, flush=True)
+            if args.bias_samples:
+                rows.append(Row("qtool default with --data", *default_row(w, refs, args)))
+                print(f"{kind} qtool default with --data: {rows[-1].text()}", file=sys.stderr, flush=True)
             if args.best:
                 rows.append(Row("qtool best", *best_row(w, refs, args)))
                 print(f"{kind} qtool best: {rows[-1].text()}", file=sys.stderr, flush=True)
