@@ -248,7 +248,9 @@ def quantize(
                                "QLinear* ops, integer data movement, LUTs as Gather)."),
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
     symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
-    activation_type: str = typer.Option("int8", help="int8 or uint8."),
+    activation_type: str = typer.Option("int8", help="int8, uint8 or int16 (symmetric, zero point 0; "
+                                        "weights stay int8; below opset 21 its QuantizeLinear/"
+                                        "DequantizeLinear are onnxruntime's com.microsoft ones)."),
     multiplier_bits: int = typer.Option(32, help="Fixed-point multiplier width: 32 or 8."),
     rounding: str = typer.Option(DEFAULT_ROUNDING, help="half_up, half_away_from_zero, half_to_even "
                                                         "or toward_zero."),
@@ -321,7 +323,8 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.qop.onnx --format qoperator
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --target x86-vnni   # int8 form
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
-      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # bias correction
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --activation-type int16   # 16x8
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # method, biases
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --max-float-layers 5
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --try-methods mse,kl
@@ -461,7 +464,7 @@ def analyze(
     method: str = typer.Option("minmax", help="Calibration method when there is no --table."),
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
     symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
-    activation_type: str = typer.Option("int8", help="int8 or uint8."),
+    activation_type: str = typer.Option("int8", help="int8, uint8 or int16."),
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
     num_samples: Optional[int] = typer.Option(16, help="Samples to score on (each op costs two runs "
                                                        "over them)."),

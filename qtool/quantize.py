@@ -34,7 +34,11 @@ from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
 from .targets import x86
 from .targets.form import guard_float_ops, to_unsigned
 
-ACTIVATION_TYPES = ("int8", "uint8")
+ACTIVATION_TYPES = ("int8", "uint8", "int16")
+# int16 QuantizeLinear/DequantizeLinear are standard ONNX from opset 21; below it, onnxruntime's
+# com.microsoft ops of the same name and signature carry them
+INT16_OPSET = 21
+MS_DOMAIN = "com.microsoft"
 FORMATS = ("qdq", "qoperator")
 # Outputs whose range the op itself fixes. Softmax's calibrated maximum is below 1 on small data;
 # onnxruntime fuses DQ -> Softmax -> Q into QLinearSoftmax, which outputs zeros when the output
@@ -45,7 +49,7 @@ FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
 # class scores 0-1 in one tensor, every score then 0 or one step)
 JOIN_RATIO = 4.0
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
-             "int32": onnx.TensorProto.INT32}
+             "int16": onnx.TensorProto.INT16, "int32": onnx.TensorProto.INT32}
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class QuantizeOptions:
         if self.activation_type not in ACTIVATION_TYPES:
             raise QtoolError(f"unknown activation type '{self.activation_type}'; "
                              f"choose one of {', '.join(ACTIVATION_TYPES)}")
+        if self.activation_type == "int16" and (self.format != "qdq" or self.target != DEFAULT_TARGET):
+            what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
+            raise QtoolError(f"--activation-type int16 is written as QDQ for the {DEFAULT_TARGET} target "
+                             f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
         if self.multiplier_bits not in MULTIPLIER_BITS:
             raise QtoolError(f"multiplier bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, "
                              f"got {self.multiplier_bits}")
@@ -529,10 +537,13 @@ class _Rewriter:
 
     def _qparams(self, lo, hi, threshold, members) -> QParams:
         dtype = self.opt.activation_type
-        _, _, widened = safe_range(0.0, threshold) if self.opt.symmetric else safe_range(lo, hi)
+        if dtype == "int16":  # symmetric, Z = 0 (TFLite's 16x8): the whole calibrated range
+            threshold = max(abs(lo), abs(hi))
+        symmetric_range = self.opt.symmetric or dtype == "int16"
+        _, _, widened = safe_range(0.0, threshold) if symmetric_range else safe_range(lo, hi)
         if widened:
             self.report.widened.extend(members)
-        if self.opt.symmetric:
+        if symmetric_range:
             if dtype == "uint8" and lo < 0:
                 dtype = "int8"  # uint8 symmetric holds only [0, threshold]
             return symmetric(threshold, dtype)
@@ -561,11 +572,17 @@ class _Rewriter:
         scale, zero_point = self._qp_inits(name, qp)
         q_out = self._fresh(f"{name}_quantized")
         dq_out = name if produced != name else self._fresh(f"{name}_dequantized")
+        domain = self._fence_domain(qp)
         self.nodes.append(helper.make_node("QuantizeLinear", [produced, scale, zero_point], [q_out],
-                                           name=self._fresh(f"{name}_QuantizeLinear")))
+                                           name=self._fresh(f"{name}_QuantizeLinear"), domain=domain))
         self.nodes.append(helper.make_node("DequantizeLinear", [q_out, scale, zero_point], [dq_out],
-                                           name=self._fresh(f"{name}_DequantizeLinear")))
+                                           name=self._fresh(f"{name}_DequantizeLinear"), domain=domain))
         return dq_out
+
+    def _fence_domain(self, qp: QParams) -> str:
+        if qp.dtype in ("int16", "uint16") and default_opset(self.model) < INT16_OPSET:
+            return MS_DOMAIN
+        return ""
 
     def _weight_qparams(self, name: str, axis: int | None) -> QParams:
         """Symmetric int8 scales of a weight, computed once per (weight, axis): its bias needs them
@@ -675,8 +692,11 @@ class _Rewriter:
             if self.pixels is not None and vi.name == self.pixels[0]:
                 vi.type.tensor_type.elem_type = onnx.TensorProto.UINT8
         graph = helper.make_graph(self.nodes, self.graph.name, inputs, list(self.graph.output), inits)
-        model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
-                                  producer_name="qtool", producer_version=__version__)
+        opsets = list(self.model.opset_import)
+        if any(n.domain == MS_DOMAIN for n in self.nodes) and all(o.domain != MS_DOMAIN for o in opsets):
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="qtool",
+                                  producer_version=__version__)
         model.ir_version = self.model.ir_version
         return onnx.shape_inference.infer_shapes(model)
 

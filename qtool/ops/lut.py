@@ -1,6 +1,7 @@
-"""Elementwise non-linear ops as 256-entry lookup tables (DESIGN.md, seed 003).
+"""Elementwise non-linear ops as lookup tables (DESIGN.md, seed 003).
 
-``T[q - qmin] = sat(round(f(S_x * (q - Z_x)) / S_y) + Z_y)`` for every int8 or uint8 input ``q``.
+``T[q - qmin] = sat(round(f(S_x * (q - Z_x)) / S_y) + Z_y)`` for every input value ``q``: 256
+entries for int8/uint8 inputs, 65536 for int16/uint16 (128 KB, as TFLite's 16-bit LUT kernels).
 The input is dequantized in float32 exactly as DequantizeLinear does, ``f`` runs in float64 and
 the table is rounded once, at setup; the kernel is a gather.
 
@@ -43,9 +44,12 @@ def quantize_real(values, qp: QParams, mode: str) -> np.ndarray:
     return saturate(round_real(scaled, mode) + int(qp.zero_point), qp.dtype)
 
 
+TABLE_TYPES = ("int8", "uint8", "int16", "uint16")
+
+
 @dataclass(frozen=True)
 class LutParams:
-    table: np.ndarray  # [256] in the output type, indexed by q - qmin of the input type
+    table: np.ndarray  # [256] or [65536] in the output type, indexed by q - qmin of the input type
     in_dtype: str
 
 
@@ -58,8 +62,8 @@ class LookupTable(IntegerOp):
     def derive(self, view: NodeView) -> LutParams:
         x = per_tensor(view.inputs[0].qparams, f"{self.op_type} input")
         y = per_tensor(view.output, f"{self.op_type} output")
-        if x.dtype not in ("int8", "uint8"):
-            raise Unsupported(f"a lookup table needs an 8-bit input, got {x.dtype}")
+        if x.dtype not in TABLE_TYPES:
+            raise Unsupported(f"a lookup table needs an 8- or 16-bit input, got {x.dtype}")
         q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
         real = dequantize_array(q, x).astype(np.float64)  # float32, as DequantizeLinear computes
         return LutParams(quantize_real(self.f(real, view), y, view.rounding), x.dtype)
@@ -71,7 +75,9 @@ class LookupTable(IntegerOp):
         check_integer(x)
         if x.dtype != np.dtype(p.in_dtype):
             raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
-        return lookup(by_byte(p.table, p.in_dtype), x)
+        if x.itemsize == 1:
+            return lookup(by_byte(p.table, p.in_dtype), x)
+        return np.take(p.table, x.astype(np.int32) - np.iinfo(x.dtype).min)
 
 
 _erf = np.frompyfunc(math.erf, 1, 1)

@@ -1,0 +1,130 @@
+"""int16 activations (``--activation-type int16``): symmetric, zero point 0, int8 weights.
+
+Below opset 21 the int16 QuantizeLinear/DequantizeLinear are onnxruntime's com.microsoft ops; from
+21 the standard ones. The integer executor runs the model; onnxruntime runs the same QDQ graph in
+float (graph optimizations off) as the second implementation, and each differs from float by far
+less than the int8 model does. Lookup-table ops take 16-bit inputs with a 65536-entry table, checked
+here against sigmoid computed with numpy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.executor import IntegerExecutor
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.table_formats import write_table
+from test_cli import assert_user_error, invoke
+
+
+def _sqnr(ref, got):
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    noise = ((ref - got) ** 2).sum()
+    return math.inf if noise == 0 else 10 * math.log10((ref ** 2).sum() / noise)
+
+
+def _as_written(model, feeds):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _small_cnn(path, opset):
+    """Conv -> Relu -> Conv -> Sigmoid -> Add (residual) -> GlobalAveragePool."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, .4, (6, 3, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.normal(0, .1, 6).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.normal(0, .3, (6, 6, 1, 1)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
+             helper.make_node("Sigmoid", ["c2"], ["s2"], name="sigmoid"),
+             helper.make_node("Add", ["s2", "r1"], ["a"], name="add"),
+             helper.make_node("GlobalAveragePool", ["a"], ["y"], name="gap")]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 6, 1, 1])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10 if opset >= 21 else 8
+    onnx.save(model, path)
+
+
+@pytest.fixture(scope="module", params=[13, 21])
+def cnn(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"int16_{request.param}")
+    _small_cnn(folder / "m.onnx", request.param)
+    x = np.random.default_rng(1).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)
+    np.savez(folder / "d.npz", x=x)
+    return request.param, folder / "m.onnx", folder / "d.npz", x
+
+
+def test_int16_fences_are_symmetric_and_in_the_opsets_domain(cnn):
+    opset, model, data, _ = cnn
+    qmodel, report = quantize(model, calibrate(model, data, progress=False),
+                              QuantizeOptions(activation_type="int16"))
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    fences = [n for n in qmodel.graph.node if n.op_type == "QuantizeLinear"]
+    assert fences and all(n.domain == ("com.microsoft" if opset < 21 else "") for n in fences)
+    for node in fences:
+        zero_point = inits[node.input[2]]
+        assert zero_point.dtype == np.int16 and not zero_point.any()
+    if opset < 21:
+        assert "com.microsoft" in {o.domain for o in qmodel.opset_import}
+    assert report.quantized == {"Add": 1, "Conv": 2, "GlobalAveragePool": 1, "Relu": 1, "Sigmoid": 1}
+
+
+def test_the_executor_runs_int16_all_integer_and_far_closer_than_int8(cnn):
+    _, model, data, x = cnn
+    table = calibrate(model, data, progress=False)
+    q16, _ = quantize(model, table, QuantizeOptions(activation_type="int16"))
+    q8, _ = quantize(model, table, QuantizeOptions())
+    ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    executor = IntegerExecutor(q16)
+    assert not [s for s in executor.steps if s.kind == "float"]  # the Sigmoid's table included
+    got16 = executor.run({"x": x}).outputs["y"]
+    got8 = IntegerExecutor(q8).run({"x": x}).outputs["y"]
+    ort16 = _as_written(q16, {"x": x})
+    # int8 weights bound both; int16 activations remove most of the rest
+    assert _sqnr(ref, got16) > _sqnr(ref, got8) + 6
+    # two implementations of the same QDQ graph: integer requantization against float
+    assert _sqnr(ort16, got16) > 60
+    step = float(np.abs(ref).max()) / 32767
+    assert np.abs(got16 - ort16).max() <= 8 * step
+
+
+def test_a_16_bit_lookup_table_equals_the_function_rounded_once():
+    from qtool.ops import REGISTRY, NodeView, Operand
+    from qtool.qparams import QParams
+
+    node = helper.make_node("Sigmoid", ["x"], ["y"], name="s")
+    x_qp, y_qp = QParams(8.0 / 32767, 0, "int16"), QParams(1.0 / 32767, 0, "int16")
+    view = NodeView(node, [Operand(x_qp)], y_qp)
+    op = REGISTRY["Sigmoid"]
+    params = op.derive(view)
+    assert params.table.shape == (65536,)
+    q = np.arange(-32768, 32768, dtype=np.int16)
+    real = q.astype(np.float32) * np.float32(x_qp.scale)  # DequantizeLinear's float32
+    expected = np.clip(np.floor(1 / (1 + np.exp(-real.astype(np.float64))) / y_qp.scale + 0.5), -32768, 32767)
+    got = op.run(params, q)
+    assert got.dtype == np.int16
+    assert np.array_equal(got, expected.astype(np.int16))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--format", "qoperator"], "--activation-type int16 is written as QDQ for the portable target "
+                                "(the QLinear ops and the x86 forms take 8-bit activations); drop --format qoperator"),
+    (["--target", "x86-vnni"], "drop --target x86-vnni"),
+])
+def test_int16_refuses_8_bit_forms(demo_model, demo_table, tmp_path, extra, message):
+    write_table(demo_table, tmp_path / "t.yaml")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--activation-type", "int16", *extra)
+    assert_user_error(result, message)
+    assert not (tmp_path / "q.onnx").exists()
