@@ -255,6 +255,9 @@ def quantize(
     rounding: str = typer.Option(DEFAULT_ROUNDING, help="half_up, half_away_from_zero, half_to_even "
                                                         "or toward_zero."),
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
+    precision_table: Optional[Path] = typer.Option(None, "--precision-table", help="Per-op types, one "
+                                                   "'NODE TYPE' a line (TPU-MLIR's qtable): INT16 gives "
+                                                   "the op int16 activations, F32 keeps it float."),
     strict: bool = typer.Option(False, "--strict", help="Fail (exit 2), listing every op that "
                                 "cannot run integer-only, unless named by --keep-float."),
     target: str = typer.Option("portable", "--target", help="What the model is written for: portable "
@@ -324,6 +327,7 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --target x86-vnni   # int8 form
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --activation-type int16   # 16x8
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --precision-table qtable.txt
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # method, biases
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --max-float-layers 5
@@ -338,7 +342,9 @@ def quantize(
     from .calibrate import make_calibrator
     from .search import choose_method, choose_methods, search
     from .params import model_params
+    from .model import load_model
     from .pixels import PixelInput
+    from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
     from .table_formats import read_table, write_table
 
@@ -349,8 +355,12 @@ def quantize(
             pixels = PixelInput(pre.mean, pre.std, pre.scale)
         elif (mean, std, scale) != ("0", "1", 1 / 255):
             raise QtoolError("--mean, --std and --scale describe the pixels of --input-pixels: add it")
+        precisions = Precisions()
+        if precision_table is not None:
+            precisions = read_precision_table(precision_table, load_model(model))
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                                  tuple(keep_float), format, strict, target, pixels)
+                                  tuple(keep_float) + precisions.keep_float, format, strict, target, pixels,
+                                  precisions.int16)
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         if method_choice and data is None:

@@ -64,6 +64,9 @@ class QuantizeOptions:
     strict: bool = False
     target: str = DEFAULT_TARGET  # qtool/targets: the form the model is written in
     input_pixels: PixelInput | None = None  # qtool/pixels.py: the model takes raw uint8 pixels
+    # op types or node names whose activations (inputs and outputs) are int16 whatever
+    # activation_type says (--precision-table; the search's promotions)
+    int16: tuple[str, ...] = ()
 
     def check(self) -> None:
         get_target(self.target)
@@ -74,7 +77,8 @@ class QuantizeOptions:
         if self.activation_type not in ACTIVATION_TYPES:
             raise QtoolError(f"unknown activation type '{self.activation_type}'; "
                              f"choose one of {', '.join(ACTIVATION_TYPES)}")
-        if self.activation_type == "int16" and (self.format != "qdq" or self.target != DEFAULT_TARGET):
+        if (self.activation_type == "int16" or self.int16) and (self.format != "qdq"
+                                                                or self.target != DEFAULT_TARGET):
             what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
             raise QtoolError(f"--activation-type int16 is written as QDQ for the {DEFAULT_TARGET} target "
                              f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
@@ -508,12 +512,14 @@ class _Rewriter:
             groups[find(n)].append(n)
         result = {}
         self.report.qparam_groups = [list(m) for m in groups.values() if len(m) > 1]
+        wide = self._int16_tensors(integer)
         for members in groups.values():
             lo, hi, threshold = np.inf, -np.inf, 0.0
             for name in members:
                 e_lo, e_hi, e_thr = self._effective_range(name, integer)
                 lo, hi, threshold = min(lo, e_lo), max(hi, e_hi), max(threshold, e_thr)
-            qp = self._qparams(lo, hi, threshold, members)
+            dtype = "int16" if any(name in wide for name in members) else self.opt.activation_type
+            qp = self._qparams(lo, hi, threshold, members, dtype)
             for name in members:
                 result[name] = qp
         return result
@@ -535,8 +541,20 @@ class _Rewriter:
         lo = max(e.min, 0.0)
         return lo, e.max, min(e.threshold, max(abs(lo), abs(e.max)))
 
-    def _qparams(self, lo, hi, threshold, members) -> QParams:
-        dtype = self.opt.activation_type
+    def _int16_tensors(self, integer) -> set[str]:
+        """The activations of the integer ops that ``int16`` names (by node name or op type)."""
+        named = set(self.opt.int16)
+        wide = set()
+        for node in self.graph.node:
+            op = integer.get(node.name)
+            if op is None or not ({node.name, node.op_type} & named):
+                continue
+            consts = self._specs(node, op)
+            wide.update(n for i, n in enumerate(node.input) if n and i not in consts)
+            wide.update(n for n in node.output if n)
+        return wide
+
+    def _qparams(self, lo, hi, threshold, members, dtype: str) -> QParams:
         if dtype == "int16":  # symmetric, Z = 0 (TFLite's 16x8): the whole calibrated range
             threshold = max(abs(lo), abs(hi))
         symmetric_range = self.opt.symmetric or dtype == "int16"

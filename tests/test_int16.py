@@ -9,6 +9,7 @@ here against sigmoid computed with numpy.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -128,3 +129,43 @@ def test_int16_refuses_8_bit_forms(demo_model, demo_table, tmp_path, extra, mess
                     "--activation-type", "int16", *extra)
     assert_user_error(result, message)
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_precision_table_widens_the_named_ops_and_keeps_others_float(cnn, tmp_path):
+    _, model, data, x = cnn
+    write_table(calibrate(model, data, progress=False), tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text("# node  type\nconv2 INT16   # the second conv\n\nGlobalAveragePool F32\n")
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "qtable.txt", "--json")
+    assert result.exit_code == 0, result.output
+    qmodel = onnx.load(tmp_path / "q.onnx")
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    types = {n.input[0]: inits[n.input[2]].dtype for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+    assert types["r1"] == types["c2"] == np.int16  # conv2's input and output
+    assert types["x"] != np.int16 and types["s2"] != np.int16
+    assert [f["node"] for f in json.loads(result.stdout)["kept_float"]] == ["gap"]
+    executor = IntegerExecutor(qmodel)
+    got = executor.run({"x": x}).outputs["y"]
+    assert np.array_equal(got, _as_written(qmodel, {"x": x}))  # int8 and int16 ops side by side
+
+
+@pytest.mark.parametrize("text, message", [
+    ("conv2 INT4\n", "line 1: unknown type 'INT4'; choose one of INT16, INT8, F32, F16, BF16"),
+    ("# ok\nconv9 INT16\n", "line 2: the model has no node or op type 'conv9'"),
+    ("conv2\n", "line 1: expected 'NODE TYPE', got 'conv2'"),
+])
+def test_precision_table_errors_name_the_line(tmp_path, text, message, cnn):
+    _, model, data, _ = cnn
+    write_table(calibrate(model, data, progress=False), tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text(text)
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "qtable.txt")
+    assert_user_error(result, f"precision table '{tmp_path / 'qtable.txt'}' {message}")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_missing_precision_table(demo_model, demo_table, tmp_path):
+    write_table(demo_table, tmp_path / "t.yaml")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "none.txt")
+    assert_user_error(result, f"precision table '{tmp_path / 'none.txt'}': No such file or directory")

@@ -1,0 +1,59 @@
+"""Precision tables (``quantize --precision-table FILE``): the type of chosen ops, one per line.
+
+The form is TPU-MLIR's quantization table (qtable): a node name (or an op type, for every node of
+it) and a type, ``#`` starting a comment::
+
+    # node             type
+    p2o.Conv.12        INT16
+    p2o.Add.14         int16
+    Softmax            F32
+
+``INT16`` gives the op's activations (its inputs and outputs) int16 fences; ``F32``, ``F16`` and
+``BF16`` keep the op float (as ``--keep-float``); ``INT8`` is the default and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from .errors import QtoolError
+
+TYPES = {"int16": "int16", "int8": "int8", "f32": "float", "f16": "float", "bf16": "float",
+         "float": "float"}
+
+
+@dataclass(frozen=True)
+class Precisions:
+    int16: tuple[str, ...] = ()
+    keep_float: tuple[str, ...] = ()
+
+
+def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions:
+    """The table at ``path``, every name checked against ``model``'s node names and op types."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise QtoolError(f"precision table '{path}': {e.strerror or e}") from None
+    names = {n.name for n in model.graph.node} | {n.op_type for n in model.graph.node}
+    int16, floats = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"precision table '{path}' line {number}"
+        if len(fields) != 2:
+            raise QtoolError(f"{where}: expected 'NODE TYPE', got {line.strip()!r}")
+        name, kind = fields[0], TYPES.get(fields[1].lower())
+        if kind is None:
+            raise QtoolError(f"{where}: unknown type '{fields[1]}'; choose one of "
+                             f"{', '.join(t.upper() for t in TYPES if t != 'float')}")
+        if name not in names:
+            raise QtoolError(f"{where}: the model has no node or op type '{name}'")
+        if kind == "int16":
+            int16.append(name)
+        elif kind == "float":
+            floats.append(name)
+    return Precisions(tuple(dict.fromkeys(int16)), tuple(dict.fromkeys(floats)))
