@@ -618,8 +618,11 @@ class _Rewriter:
         """Raise the weight scale of channels whose int32 bias would not fit. A bias is stored at
         ``S_x * S_w``: a channel whose weights are all but zero (PP-OCRv6 det has channels with
         max |w| = 1e-6) gets a tiny S_w, and its bias then exceeds int32 (it was clipped, and the
-        executor's accumulator overflowed). Such channels get S_w = |b| / (S_x * 2^30), leaving
-        half the int32 range to the products; their weights were a step or less anyway."""
+        executor's accumulator overflowed). A channel whose bias and largest possible sum of
+        products, ``|b| / (S_x S_w) + sum |q_w| * max |q_x - Z_x|``, would leave int32 gets the
+        S_w that puts its bias at ``max(2^30, 2^31 - 1 - that sum)``; its weights are then a small
+        part of its output anyway."""
+        raised = []
         for node in self.graph.node:
             op = integer.get(node.name)
             if op is None:
@@ -638,20 +641,28 @@ class _Rewriter:
                 bias = np.abs(self.inits[name].astype(np.float64).reshape(-1))
                 if node.name in self.bias_corrections:
                     bias = bias + np.abs(np.asarray(self.bias_corrections[node.name], np.float64).reshape(-1))
-                needed = bias / (np.float64(x.scale) * 2.0 ** 30)
                 scale = np.asarray(w_qp.scale, np.float64)
+                if scale.ndim and bias.shape != scale.shape:
+                    continue
+                w_q = np.abs(quantize_array(self.inits[w_name], w_qp).astype(np.int64))  # symmetric: Z = 0
+                axis = w_qp.axis if w_qp.axis is not None else 0
+                l1 = np.moveaxis(w_q, axis, 0).reshape(w_q.shape[axis], -1).sum(axis=1) if scale.ndim \
+                    else np.full(bias.shape, w_q.sum())
+                reach = l1 * max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point)))
+                needed = bias / (np.float64(x.scale) * np.maximum(2.0 ** 30, (2.0 ** 31 - 1) - reach))
                 if scale.ndim == 0:
                     needed = needed.max(initial=0.0)
-                elif needed.shape != scale.shape:
-                    continue
                 if not np.any(needed > scale):
                     continue
                 widened = np.maximum(scale, needed).astype(np.float32)
                 key = (w_name, w_spec.axis if self.opt.per_channel and self.inits[w_name].ndim > 1 else None)
                 self.weight_qparams[key] = replace(w_qp, scale=widened if scale.ndim else float(widened))
-                self.report.warnings.append(
-                    f"{node.op_type} '{node.name}': the weight scale of {int(np.sum(needed > scale))} "
-                    f"channel(s) raised so that their int32 bias fits")
+                raised.append((node.name, int(np.sum(needed > scale))))
+        if raised:
+            names = ", ".join(f"'{n}' ({c})" for n, c in raised[:4]) + (", ..." if len(raised) > 4 else "")
+            self.report.warnings.append(
+                f"the weight scale of {sum(c for _, c in raised)} channel(s) in {len(raised)} layer(s) "
+                f"raised so that their int32 bias cannot overflow: {names}")
 
     def _weight(self, name: str, spec: Weight) -> str:
         key = (name, spec.axis if self.opt.per_channel else None)

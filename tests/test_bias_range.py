@@ -34,10 +34,13 @@ def test_a_dead_channel_keeps_its_bias(tmp_path):
     np.savez(tmp_path / "d.npz", x=x)
     qmodel, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz",
                                                               progress=False))
-    assert any("Conv 'conv': the weight scale of 1 channel(s) raised" in w for w in report.warnings)
-    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
-    bias_q = next(v for n, v in inits.items() if v.dtype == np.int32 and v.shape == (3,))
-    assert np.abs(bias_q.astype(np.int64)).max() <= 2**30
+    assert any("the weight scale of 1 channel(s) in 1 layer(s) raised so that their int32 bias cannot "
+               "overflow: 'conv' (1)" in w for w in report.warnings)
+    inits = {i.name: numpy_helper.to_array(i).astype(np.int64) for i in qmodel.graph.initializer}
+    bias_q = inits["b_quantized"]
+    w_q = inits["w_quantized"] - inits["w_zero_point"].reshape(-1, 1, 1, 1)
+    reach = np.abs(w_q).reshape(3, -1).sum(axis=1) * 255  # uint8 input, every |q_x - Z_x| <= 255
+    assert (np.abs(bias_q) + reach).max() <= 2**31 - 1  # no input can overflow the accumulator
     ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = IntegerExecutor(qmodel).run({"x": x}).outputs["y"]
     step = (ref.max() - min(ref.min(), 0)) / 255
