@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from .calibrate import fixed_batch
 from .data import load_dataset
@@ -126,6 +126,36 @@ class QdqModel:
             nodes.append(node)
         del out.graph.node[:]
         out.graph.node.extend(nodes + identities)
+        return out
+
+    def widened(self, tensors) -> onnx.ModelProto:
+        """The model with the fences of ``tensors`` made int16 (symmetric, zero point 0) over the
+        range their 8-bit (S, Z) covers: what quantize writes for ops promoted to int16, up to the
+        range's rounding. Below opset 21 the fences become com.microsoft ops."""
+        out = onnx.ModelProto()
+        out.CopyFrom(self.model)
+        inits = {i.name: i for i in out.graph.initializer}
+        nodes = {n.name: n for n in out.graph.node}
+        opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 0)
+        domain = "" if opset >= 21 else "com.microsoft"
+        for tensor in sorted(set(tensors) & set(self.fences)):
+            q = self.fences[tensor][0]
+            scale = float(numpy_helper.to_array(inits[q.input[1]]))
+            zero = numpy_helper.to_array(inits[q.input[2]])
+            lo, hi = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
+            reach = scale * max(abs(lo - int(zero)), abs(hi - int(zero)))
+            scale_name, zero_name = f"{tensor}_int16_scale", f"{tensor}_int16_zero_point"
+            out.graph.initializer.extend([numpy_helper.from_array(np.array(reach / 32767, np.float32), scale_name),
+                                          numpy_helper.from_array(np.array(0, np.int16), zero_name)])
+            for fence in self.fences[tensor]:
+                node = nodes[fence.name]
+                node.input[1], node.input[2], node.domain = scale_name, zero_name, domain
+        if domain and all(o.domain != domain for o in out.opset_import):
+            out.opset_import.append(helper.make_opsetid(domain, 1))
+        retyped = {self.fences[t][0].output[0] for t in set(tensors) & set(self.fences)}
+        kept = [vi for vi in out.graph.value_info if vi.name not in retyped]  # their 8-bit type
+        del out.graph.value_info[:]
+        out.graph.value_info.extend(kept)
         return out
 
     def all_tensors(self) -> set[str]:

@@ -283,12 +283,15 @@ def quantize(
                                                    "per-channel mean matches float on DATA, applied "
                                                    "in full, at half or not at all as the --holdout "
                                                    "samples score it [default: on with --data]."),
-    target_sqnr: Optional[float] = typer.Option(None, "--target-sqnr", help="Keep float the fewest "
-                                                "ops that bring the output SQNR against float on "
-                                                "DATA to this many dB (needs --data)."),
+    target_sqnr: Optional[float] = typer.Option(None, "--target-sqnr", help="Give int16 activations "
+                                                "(with --allow-float: keep float) the fewest ops that "
+                                                "bring the output SQNR against float on DATA to this "
+                                                "many dB (needs --data)."),
     max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="At most this many "
-                                                   "ops float; alone, the costliest-first set of at "
-                                                   "most N that scores best (needs --data)."),
+                                                   "ops int16 (or float); alone, the costliest-first "
+                                                   "set of at most N that scores best (needs --data)."),
+    allow_float: bool = typer.Option(False, "--allow-float", help="The search keeps the ops it picks "
+                                     "float instead of giving them int16 activations."),
     method_choice: Optional[bool] = typer.Option(None, "--method-choice/--no-method-choice",
                                                  help="Score TABLE against minmax, percentile and mse "
                                                  "calibrated on DATA's fit samples; the best replaces "
@@ -384,6 +387,8 @@ def quantize(
             raise QtoolError("--try-methods: no method named; e.g. --try-methods percentile,mse,kl")
         for method in methods:
             make_calibrator(method)
+        if allow_float and not searching:
+            raise QtoolError("--allow-float is for the search: add --target-sqnr or --max-float-layers")
         if max_float_layers is not None and max_float_layers < 0:
             raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
         if target_sqnr is not None and not math.isfinite(target_sqnr):
@@ -409,7 +414,8 @@ def quantize(
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
-                                       bias_correction is not False, progress=not quiet, holdout=holdout)
+                                       bias_correction is not False, progress=not quiet, holdout=holdout,
+                                       allow_float=allow_float)
         elif data is not None and bias_correction is not False:
             qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
                                                    batch_size, progress=not quiet, holdout=holdout)

@@ -75,6 +75,7 @@ SCHEMA = {
         "max_float_layers": (int, False),
         "try_methods": (list, False),
         "method_choice": (bool, False),
+        "allow_float": (bool, False),
     }, False),
     "verify": ({
         "data": (str, False),
@@ -87,7 +88,7 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods", "method_choice")
+               "try_methods", "method_choice", "allow_float")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -420,7 +421,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
                                     samples, batch, qz.get("bias_correction", True), progress,
-                                    plan.preprocess, holdout)
+                                    plan.preprocess, holdout, qz.get("allow_float", False))
     elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
                                                 plan.calibrate_data, samples, batch, progress,
@@ -559,9 +560,10 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     elif qz.get("method_choice", "method" not in plan.settings.get("calibrate", {})):
         quantize += ", calibration method chosen of minmax/percentile/mse on held-out samples"
     if "target_sqnr" in qz:
-        quantize += f", float ops searched for {qz['target_sqnr']:g} dB"
+        quantize += (f", {'float' if qz.get('allow_float') else 'int16'} ops searched for "
+                     f"{qz['target_sqnr']:g} dB")
     if "max_float_layers" in qz:
-        quantize += f", at most {qz['max_float_layers']} ops float"
+        quantize += f", at most {qz['max_float_layers']} ops {'float' if qz.get('allow_float') else 'int16'}"
     return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
             f"{'up to date, would be skipped' if skip else 'would run'}",
             f"  model      {plan.model}",

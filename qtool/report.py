@@ -86,15 +86,18 @@ def pick_summary(mp: dict) -> str:
 
 def search_summary(sr: dict) -> str:
     """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
-    names = ", ".join(f"'{k['node']}'" for k in sr["kept_float"][:5])
-    more = f", and {len(sr['kept_float']) - 5} more" if len(sr["kept_float"]) > 5 else ""
+    int16 = sr.get("precision", "float") == "int16"
+    picked = sr["int16"] if int16 else sr["kept_float"]
+    names = ", ".join(f"'{k['node']}'" for k in picked[:5])
+    more = f", and {len(picked) - 5} more" if len(picked) > 5 else ""
     goal = ("" if sr["target_sqnr_db"] is None else
             f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
     listed = f" ({names}{more})" if names else ""
-    text = (f"{len(sr['kept_float'])} ops kept float{listed}; SQNR {sr['integer_sqnr_db']} dB all integer "
+    what = "given int16 activations" if int16 else "kept float"
+    text = (f"{len(picked)} ops {what}{listed}; SQNR {sr['integer_sqnr_db']} dB all int8 "
             f"-> {sr['final_sqnr_db']} dB{goal} on {sr['samples']} samples")
     if sr.get("heldout_samples"):
         text += (f"; held-out {sr['heldout_integer_sqnr_db']} -> {sr['heldout_final_sqnr_db']} dB on "
-                 f"{sr['heldout_samples']} others" + (": the float ops bought nothing there, all integer "
+                 f"{sr['heldout_samples']} others" + (f": the ops {what} bought nothing there, all int8 "
                                                       "kept" if sr.get("reverted") else ""))
     return text + f"; {sr['evaluations']} runs in {sr['seconds']:.1f} s"

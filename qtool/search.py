@@ -33,6 +33,7 @@ from .calibrate import calibrate, collect
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize
+from .targets import DEFAULT_TARGET
 from .report import finite, progress_bar
 from .table import Table
 
@@ -40,6 +41,8 @@ from .table import Table
 @dataclass
 class SearchResult:
     kept_float: list[tuple[str, str]] = field(default_factory=list)  # (op_type, node), costliest first
+    int16: list[tuple[str, str]] = field(default_factory=list)  # promoted to int16 activations
+    precision: str = "int16"  # what the search gives the ops it picks: "int16" or "float"
     integer_db: float = 0.0  # every op integer
     final_db: float = 0.0  # the model returned, on the same samples
     target_db: float | None = None
@@ -61,6 +64,7 @@ class SearchResult:
 
     def to_dict(self) -> dict:
         return {"kept_float": [{"op_type": t, "node": n} for t, n in self.kept_float],
+                "int16": [{"op_type": t, "node": n} for t, n in self.int16], "precision": self.precision,
                 "integer_sqnr_db": finite(self.integer_db), "final_sqnr_db": finite(self.final_db),
                 "target_sqnr_db": self.target_db, "max_float_layers": self.max_float,
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
@@ -81,10 +85,11 @@ def realizable(qdq: QdqModel, float_ops: set[str]) -> onnx.ModelProto:
 def search(model_path, table, options, table_name: str, data_path, target_db: float | None = None,
            max_float: int | None = None, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
            bias_correction: bool = True, progress: bool = True, preprocess=None,
-           holdout: int | None = None):
-    """Quantize MODEL keeping float the fewest ops that bring the output SQNR on DATA to
-    ``target_db`` (at most ``max_float`` of them), or with no target the costliest-first set of at
-    most ``max_float`` that scores best. The search scores on ``num_samples`` of DATA; ``holdout``
+           holdout: int | None = None, allow_float: bool = False):
+    """Quantize MODEL giving int16 activations (or, with ``allow_float``, keeping float) the fewest
+    ops that bring the output SQNR on DATA to ``target_db`` (at most ``max_float`` of them), or
+    with no target the costliest-first set of at most ``max_float`` that scores best. int16 keeps
+    the model integer; float ops need a device that runs float. The search scores on ``num_samples`` of DATA; ``holdout``
     others (None: as many, 0: none) judge the result, and where the float ops do not raise the
     SQNR there the all-integer model is returned. Returns the model, its quantize report (with a
     ``search`` entry) and the search result."""
@@ -92,12 +97,17 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         raise QtoolError("the search needs a target SQNR or a number of layers to keep float")
     if max_float is not None and max_float < 0:
         raise QtoolError(f"--max-float-layers must be >= 0, got {max_float}")
+    if not allow_float and (options.format != "qdq" or options.target != DEFAULT_TARGET):
+        raise QtoolError(f"the search gives ops int16 activations, written as QDQ for the "
+                         f"{DEFAULT_TARGET} target; add --allow-float to keep them float instead")
     start = time.perf_counter()
-    result = SearchResult(target_db=target_db, max_float=max_float)
+    result = SearchResult(target_db=target_db, max_float=max_float,
+                          precision="float" if allow_float else "int16")
 
     def build(keep: tuple[str, ...], fmt: str | None = None):
-        opts = replace(options, keep_float=tuple(options.keep_float) + keep,
-                       **({"format": fmt, "strict": False} if fmt else {}))
+        picked = {"keep_float": tuple(options.keep_float) + keep} if allow_float else \
+            {"int16": tuple(options.int16) + keep}
+        opts = replace(options, **picked, **({"format": fmt, "strict": False} if fmt else {}))
         if bias_correction:
             return quantize_corrected(model_path, table, opts, table_name, data_path, num_samples,
                                       batch_size, False, preprocess, holdout)[:2]
@@ -110,6 +120,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
     qdq = QdqModel(qmodel, float_model)
+    variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops))
     result.integer_db = evaluator.sqnr(qmodel)
     result.evaluations = 1
     chosen: list = []
@@ -119,13 +130,17 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         result.evaluations += len(ranked)
         limit = len(ranked) if max_float is None else min(max_float, len(ranked))
         if target_db is None:
-            count, runs = _best_prefix(qdq, evaluator, ranked, limit, result.integer_db)
+            count, runs = _best_prefix(variant, evaluator, ranked, limit, result.integer_db)
             result.evaluations += runs
         else:
-            count, runs = _shortest_prefix(qdq, evaluator, ranked, limit, target_db)
+            count, runs = _shortest_prefix(variant, evaluator, ranked, limit, target_db)
             result.evaluations += runs
         chosen = ranked[:count]
-    result.kept_float = [(op.op_type, op.node) for op in chosen]
+    picked = [(op.op_type, op.node) for op in chosen]
+    if allow_float:
+        result.kept_float = picked
+    else:
+        result.int16 = picked
     final, report = build(tuple(op.node for op in chosen))
     names = {op.node for op in chosen} - set(options.keep_float)
     report.kept_float = [(t, n, "kept float by the search" if n in names and t not in options.keep_float
@@ -144,7 +159,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     result.reverted = revert
     if revert:
         # re-quantized around the float ops (bias correction redone), they bought nothing
-        chosen, result.kept_float = [], []
+        chosen, result.kept_float, result.int16 = [], [], []
         final, report = build(())
         result.final_db = result.integer_db
         result.heldout_final_db = result.heldout_integer_db
@@ -173,7 +188,13 @@ def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> list:
     return [op for _, _, op in scored]
 
 
-def _best_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: int,
+def widened(qdq: QdqModel, ops: set[str]) -> onnx.ModelProto:
+    """The QDQ model with every activation of ``ops`` int16, as quantize would write it with
+    those ops promoted (up to the ranges' rounding)."""
+    return qdq.widened({t for op in qdq.ops if op.node in ops for t in op.activations})
+
+
+def _best_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
                  integer_db: float) -> tuple[int, int]:
     """Within a budget of ``limit`` float ops, the prefix length (of 0, limit/8, ..., limit) with
     the best SQNR: the ops that cost most alone are not always the ones whose removal pays most
@@ -181,13 +202,13 @@ def _best_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: int,
     lengths = sorted({round(limit * i / 8) for i in range(1, 9)} - {0})
     best, best_db = 0, integer_db
     for k in lengths:
-        db = evaluator.sqnr(realizable(qdq, {op.node for op in ranked[:k]}))
+        db = evaluator.sqnr(variant({op.node for op in ranked[:k]}))
         if db > best_db:
             best, best_db = k, db
     return best, len(lengths)
 
 
-def _shortest_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: int,
+def _shortest_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
                      target_db: float) -> tuple[int, int]:
     """The smallest k <= limit whose first k ops kept float reach ``target_db`` (binary search:
     SQNR grows with k on the whole, not at every step), else ``limit``; and the runs it took."""
@@ -196,7 +217,7 @@ def _shortest_prefix(qdq: QdqModel, evaluator: Evaluator, ranked: list, limit: i
     def reaches(k: int) -> bool:
         nonlocal runs
         runs += 1
-        return evaluator.sqnr(realizable(qdq, {op.node for op in ranked[:k]})) >= target_db
+        return evaluator.sqnr(variant({op.node for op in ranked[:k]})) >= target_db
 
     if limit == 0 or not reaches(limit):
         return limit, runs

@@ -169,3 +169,43 @@ def test_a_missing_precision_table(demo_model, demo_table, tmp_path):
     result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
                     "--precision-table", tmp_path / "none.txt")
     assert_user_error(result, f"precision table '{tmp_path / 'none.txt'}': No such file or directory")
+
+
+def test_the_search_gives_ops_int16_and_keeps_the_model_integer(demo_model, demo_table, demo_calib):
+    from qtool.analyze import split_batches
+    from qtool.model import load_model, prepare
+    from qtool.search import search
+
+    qmodel, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, target_db=34.5,
+                                    bias_correction=False, progress=False, holdout=0)
+    assert result.precision == "int16" and result.int16 and not result.kept_float
+    assert not report.kept_float and result.reached
+    executor = IntegerExecutor(qmodel)
+    assert not [s for s in executor.steps if s.kind == "float"]  # all integer
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    wide = {n.input[0] for n in qmodel.graph.node
+            if n.op_type == "QuantizeLinear" and inits[n.input[2]].dtype == np.int16}
+    promoted = {name for _, name in result.int16}
+    for node in qmodel.graph.node:  # every promoted op reads and writes int16 fences
+        if node.name in promoted:
+            assert node.output[0] in wide
+    # the SQNR it reports is the written model's, recomputed here on the same samples
+    float_model = prepare(load_model(demo_model))
+    fit, _ = split_batches(float_model, demo_calib, 16, 0, 8)
+    name = float_model.graph.input[0].name
+    ref = np.concatenate([_as_written(float_model, {name: b[name]}) for b in fit])
+    got = np.concatenate([_as_written(qmodel, {name: b[name]}) for b in fit])
+    assert result.final_db == pytest.approx(_sqnr(ref, got), abs=1e-3)
+    assert result.final_db >= 34.5 > result.integer_db
+
+
+def test_an_int16_search_refuses_8_bit_forms(demo_model, demo_table, demo_calib, tmp_path):
+    write_table(demo_table, tmp_path / "t.yaml")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--data",
+                    demo_calib, "--target-sqnr", "40", "--format", "qoperator")
+    assert_user_error(result, "the search gives ops int16 activations, written as QDQ for the portable "
+                              "target; add --allow-float to keep them float instead")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--allow-float")
+    assert_user_error(result, "--allow-float is for the search: add --target-sqnr or --max-float-layers")
+    assert not (tmp_path / "q.onnx").exists()

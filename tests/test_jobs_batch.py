@@ -200,7 +200,7 @@ def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
     spec = batch(inputs)
     spec["jobs"] = [{"name": "plain", "quantize": {"bias_correction": False}},
                     {"name": "corrected"},
-                    {"name": "searched", "quantize": {"max_float_layers": 2, "target_sqnr": 100.0,
+                    {"name": "searched", "quantize": {"max_float_layers": 2, "target_sqnr": 100.0, "allow_float": True,
                                                       "try_methods": ["mse"], "holdout": 0}}]
     result = invoke("run", write(tmp_path, spec))
     assert result.exit_code == 0, result.output

@@ -48,7 +48,7 @@ def _float_nodes(report) -> set[str]:
 
 
 def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_calib):
-    qmodel, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+    qmodel, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True,
                                     target_db=40.0, progress=False)
     assert result.integer_db < 40.0 <= result.final_db and result.reached
     assert 0 < len(result.kept_float) < result.candidates
@@ -71,24 +71,24 @@ def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_
 
 
 def test_a_target_already_met_keeps_everything_integer(demo_model, demo_table, demo_calib):
-    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True,
                                target_db=10.0, progress=False)
     assert result.kept_float == [] and result.evaluations == 2 and not report.kept_float
 
 
 def test_max_float_layers_caps_the_search_and_says_when_the_target_is_missed(demo_model, demo_table,
                                                                               demo_calib):
-    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+    _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True,
                                target_db=200.0, max_float=2, progress=False)
     assert len(result.kept_float) == 2 and not result.reached
     assert report.search["reached"] is False
-    _, _, zero = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, max_float=0,
+    _, _, zero = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True, max_float=0,
                         progress=False)
     assert zero.kept_float == []
 
 
 def test_the_costliest_ops_come_first(demo_model, demo_table, demo_calib):
-    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, target_db=200.0,
+    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True, target_db=200.0,
                           max_float=3, bias_correction=False, progress=False)
     float_model = prepare(load_model(demo_model))
     qmodel, _ = quantize(demo_model, demo_table)
@@ -118,7 +118,7 @@ def test_search_is_deterministic(demo_model, table_file, demo_calib, tmp_path):
     for k in range(2):
         out = tmp_path / f"q{k}.onnx"
         result = invoke("quantize", demo_model, "-t", table_file, "-o", out, "--data", demo_calib,
-                        "--target-sqnr", "40", "--json", "-q")
+                        "--target-sqnr", "40", "--allow-float", "--json", "-q")
         assert result.exit_code == 0, result.output
         outs.append(out.read_bytes())
         report = json.loads(result.stdout)
@@ -128,7 +128,7 @@ def test_search_is_deterministic(demo_model, table_file, demo_calib, tmp_path):
 
 def test_cli_summary_line(demo_model, table_file, demo_calib, tmp_path):
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", "--data",
-                    demo_calib, "--max-float-layers", "1", "--target-sqnr", "100", "-q")
+                    demo_calib, "--max-float-layers", "1", "--target-sqnr", "100", "--allow-float", "-q")
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stdout.splitlines() if x.startswith("search:"))
     assert "1 ops kept float" in line and "target 100 dB NOT reached on 16 samples" in line
@@ -137,7 +137,7 @@ def test_cli_summary_line(demo_model, table_file, demo_calib, tmp_path):
 
 def test_a_budget_alone_never_scores_below_the_integer_model(demo_model, demo_table, demo_calib):
     for budget in (1, 4, 13):
-        _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib,
+        _, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, allow_float=True,
                                    max_float=budget, progress=False)
         assert len(result.kept_float) <= budget and result.final_db >= result.integer_db
         assert len(report.kept_float) == len(result.kept_float)
