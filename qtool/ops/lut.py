@@ -14,14 +14,14 @@ transcendental ``f``; they occur for the piecewise-linear HardSigmoid and HardSw
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from ..fixedpoint import saturate
 from ..qparams import QParams, dequantize_array
-from . import IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
+from . import NOT_DUMPED, IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
 from .bytetable import by_byte, lookup
 
 
@@ -49,8 +49,12 @@ TABLE_TYPES = ("int8", "uint8", "int16", "uint16")
 
 @dataclass(frozen=True)
 class LutParams:
-    table: np.ndarray  # [256] or [65536] in the output type, indexed by q - qmin of the input type
+    # [256] in the output type, indexed by q - qmin of the 8-bit input type; None for a 16-bit input,
+    # whose 65536 entries (``wide``) follow from the op and the (S, Z) written with it: 128 KB an op
+    # would make the parameters (and the model's metadata) megabytes
+    table: np.ndarray | None
     in_dtype: str
+    wide: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
 
 
 class LookupTable(IntegerOp):
@@ -66,7 +70,10 @@ class LookupTable(IntegerOp):
             raise Unsupported(f"a lookup table needs an 8- or 16-bit input, got {x.dtype}")
         q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
         real = dequantize_array(q, x).astype(np.float64)  # float32, as DequantizeLinear computes
-        return LutParams(quantize_real(self.f(real, view), y, view.rounding), x.dtype)
+        table = quantize_real(self.f(real, view), y, view.rounding)
+        if q.size > 256:
+            return LutParams(None, x.dtype, table)
+        return LutParams(table, x.dtype)
 
     def elementwise(self, p: LutParams) -> bool:
         return True
@@ -77,7 +84,7 @@ class LookupTable(IntegerOp):
             raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
         if x.itemsize == 1:
             return lookup(by_byte(p.table, p.in_dtype), x)
-        return np.take(p.table, x.astype(np.int32) - np.iinfo(x.dtype).min)
+        return np.take(p.wide, x.astype(np.int32) - np.iinfo(x.dtype).min)
 
 
 _erf = np.frompyfunc(math.erf, 1, 1)
