@@ -145,7 +145,8 @@ class QdqModel:
             lo, hi = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
             reach = scale * max(abs(lo - int(zero)), abs(hi - int(zero)))
             scale_name, zero_name = f"{tensor}_int16_scale", f"{tensor}_int16_zero_point"
-            out.graph.initializer.extend([numpy_helper.from_array(np.array(reach / 32767, np.float32), scale_name),
+            scale16 = np.array(reach / np.iinfo(np.int16).max, np.float32)
+            out.graph.initializer.extend([numpy_helper.from_array(scale16, scale_name),
                                           numpy_helper.from_array(np.array(0, np.int16), zero_name)])
             for fence in self.fences[tensor]:
                 node = nodes[fence.name]

@@ -1,22 +1,23 @@
-"""Automatic mixed precision: the fewest ops to leave float so that the output SQNR against the
-float model reaches a target (``quantize --target-sqnr``), or the N ops that cost the most
-(``--max-float-layers``).
+"""Automatic mixed precision: the fewest ops to give int16 activations (or, with ``allow_float``,
+to leave float) so that the output SQNR against the float model reaches a target (``quantize
+--target-sqnr``), or the N ops that cost the most (``--max-float-layers``).
 
 1. Every integer op is scored by the output SQNR of the model with only that op quantized (one
    onnxruntime run each, graph surgery on the QDQ model, as ``qtool analyze`` does); the lowest
    scores are the ops whose quantization costs the most on their own.
-2. The candidates, most costly first, are kept float in growing prefixes. A prefix is scored as
-   quantize would build it: an activation stays fenced only while an integer op reads or writes
-   it. With a target, a binary search finds the shortest prefix that reaches it; with only a
-   budget of N ops, the best of eight prefix lengths up to N.
-3. The model is quantized again with those ops float (and bias correction redone around them),
-   then scored once more. With only a budget, a result below the all-integer model's SQNR gives
-   the all-integer model back.
+2. The candidates, most costly first, are picked in growing prefixes. A prefix is scored as
+   quantize would build it: its ops' fences made int16 over the same ranges (or, float, an
+   activation fenced only while an integer op reads or writes it). With a target, a binary search
+   finds the shortest prefix that reaches it; with only a budget of N ops, the best of eight
+   prefix lengths up to N.
+3. The model is quantized again with those ops int16 or float (and bias correction redone around
+   them), then scored once more. With only a budget, a result below the all-int8 model's SQNR
+   gives the all-int8 model back.
 
 The score is the worst SQNR over the outputs: the logits of an output made by a Softmax or
-Sigmoid, and each part of an output that concatenates tensors (``qtool.analyze.Evaluator``). Costs: one run per integer op, then about log2(ops) runs for the
-target search (eight for a budget), each over the same samples; the same inputs give the same
-choice.
+Sigmoid, and each part of an output that concatenates tensors (``qtool.analyze.Evaluator``).
+Costs: one run per integer op, then about log2(ops) runs for the target search (eight for a
+budget), each over the same samples; the same inputs give the same choice.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from .calibrate import calibrate, collect
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize
-from .targets import DEFAULT_TARGET
 from .report import finite, progress_bar
 from .table import Table
+from .targets import DEFAULT_TARGET
 
 
 @dataclass
@@ -89,9 +90,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     """Quantize MODEL giving int16 activations (or, with ``allow_float``, keeping float) the fewest
     ops that bring the output SQNR on DATA to ``target_db`` (at most ``max_float`` of them), or
     with no target the costliest-first set of at most ``max_float`` that scores best. int16 keeps
-    the model integer; float ops need a device that runs float. The search scores on ``num_samples`` of DATA; ``holdout``
-    others (None: as many, 0: none) judge the result, and where the float ops do not raise the
-    SQNR there the all-integer model is returned. Returns the model, its quantize report (with a
+    the model integer; float ops need a device that runs float. The search scores on
+    ``num_samples`` of DATA; ``holdout`` others (None: as many, 0: none) judge the result, and
+    where the picked ops do not raise the SQNR there the all-int8 model is returned. Returns the model, its quantize report (with a
     ``search`` entry) and the search result."""
     if target_db is None and max_float is None:
         raise QtoolError("the search needs a target SQNR or a number of layers to keep float")
@@ -158,7 +159,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         revert = revert or not result.heldout_final_db > result.heldout_integer_db
     result.reverted = revert
     if revert:
-        # re-quantized around the float ops (bias correction redone), they bought nothing
+        # re-quantized around the picked ops (bias correction redone), they bought nothing
         chosen, result.kept_float, result.int16 = [], [], []
         final, report = build(())
         result.final_db = result.integer_db
@@ -196,7 +197,7 @@ def widened(qdq: QdqModel, ops: set[str]) -> onnx.ModelProto:
 
 def _best_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
                  integer_db: float) -> tuple[int, int]:
-    """Within a budget of ``limit`` float ops, the prefix length (of 0, limit/8, ..., limit) with
+    """Within a budget of ``limit`` ops, the prefix length (of 0, limit/8, ..., limit) with
     the best SQNR: the ops that cost most alone are not always the ones whose removal pays most
     together (PP-OCRv4 rec: its 30 costliest kept float scored below the all-integer model)."""
     lengths = sorted({round(limit * i / 8) for i in range(1, 9)} - {0})
@@ -210,7 +211,7 @@ def _best_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
 
 def _shortest_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
                      target_db: float) -> tuple[int, int]:
-    """The smallest k <= limit whose first k ops kept float reach ``target_db`` (binary search:
+    """The smallest k <= limit whose first k ops picked reach ``target_db`` (binary search:
     SQNR grows with k on the whole, not at every step), else ``limit``; and the runs it took."""
     runs = 0
 
