@@ -283,7 +283,7 @@ class IntegerExecutor:
         outputs = [None if q is None else self._qparams_of(q) for q in q_nodes]
         present = [q for q in q_nodes if q is not None]
         view = NodeView(node, operands, next(o for o in outputs if o is not None), self.rounding,
-                        self.multiplier_bits, outputs=outputs)
+                        self.multiplier_bits, outputs=outputs, opset=self.opsets.get("", 1))
         try:
             params = op.derive(view)
         except Unsupported as e:

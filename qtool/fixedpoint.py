@@ -255,3 +255,41 @@ def int_range(dtype: str) -> tuple[int, int]:
         return _INT_RANGES[str(np.dtype(dtype))]
     except KeyError:
         raise ValueError(f"unsupported integer type {dtype!r}; choose one of {', '.join(_INT_RANGES)}")
+
+
+def bit_length(x) -> np.ndarray:
+    """``int.bit_length`` of each element of a non-negative int64 array (0 for 0), by a binary
+    search on shifts: integers only."""
+    x = np.asarray(x, dtype=np.int64)
+    if x.size and x.min() < 0:
+        raise ValueError("bit_length expects non-negative values")
+    length = np.zeros(x.shape, dtype=np.int64)
+    for step in (32, 16, 8, 4, 2, 1):
+        length += step * (np.right_shift(x, length + step - 1) > 0)
+    return length + (np.right_shift(x, length) > 0)
+
+
+def isqrt(x) -> np.ndarray:
+    """``floor(sqrt(x))`` of each element of a non-negative int64 array, exactly.
+
+    Newton's iteration on integers, ``s <- (s + x // s) // 2``, from a start at or above the root
+    (``2**ceil(bits / 2)``): the iterates fall monotonically to the floor of the root and stop there
+    (Heron's method; I-BERT's integer square root)."""
+    x = np.asarray(x, dtype=np.int64)
+    if x.size and x.min() < 0:
+        raise ValueError("isqrt expects non-negative values")
+    s = np.left_shift(np.int64(1), (bit_length(x) + 1) // 2)
+    while True:
+        nxt = np.maximum((s + x // s) // 2, 1)  # 1 only for x = 0, where it stays
+        smaller = nxt < s
+        if not smaller.any():
+            return np.where(x == 0, 0, s)
+        s = np.where(smaller, nxt, s)
+
+
+def divide_rounded(numerator, denominator) -> np.ndarray:
+    """``numerator / denominator`` rounded half up, int64 arrays, ``denominator > 0``; the caller
+    keeps ``2 * |numerator| + denominator`` inside int64."""
+    numerator = np.asarray(numerator, dtype=np.int64)
+    denominator = np.asarray(denominator, dtype=np.int64)
+    return (2 * numerator + denominator) // (2 * denominator)

@@ -7,6 +7,11 @@ PaddlePaddle's exporter (PP-OCR) writes HardSwish as ``x * clip(x + 3, 0, 6) / 6
 three intermediate tensors, and three requantizations if each were quantized on its own. As one
 ``HardSwish`` node (opset 14) it is one 256-entry lookup table, and calibration has three fewer
 tensors to watch. ``Mul(x, HardSigmoid(x))`` with HardSwish's slope and offset is fused alike.
+
+Exporters write LayerNorm as ``(x - mean) / sqrt(mean((x - mean)^2) + eps) * gamma + beta``
+(ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add: PP-OCRv4's SVTR blocks). As one
+``LayerNormalization`` node (opset 17) it is one integer kernel (qtool/ops/normalization.py) and
+one requantization, where the pieces would round the variance and the normalized values to 8 bits.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import onnx
 from onnx import helper
 
 HARDSWISH_OPSET = 14
+LAYERNORM_OPSET = 17
 
 
 def _scalar(inits: dict[str, onnx.TensorProto], name: str) -> float | None:
@@ -107,15 +113,112 @@ def find_hardswish(model: onnx.ModelProto) -> list[tuple[str, list[onnx.NodeProt
 def fuse_hardswish(model: onnx.ModelProto, matches) -> None:
     """In place: each match becomes one HardSwish node at the position of its last node, writing
     the last node's output (so tensor names downstream stay). The model must be at opset >= 14."""
-    replace = {}
-    drop = set()
-    for x, nodes in matches:
-        last = nodes[-1]
-        replace[last.name] = helper.make_node("HardSwish", [x], [last.output[0]], name=last.name)
-        drop.update(n.name for n in nodes[:-1])
+    _replace(model, [(nodes, helper.make_node("HardSwish", [x], [nodes[-1].output[0]], name=nodes[-1].name))
+                     for x, nodes in matches])
+
+
+def _replace(model: onnx.ModelProto, groups: list[tuple[list[onnx.NodeProto], onnx.NodeProto]]) -> None:
+    """In place: each group of nodes gives way to its one new node, at the place of its last."""
+    replace = {nodes[-1].name: new for nodes, new in groups}
+    drop = {n.name for nodes, _ in groups for n in nodes[:-1]}
     kept = [replace.get(n.name, n) for n in model.graph.node if n.name not in drop]
     del model.graph.node[:]
     model.graph.node.extend(kept)
+
+
+def _reduced_axes(g: _Graph, node: onnx.NodeProto) -> tuple[int, ...] | None:
+    """A ReduceMean's axes when it keeps dims and they are the last ones, counted from the end
+    (-k, ..., -1); None otherwise (positive axes need the rank, which is not read here)."""
+    if node.op_type != "ReduceMean":
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axes = attrs.get("axes")
+    if len(node.input) > 1 and node.input[1]:  # opset 18: an input
+        if node.input[1] not in g.inits:
+            return None
+        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    if not axes or attrs.get("keepdims", 1) != 1:
+        return None
+    axes = tuple(sorted(int(a) for a in axes))
+    return axes if axes == tuple(range(-len(axes), 0)) else None
+
+
+def _row_constant(g: _Graph, name: str, k: int) -> np.ndarray | None:
+    """A constant as the shape of a row of the last ``k`` dims (leading 1s dropped), if it is one."""
+    if name not in g.inits:
+        return None
+    value = onnx.numpy_helper.to_array(g.inits[name])
+    while value.ndim > k and value.shape[0] == 1:
+        value = value[0]
+    return value if value.ndim == k and value.size > 1 else None
+
+
+def _match_layernorm(g: _Graph, div: onnx.NodeProto):
+    """``Div(Sub(x, ReduceMean(x)), Sqrt(Add(ReduceMean(Pow(Sub, 2)), eps)))``, then ``Mul(gamma)``
+    and ``Add(beta)`` -> (x, gamma, beta or None, axis, eps, the nodes) or None. The gamma is
+    required: the row's length comes from it."""
+    if div.op_type != "Div":
+        return None
+    sub, sqrt = g.producer.get(div.input[0]), g.private(div.input[1])
+    if sub is None or sub.op_type != "Sub" or sqrt is None or sqrt.op_type != "Sqrt":
+        return None
+    add_eps = g.private(sqrt.input[0])
+    found = None if add_eps is None or add_eps.op_type != "Add" else g.constant_operand(add_eps)
+    if found is None:
+        return None
+    variance_in, eps = found
+    variance = g.private(variance_in)
+    square = None if variance is None else g.private(variance.input[0])
+    if square is None or not (
+            (square.op_type == "Pow" and len(square.input) == 2 and square.input[0] == sub.output[0]
+             and _scalar(g.inits, square.input[1]) == 2.0)
+            or (square.op_type == "Mul" and list(square.input) == [sub.output[0]] * 2)):
+        return None
+    mean = g.private(sub.input[1])
+    axes = _reduced_axes(g, variance)
+    if mean is None or mean.input[0] != sub.input[0] or axes is None or _reduced_axes(g, mean) != axes:
+        return None
+    if sub.output[0] in g.outputs or {n.name for n in g.consumers[sub.output[0]]} != {square.name, div.name}:
+        return None
+    nodes = [mean, sub, square, variance, add_eps, sqrt, div]
+    mul = g.consumers[div.output[0]]
+    if len(mul) != 1 or div.output[0] in g.outputs or mul[0].op_type != "Mul":
+        return None
+    found = g.constant_operand_any(mul[0])
+    gamma = None if found is None or found[0] != div.output[0] else _row_constant(g, found[1], len(axes))
+    if gamma is None:
+        return None
+    nodes.append(mul[0])
+    beta = None
+    add = g.consumers[mul[0].output[0]]
+    if len(add) == 1 and mul[0].output[0] not in g.outputs and add[0].op_type == "Add":
+        found = g.constant_operand_any(add[0])
+        if found is not None and found[0] == mul[0].output[0] and found[1] in g.inits:
+            value = onnx.numpy_helper.to_array(g.inits[found[1]])
+            if value.size in (1, gamma.size):
+                beta = np.broadcast_to(value.reshape(-1), (gamma.size,)).reshape(gamma.shape)
+                nodes.append(add[0])
+    return sub.input[0], gamma, beta, -len(axes), eps, nodes
+
+
+def find_layernorm(model: onnx.ModelProto) -> list:
+    g = _Graph(model)
+    return [m for m in map(lambda n: _match_layernorm(g, n), model.graph.node) if m is not None]
+
+
+def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
+    """In place: each match becomes one LayerNormalization node (opset >= 17) writing the output
+    of its last node, gamma and beta as new initializers (float32)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    groups = []
+    for x, gamma, beta, axis, eps, nodes in matches:
+        last = nodes[-1]
+        inputs = [x, _fresh_init(model, inits, f"{last.name}_scale", gamma.astype(np.float32))]
+        if beta is not None:
+            inputs.append(_fresh_init(model, inits, f"{last.name}_bias", beta.astype(np.float32)))
+        groups.append((nodes, helper.make_node("LayerNormalization", inputs, [last.output[0]], name=last.name,
+                                               axis=axis, epsilon=float(eps))))
+    _replace(model, groups)
 
 
 def _per_channel(value: np.ndarray, channels: int) -> np.ndarray | None:

@@ -199,24 +199,38 @@ def check_float_model(model: onnx.ModelProto, source: str) -> None:
                      f"quantizes float models: give it the float model this one was made from")
 
 
+# decompositions that become one op (qtool/fusion.py): the finder, the rewrite, the opset it needs
+FUSIONS = ((fusion.find_hardswish, fusion.fuse_hardswish, fusion.HARDSWISH_OPSET),
+           (fusion.find_layernorm, fusion.fuse_layernorm, fusion.LAYERNORM_OPSET))
+
+
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """Constant affine ops after a Conv fold into it; HardSwish decompositions become HardSwish
-    nodes (qtool/fusion.py), upgrading to opset 14."""
+    """Constant affine ops after a Conv fold into it; HardSwish and LayerNorm decompositions become
+    HardSwish (opset 14) and LayerNormalization (opset 17) nodes (qtool/fusion.py), the model
+    upgraded to the highest opset its fusions need. Where onnx cannot upgrade it that far, the
+    fusions that need more stay undone: the decomposition still runs, with more requantizations."""
     if fusion.fold_affine_into_conv(model):
         _drop_unused_initializers(model)
-    matches = fusion.find_hardswish(model)
-    if not matches:
-        return model
+    needed = sorted({opset for find, _, opset in FUSIONS if find(model)}, reverse=True)
     opset = default_opset(model)
-    if opset < fusion.HARDSWISH_OPSET:
+    for target in needed:
+        if target <= opset:
+            break
         try:
-            model = _convert_version(model, fusion.HARDSWISH_OPSET)
+            model = _convert_version(model, target)
         except Exception:
-            return model  # the decomposition stays; it still runs, with more requantizations
+            continue
         normalize(model)
-        matches = fusion.find_hardswish(model)
-    fusion.fuse_hardswish(model, matches)
-    _drop_unused_initializers(model)
+        opset = target
+        break
+    fused = False
+    for find, fuse, needs in FUSIONS:
+        matches = find(model) if needs <= opset else []
+        if matches:
+            fuse(model, matches)
+            fused = True
+    if fused:
+        _drop_unused_initializers(model)
     return model
 
 

@@ -17,6 +17,7 @@ import onnx
 from .executor import IntegerExecutor
 from .fixedpoint import Requant
 from .ops import NOT_DUMPED_KEY
+from .ops.lut import LutParams
 from .qparams import QParams
 
 PARAMS_FORMAT = "qtool-params/1"
@@ -89,9 +90,8 @@ def lookup_tables(executor: IntegerExecutor) -> dict[str, dict[str, np.ndarray]]
     """op_type -> node name -> 256-entry table, for every integer step whose kernel is a LUT."""
     luts: dict[str, dict[str, np.ndarray]] = {}
     for step in executor.steps:
-        table = getattr(step.params, "table", None)
-        if step.kind == "integer" and isinstance(table, np.ndarray) and table.size == 256:
-            luts.setdefault(step.node.op_type, {})[step.node.name] = table
+        if step.kind == "integer" and isinstance(step.params, LutParams) and step.params.table is not None:
+            luts.setdefault(step.node.op_type, {})[step.node.name] = step.params.table
     return luts
 
 

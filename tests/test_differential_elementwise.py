@@ -70,6 +70,16 @@ CASES = {
     "prelu_per_channel": _case("PRelu", X, {"slope": _f(0.25, 0.1, -0.3, 0.02).reshape(4, 1, 1)}),
     "prelu_scalar": _case("PRelu", X, {"slope": _f(0.2)}),
 }
+CASES.update({
+    "softmax": _case("Softmax", {"x": (8, 4, 6, 10)}, spread=3.0),
+    "softmax_axis1": _case("Softmax", {"x": (8, 5, 7)}, spread=2.0, axis=1),
+    "layernorm": _case("LayerNormalization", {"x": (8, 6, 24)},
+                       {"gamma": RNG.normal(1.0, 0.5, 24).astype(np.float32),
+                        "beta": RNG.normal(0.0, 0.5, 24).astype(np.float32)}, opset=17),
+    "layernorm_two_axes": _case("LayerNormalization", {"x": (8, 3, 4, 5)},
+                                {"gamma": RNG.normal(0.0, 1.0, (4, 5)).astype(np.float32)},
+                                opset=17, axis=-2, epsilon=0.1),
+})
 if HAS_GELU:
     CASES["gelu"] = _case("Gelu", X, opset=20, spread=2.0)
     CASES["gelu_tanh"] = _case("Gelu", X, opset=20, spread=2.0, approximate="tanh")

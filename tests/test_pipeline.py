@@ -130,13 +130,13 @@ def test_verify_on_demo(demo_model, demo_table, demo_heldout, tmp_path):
 
 
 def test_unsupported_op_stays_float_and_is_reported(tmp_path):
-    # Conv -> Softmax -> Conv: Softmax has no integer kernel (float by design), so it is fenced by Q/DQ
+    # Conv -> Sin -> Conv: Sin has no integer kernel, so it is fenced by Q/DQ
     rng = np.random.default_rng(0)
     w1, w2 = (rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32),
               rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32))
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1, 1, 1, 1]),
-         helper.make_node("Softmax", ["a"], ["s"], name="sig", axis=1),
+         helper.make_node("Sin", ["a"], ["s"], name="sin"),
          helper.make_node("Conv", ["s", "w2"], ["y"], name="c2")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 6, 6])],
@@ -147,9 +147,9 @@ def test_unsupported_op_stays_float_and_is_reported(tmp_path):
     np.savez(tmp_path / "d.npz", x=x)
     table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
     qmodel, report = quantize(tmp_path / "m.onnx", table)
-    assert report.kept_float == [("Softmax", "sig", "no integer kernel for this op type")]
+    assert report.kept_float == [("Sin", "sin", "no integer kernel for this op type")]
     executor = IntegerExecutor(qmodel)
-    assert [(t, n) for t, n, _ in executor.float_nodes()] == [("Softmax", "sig")]
+    assert [(t, n) for t, n, _ in executor.float_nodes()] == [("Sin", "sin")]
     got = executor.run({"x": x}).outputs["y"]
     want = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
     cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
@@ -198,8 +198,8 @@ def test_data_movement_ops_share_their_input_range(demo_model, demo_table):
     assert pool.params.rescale.requant is None  # identity: no arithmetic at all
 
 
-def test_layernorm_variance_stays_float(tmp_path):
-    # x -> LayerNorm decomposition -> * gamma: the Add(variance, eps) before Sqrt stays float
+def _layernorm_decomposition(tmp_path, gamma: bool):
+    """x -> (x - mean) / sqrt(var + eps) [* gamma] as exporters write it, at opset 13."""
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1], name="mean"),
              helper.make_node("Sub", ["x", "mean"], ["centred"], name="sub"),
@@ -207,8 +207,9 @@ def test_layernorm_variance_stays_float(tmp_path):
              helper.make_node("ReduceMean", ["sq"], ["var"], axes=[-1], name="var"),
              helper.make_node("Add", ["var", "eps"], ["var_eps"], name="add_eps"),
              helper.make_node("Sqrt", ["var_eps"], ["std"], name="sqrt"),
-             helper.make_node("Div", ["centred", "std"], ["normed"], name="div"),
-             helper.make_node("Mul", ["normed", "gamma"], ["y"], name="gamma_mul")]
+             helper.make_node("Div", ["centred", "std"], ["normed" if gamma else "y"], name="div")]
+    if gamma:
+        nodes.append(helper.make_node("Mul", ["normed", "gamma"], ["y"], name="gamma_mul"))
     graph = helper.make_graph(
         nodes, "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5, 8])],
@@ -217,8 +218,31 @@ def test_layernorm_variance_stays_float(tmp_path):
          numpy_helper.from_array(rng.normal(1, 0.1, 8).astype(np.float32), "gamma")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
               tmp_path / "m.onnx")
-    np.savez(tmp_path / "d.npz", x=rng.normal(0, 2, (8, 5, 8)).astype(np.float32))
+    x = rng.normal(0, 2, (8, 5, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
     table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
-    _, report = quantize(tmp_path / "m.onnx", table)
+    return x, quantize(tmp_path / "m.onnx", table)
+
+
+def test_layernorm_decomposition_is_one_integer_op(tmp_path):
+    """With its gamma, the decomposition becomes one LayerNormalization (opset 17) that the
+    executor runs integer, equal to onnxruntime's float LayerNorm on the same QDQ fences."""
+    x, (qmodel, report) = _layernorm_decomposition(tmp_path, gamma=True)
+    assert report.kept_float == [] and report.quantized == {"LayerNormalization": 1}
+    assert any("upgraded from 13 to 17" in w for w in report.warnings)
+    executor = IntegerExecutor(qmodel)
+    assert executor.float_nodes() == []
+    got = executor.run({"x": x}).outputs["y"]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    want = ort.InferenceSession(qmodel.SerializeToString(), options).run(None, {"x": x})[0]
+    dq = next(n for n in qmodel.graph.node if n.output[0] == "y")
+    step = float(numpy_helper.to_array(next(t for t in qmodel.graph.initializer if t.name == dq.input[1])))
+    assert np.abs(got - want).max() <= step * 1.001  # one output step at most
+    assert np.mean(got == want) >= 0.99
+
+
+def test_layernorm_variance_stays_float(tmp_path):
+    # without a gamma the decomposition is not fused: the Add(variance, eps) before Sqrt stays float
+    _, (_, report) = _layernorm_decomposition(tmp_path, gamma=False)
     assert ("Add", "add_eps", "inside a LayerNormalization (float by default)") in report.kept_float
-    assert report.quantized == {"Mul": 1}  # gamma's Mul runs integer

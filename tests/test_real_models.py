@@ -1,7 +1,8 @@
 """A real model end to end: PP-OCR's mobile v2.0 text-direction classifier from the
 rapidocr-onnxruntime wheel (installed by `make test` without its dependencies; only the .onnx
 files are used). Dynamic input dims, opset 11 (upgraded to 13 for per-channel QDQ), BatchNorm,
-HardSwish/HardSigmoid, Softmax: the ops without integer kernels stay float and are reported.
+HardSwish/HardSigmoid, Softmax; PP-OCRv4 rec's LayerNorm decompositions: every op runs integer but
+the shape arithmetic, and what stays float is reported.
 
 The images are synthetic text-like strokes, deterministic; rendered text lines come with the
 quality benchmark.
@@ -93,6 +94,35 @@ def real_tables(tmp_path_factory):
             tables[kind] = (_model(name), calibrate(_model(name), folder / "calib.npz", progress=False), x)
         return tables[kind]
     return get
+
+
+SHAPE_ARITHMETIC = {"Shape", "Cast", "Slice", "Concat", "Gather", "Unsqueeze"}
+
+
+def test_ppocr_rec_runs_integer_but_for_shape_arithmetic(real_tables):
+    """PP-OCRv4 rec's SVTR blocks: the five LayerNorm decompositions become LayerNormalization,
+    which with the attention and output Softmax runs on integer kernels; each within one step of
+    onnxruntime's float op on the same integer inputs (the QDQ model run as written). What runs
+    float is the int64 shape arithmetic alone."""
+    from test_differential import per_step_differences
+
+    model, table, x = real_tables("rec")
+    prepared = [n.op_type for n in prepare(load_model(model)).graph.node]
+    assert prepared.count("LayerNormalization") == 5 and "Sqrt" not in prepared and "ReduceMean" not in prepared
+    qmodel, report = quantize(model, table)
+    assert report.quantized["LayerNormalization"] == 5 and report.quantized["Softmax"] == 3
+    executor = IntegerExecutor(qmodel)
+    floats = executor.float_nodes()
+    assert {t for t, _, _ in floats} <= SHAPE_ARITHMETIC, floats
+    float_outputs = {o for s in executor.steps if s.kind == "float" for o in s.outputs}
+    shapes = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(qmodel).graph.value_info}
+    integer_types = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    assert all(shapes.get(o) in integer_types for o in float_outputs), float_outputs
+    diffs = per_step_differences(qmodel, {"x": x[:2]})
+    ops = {s.node.name: s.node.op_type for s in executor.steps if s.kind == "integer"}
+    for op_type in ("LayerNormalization", "Softmax"):
+        d = np.concatenate([v.ravel() for n, v in diffs.items() if ops.get(n) == op_type])
+        assert d.max() <= 1 and np.mean(d == 0) >= 0.999, f"{op_type}: {d.max()} steps, {np.mean(d == 0):.4%}"
 
 
 @pytest.mark.parametrize("bits", [32, 8])

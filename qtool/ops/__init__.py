@@ -82,6 +82,7 @@ class NodeView:
     multiplier_bits: int = 32
     outputs: list[QParams] = field(default_factory=list)  # every output's; ``output`` is the first
     attrs: dict = field(default_factory=dict)
+    opset: int = field(default_factory=onnx.defs.onnx_opset_version)  # the model's default domain's
 
     def __post_init__(self):
         self.outputs = self.outputs or [self.output]
