@@ -56,7 +56,7 @@ def connect(address: str):
         import logging
 
         with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
+                                      dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
                 distributed.Client(cluster) as client:
             yield client
         return
@@ -67,8 +67,7 @@ def connect(address: str):
     try:
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT)
     except (OSError, TimeoutError, ValueError) as e:
-        raise QtoolError(f"cannot reach the dask scheduler at '{address}' within {CONNECT_TIMEOUT} s "
-                         f"({first_line(e)})") from None
+        raise QtoolError(f"cannot reach the dask scheduler at '{address}': {first_line(e)}") from None
     with client:
         try:
             client.wait_for_workers(1, timeout=CONNECT_TIMEOUT)
