@@ -169,22 +169,32 @@ class KillOnce(distributed.WorkerPlugin):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_worker_killed_mid_task_is_survived(tmp_path, demo_model, demo_calib):
+def test_a_worker_killed_mid_task_is_survived(tmp_path, demo_model, demo_calib, inputs):
+    """A calibration shard and a batch job each kill their worker once: dask runs them again on
+    another worker, and the results are those of a run without a death."""
     alone = tmp_path / "alone.yaml"
-    out = tmp_path / "out"
+    out = tmp_path / "calibrated"  # (the jobs write to out/)
     out.mkdir()
-    marker = tmp_path / "killed"
     common = ["calibrate", demo_model, "--data", demo_calib, "--method", "kl", "--batch-size", 32, "-q"]
     assert invoke(*common, "-o", alone).exit_code == 0
+    jobs = write(tmp_path, batch(inputs))
     with _local_cluster() as running, distributed.Client(running) as client:
         pids = set(client.run(os.getpid).values())
-        client.register_plugin(KillOnce(str(marker), "qtool-calibrate"))
+        for name, prefix in (("shard", "qtool-calibrate"), ("job", "execute")):  # run's tasks: job.execute
+            client.register_plugin(KillOnce(str(tmp_path / f"killed-{name}"), prefix), name=f"kill-{name}")
         result = invoke(*common, "-o", out / "spread.yaml", "--cluster", running.scheduler_address)
+        ran = invoke("run", jobs, "--json", "-q", "--cluster", running.scheduler_address)
     assert_no_crash(result)
     assert result.exit_code == 0, result.stderr
-    assert int(marker.read_text()) in pids  # a worker did die in a task
+    assert int((tmp_path / "killed-shard").read_text()) in pids  # a worker did die in a task
     assert snapshot(out) == [Path("spread.yaml")]  # nothing half-written beside it
     assert (out / "spread.yaml").read_bytes() == alone.read_bytes()
+    assert (tmp_path / "killed-job").exists()
+    assert ran.exit_code == 0, ran.stderr
+    rows = json.loads(ran.stdout)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    for row in rows:
+        assert json.loads(Path(row["outputs"]["report"]).read_text())["job_failures"] == []
 
 
 def _free_port() -> int:
