@@ -288,22 +288,21 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             params: dict | None = None, num_samples: int | None = None, batch_size: int | None = None,
             progress: bool = True, preprocess=None, log=None,
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR,
-            memory_mb: int = DEFAULT_MEMORY_MB, feeds=None) -> Statistics:
+            memory_mb: int = DEFAULT_MEMORY_MB, feeds=None, shard: tuple[int, int] | None = None
+            ) -> Statistics:
     """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
     ``feeds`` (qtool.analyze.Batches): these batches of DATA's samples instead of DATA in order
-    (a data-driven step calibrating on its fit samples only)."""
+    (a data-driven step calibrating on its fit samples only). ``shard``: samples [first, stop) of
+    DATA only, in batches from ``first`` (a part of a calibration spread by qtool/cluster.py)."""
     new_calibrator = calibrator_factory(method, params)
     new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
     check_memory(memory_mb)
     model, data = _model_and_data(model_path, data_path, preprocess)
-    total = len(data) if num_samples is None else min(num_samples, len(data))
+    first, total = shard or (0, len(data) if num_samples is None else min(num_samples, len(data)))
     if feeds is not None:
         total = feeds.samples
-    shape_batch = min(fixed_batch(model) or batch_size or CALIBRATE_BATCH_CAP, total)
-    typed, shapes = _fix_dims(model, data, shape_batch)
-    batch_size, note = default_batch(model, data, batch_size, CALIBRATE_FACTOR, memory_mb,
-                                     CALIBRATE_BATCH_CAP, (typed, shape_batch))
+    typed, shapes, batch_size, note = _batching(model, data, total - first, batch_size, memory_mb)
     if log is not None:
         for vi in graph_inputs(model):
             declared = ["N" if i == 0 else (d if d else "?") for i, d in enumerate(input_shape(vi))]
@@ -313,9 +312,9 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
                        0, shapes, {name: new_calibrator() for name in names})
     update = _updater(model, typed, names, stats.calibrators, histogram_samples)
-    with progress_bar(total, "calibrate", progress) as bar:
+    with progress_bar(total - first, "calibrate", progress) as bar:
         try:
-            for batch in (data.batches(batch_size, total) if feeds is None else feeds):
+            for batch in (data.batches(batch_size, total, first) if feeds is None else feeds):
                 update(batch)
                 n = data.samples_in(batch)
                 stats.samples += n
@@ -327,6 +326,28 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     if log is not None and note and total > 1:
         log(note)
     return stats
+
+
+def _batching(model, data: Dataset, samples: int, batch_size: int | None, memory_mb: int):
+    """(``_fix_dims``'s typed model, the input shapes, the batch size, its log line) of a
+    calibration of ``samples`` samples."""
+    shape_batch = min(fixed_batch(model) or batch_size or CALIBRATE_BATCH_CAP, samples)
+    typed, shapes = _fix_dims(model, data, shape_batch)
+    batch_size, note = default_batch(model, data, batch_size, CALIBRATE_FACTOR, memory_mb,
+                                     CALIBRATE_BATCH_CAP, (typed, shape_batch))
+    return typed, shapes, batch_size, note
+
+
+def batch_plan(model_path: str | Path, data_path: str | Path, num_samples: int | None = None,
+               batch_size: int | None = None, memory_mb: int = DEFAULT_MEMORY_MB, preprocess=None
+               ) -> tuple[int, int, str]:
+    """(samples, batch size, its log line) of ``collect`` with these arguments: qtool/cluster.py
+    cuts its shards at these batches, so that each batch is the one a single process runs."""
+    check_sampling(num_samples, batch_size)
+    check_memory(memory_mb)
+    model, data = _model_and_data(model_path, data_path, preprocess)
+    total = len(data) if num_samples is None else min(num_samples, len(data))
+    return total, *_batching(model, data, total, batch_size, memory_mb)[2:]
 
 
 class _Updates:

@@ -3,6 +3,7 @@ stderr and an exit code; data goes to stdout, progress and logs to stderr."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,6 +32,14 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]}, rich_markup_mode=None,
 )
+
+
+def _cluster_option():
+    """--cluster, shared by calibrate, verify and run (qtool/cluster.py)."""
+    return typer.Option(None, "--cluster", metavar="ADDRESS", help="Run on a dask.distributed "
+                        "cluster: local or local:N (N worker processes started here) or a "
+                        "scheduler's tcp://HOST:PORT. Workers read the same paths (a shared "
+                        "filesystem); needs pip install 'qtool[dask]'.")
 
 
 def _fail(e: QtoolError) -> typer.Exit:
@@ -113,6 +122,7 @@ def calibrate(
     as_json: bool = typer.Option(False, "--json", help="Print a summary (tensors, samples, method, "
                                                        "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or log."),
+    cluster: Optional[str] = _cluster_option(),
 ):
     """Run the float model over DATA and write per-tensor ranges and thresholds.
 
@@ -126,6 +136,7 @@ def calibrate(
       qtool calibrate model.onnx --data images/ -o t.yaml --resize 224x224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225
       qtool calibrate model.onnx --data shard1.npz --stats-out part1.npz   # then: qtool merge part*.npz -o t.yaml
       qtool calibrate model.onnx -d calib.npz -o - | qtool quantize model.onnx -t - -o model.q.onnx
+      qtool calibrate model.onnx -d calib.npz -o table.yaml --cluster tcp://scheduler:8786
     """
     from .calibrate import collect, parse_params
     from .table_formats import STDIO, check_table_target, output_format, write_table
@@ -142,6 +153,10 @@ def calibrate(
         pre = _preprocess(resize, mean, std, scale, channels, layout, input_name)
         if histogram_samples < 0:
             raise QtoolError(f"--histogram-samples must be >= 0, got {histogram_samples}")
+        if cluster is not None:
+            from .cluster import collect as collect_on
+
+            collect = functools.partial(collect_on, cluster)
         stats = collect(model, data, method, parse_params(param), num_samples, batch_size,
                         progress=not quiet, preprocess=pre, log=None if quiet else _log,
                         histogram_samples=histogram_samples, memory_mb=memory)
@@ -559,6 +574,7 @@ def verify(
                                "u8 x s8 products on an x86 CPU without VNNI: adjacent pairs added in "
                                "int16 with saturation, as an AVX2 host computes) or host (whichever "
                                "of the two this machine's onnxruntime uses)."),
+    cluster: Optional[str] = _cluster_option(),
 ):
     """Compare the float model with the integer executor, output by output and tensor by tensor.
 
@@ -575,6 +591,7 @@ def verify(
       qtool verify model.onnx model.q.onnx --data heldout.npz --ort --ort-config session.disable_quant_qdq=1
       qtool verify model.onnx model.q.onnx --data heldout.npz --analyze --report report.html
       qtool verify model.onnx model.q.onnx --data heldout.npz --target x86-avx2   # as on AVX2
+      qtool verify model.onnx model.q.onnx --data heldout.npz --cluster local:4
     """
     from .html_report import render_html
     from .verify import format_report, parse_tolerance, verify as run
@@ -587,6 +604,10 @@ def verify(
         config = dict(_key_value("--ort-config", entry) for entry in ort_config or [])
         if report_path is not None:
             check_writable(report_path)
+        if cluster is not None:
+            from .cluster import verify as verify_on
+
+            run = functools.partial(verify_on, cluster)
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
                      progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
@@ -745,6 +766,7 @@ def run(
                                                           "nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stage logs."),
+    cluster: Optional[str] = _cluster_option(),
 ):
     """Run YAML jobs: calibrate -> quantize -> verify, writing every artifact under output_dir.
 
@@ -761,6 +783,7 @@ def run(
       qtool run configs/ppocr.yaml --jobs 2
       qtool run configs/ppocr.yaml --dry-run
       qtool run configs/ppocr.yaml --force --json > summary.json
+      qtool run configs/ppocr.yaml --cluster tcp://scheduler:8786   # each job a task on the cluster
     """
     from .job import describe_plan, format_summary, plan_jobs, run_batch, up_to_date
     from .verify import format_report
@@ -779,6 +802,10 @@ def run(
         from .job import run_job  # one job: its full verify report, as before batches existed
 
         try:
+            if cluster is not None:
+                from .cluster import run_job as run_on
+
+                run_job = functools.partial(run_on, cluster)
             result = run_job(plans[0], progress=not quiet, log=log)
         except QtoolError as e:
             raise _fail(e)
@@ -793,7 +820,14 @@ def run(
         log(f"job '{outcome.name}': {outcome.status}"
             + (f" ({outcome.message})" if outcome.message and outcome.status != "ok" else ""))
 
-    outcomes = run_batch(plans, jobs, force, progress=not quiet and jobs == 1, log=log, on_done=done)
+    try:
+        if cluster is not None:
+            from .cluster import run_batch as run_on
+
+            run_batch = functools.partial(run_on, cluster)
+        outcomes = run_batch(plans, jobs, force, progress=not quiet and jobs == 1, log=log, on_done=done)
+    except QtoolError as e:
+        raise _fail(e)
     typer.echo(json.dumps([o.to_dict() for o in outcomes], indent=1) if as_json
                else format_summary(outcomes))
     if any(o.status == "error" for o in outcomes):

@@ -505,9 +505,10 @@ def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
 
 
 def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progress: bool = True,
-              log=print, on_done=None) -> list[JobOutcome]:
+              log=print, on_done=None, pool=None) -> list[JobOutcome]:
     """Run the jobs that are not up to date (all with ``force``), in order or in ``workers``
-    separate processes; the outcomes come back in the file's order."""
+    separate processes, or on ``pool`` (a concurrent.futures executor: qtool/cluster.py's); the
+    outcomes come back in the file's order."""
     outcomes: list[JobOutcome | None] = [None] * len(plans)
     pending = []
     for i, plan in enumerate(plans):
@@ -519,7 +520,7 @@ def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progr
                 on_done(outcomes[i])
         else:
             pending.append(i)
-    if workers <= 1 or len(pending) <= 1:
+    if pool is None and (workers <= 1 or len(pending) <= 1):
         for i in pending:
             log(f"job '{plans[i].name}' ({i + 1}/{len(plans)})")
             outcomes[i] = execute(plans[i], progress, log)
@@ -527,11 +528,13 @@ def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progr
                 on_done(outcomes[i])
         return outcomes
     import concurrent.futures
+    import contextlib
     import multiprocessing
 
     # spawn, not fork: onnxruntime's thread pools do not survive a fork
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with (contextlib.nullcontext(pool) if pool is not None else
+          concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context)) as pool:
         futures = {pool.submit(execute, plans[i]): i for i in pending}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]

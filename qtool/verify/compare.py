@@ -11,6 +11,7 @@ of the sum), far below the digits a report prints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,25 @@ class Comparison:
         self.err_sq += err_sq
         if self.qparams is not None and np.size(ref):
             self.max_lsb = max(self.max_lsb, max(hi, -lo) / float(self.qparams.scale))
+
+    def take(self) -> "Comparison":
+        """A copy holding the figures so far, which start again from zero here: qtool/cluster.py
+        sends each batch's figures to the client, which adds them up (``merge``) in batch order,
+        so that the sums are the ones a single process makes."""
+        taken = dataclasses.replace(self)
+        self.dot = self.ref_sq = self.got_sq = self.err_sq = self.max_lsb = 0.0
+        self.mismatched, self.shapes = 0, None
+        return taken
+
+    def merge(self, other: "Comparison") -> None:
+        """Add the figures of ``other``, the same tensor on later samples."""
+        self.dot += other.dot
+        self.ref_sq += other.ref_sq
+        self.got_sq += other.got_sq
+        self.err_sq += other.err_sq
+        self.max_lsb = max(self.max_lsb, other.max_lsb)
+        self.mismatched += other.mismatched
+        self.shapes = self.shapes or other.shapes
 
     @property
     def cosine(self) -> float:

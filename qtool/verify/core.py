@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import queue
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,18 @@ class OrtCheck:
             self.max_diff = max(self.max_diff, float(diff.max()))
         self.equal += int(np.count_nonzero(executor == got))
         self.count += diff.size
+
+    def take(self) -> "OrtCheck":
+        """``Comparison.take`` for these figures too."""
+        taken = dataclasses.replace(self, vs_float=self.vs_float.take())
+        self.max_diff, self.equal, self.count = 0.0, 0, 0
+        return taken
+
+    def merge(self, other: "OrtCheck") -> None:
+        self.vs_float.merge(other.vs_float)
+        self.max_diff = max(self.max_diff, other.max_diff)
+        self.equal += other.equal
+        self.count += other.count
 
     def to_dict(self) -> dict:
         max_diff = round(self.max_diff, 3) if self.unit == "lsb" else float(f"{self.max_diff:.6g}")
@@ -135,14 +148,16 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
            preprocess=None, run_ort: bool = False, run_analyze: bool = False,
            analyze_samples: int | None = 16, arithmetic: str = "exact",
            ort_config: dict[str, str] | None = None, memory_mb: int = DEFAULT_MEMORY_MB,
-           log=None) -> VerifyReport:
+           log=None, shard: tuple[int, int] | None = None, on_batch=None) -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
     integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
     with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
     model on the first ``analyze_samples`` of the compared samples. ``arithmetic``: the executor's
     (exact, x86-avx2 or host; qtool/targets). ``ort_config``: session config entries for
     onnxruntime's session (e.g. ``session.x64quantprecision``), as a user deploys it.
-    ``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``."""
+    ``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
+    ``shard``: samples [first, stop) only; ``on_batch(outputs, tensors, parts, ort_checks,
+    (correct_float, correct_int))`` after each batch (qtool/cluster.py takes each batch's figures)."""
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
@@ -181,7 +196,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
     pixels = pixel_inputs(qmodel)  # quantize --input-pixels: onnxruntime gets the pixels
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
-    total = len(data) if num_samples is None else min(num_samples, len(data))
+    begin, total = shard or (0, len(data) if num_samples is None else min(num_samples, len(data)))
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP)
     analysis = None
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
@@ -194,10 +209,10 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
     # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
     # and the executor's kernels on this thread alone: the second thread has work of its own
-    with progress_bar(total, "verify", progress) as bar, blas.single_threaded(), parallel.serial(), \
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
-        start = batches = 0
-        for feeds in data.batches(batch_size, total):
+    with progress_bar(total - begin, "verify", progress) as bar, blas.single_threaded(), \
+            parallel.serial(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
+        start, batches = begin, 0
+        for feeds in data.batches(batch_size, total, begin):
             reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
             for c in outputs:
                 if c.name not in reference:
@@ -219,18 +234,31 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             start += n
             bar.update(n)
             batches += 1
+            if on_batch is not None:
+                on_batch(outputs, tensors, parts, ort_checks, (correct_float, correct_int))
     if log is not None and note and total > 1:
         log(note)
-    report = VerifyReport(total, tolerance, outputs, tensors, executor.float_nodes(),
+    report = VerifyReport(total - begin, tolerance, outputs, tensors, executor.float_nodes(),
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic, parts=parts)
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
     if labels is not None:
-        report.accuracy = {"labels": labels, "float": 100.0 * correct_float / total,
-                           "integer": 100.0 * correct_int / total}
-    min_cos, min_sqnr = tolerance
-    for c in outputs:
+        report.accuracy = accuracy(labels, correct_float, correct_int, report.samples)
+    judge(report, batches)
+    return report
+
+
+def accuracy(labels: str, correct_float: int, correct_int: int, samples: int) -> dict:
+    return {"labels": labels, "float": 100.0 * correct_float / samples,
+            "integer": 100.0 * correct_int / samples}
+
+
+def judge(report: VerifyReport, batches: int) -> None:
+    """The report's failures: every output, and each part of one, against the tolerance."""
+    parts = report.parts
+    min_cos, min_sqnr = report.tolerance
+    for c in report.outputs:
         if c.mismatched:
             report.failures.append(f"output '{c.name}' has another shape than the float model's on "
                                    f"{c.mismatched} of {batches} batches (float {c.shapes[0]}, "
@@ -250,7 +278,6 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
                 report.failures.append(f"{where} cosine {part.cosine:.6f} < {min_cos}")
             if min_sqnr is not None and part.sqnr < min_sqnr:
                 report.failures.append(f"{where} SQNR {part.sqnr:.2f} dB < {min_sqnr} dB")
-    return report
 
 
 def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,

@@ -12,6 +12,8 @@ reshapes between the join and the output.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from ..joins import Join, part_map
@@ -44,6 +46,18 @@ class PartComparisons:
         ref, got = np.ravel(ref), np.ravel(got)
         for part, index in zip(self.parts, where):
             part.update(ref[index], got[index])
+
+    def take(self) -> "PartComparisons":
+        """``Comparison.take`` for every part."""
+        taken = copy.copy(self)
+        taken.parts, taken._cache = [c.take() for c in self.parts], {}
+        self.unplaced = False
+        return taken
+
+    def merge(self, other: "PartComparisons") -> None:
+        for part, more in zip(self.parts, other.parts):
+            part.merge(more)
+        self.unplaced |= other.unplaced
 
     def worst(self) -> Comparison:
         return min(self.parts, key=lambda c: (c.sqnr, c.cosine))
