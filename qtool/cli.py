@@ -360,7 +360,7 @@ def quantize(
     from .calibrate import make_calibrator
     from .search import choose_method, choose_methods, search
     from .params import model_params
-    from .model import load_model
+    from .model import load_model, prepare
     from .pixels import PixelInput
     from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
@@ -375,7 +375,7 @@ def quantize(
             raise QtoolError("--mean, --std and --scale describe the pixels of --input-pixels: add it")
         precisions = Precisions()
         if precision_table is not None:
-            precisions = read_precision_table(precision_table, load_model(model))
+            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                                   tuple(keep_float) + precisions.keep_float, format, strict, target, pixels,
                                   precisions.int16)

@@ -25,8 +25,9 @@ from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
 from .fileio import atomic_write, check_writable
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
-from .model import file_digest
+from .model import file_digest, load_model, prepare
 from .pixels import PixelInput
+from .precision import Precisions, read_precision_table
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
 from .report import bias_summary, methods_summary, pick_summary, search_summary
 from .targets import TARGETS
@@ -76,6 +77,7 @@ SCHEMA = {
         "try_methods": (list, False),
         "method_choice": (bool, False),
         "allow_float": (bool, False),
+        "precision_table": (str, False),  # quantize --precision-table: a path, as data paths are
     }, False),
     "verify": ({
         "data": (str, False),
@@ -229,12 +231,14 @@ class JobPlan:
     tolerance: tuple[float, float | None]
     verify: dict
     settings: dict  # the job as written (merged over the defaults), for the digest
+    precision_table: Path | None = None
 
     def digest(self) -> str:
         """What the outputs depend on: qtool's version, the settings and the input files' bytes."""
+        files = [self.model, self.calibrate_data, self.verify_data] + [self.precision_table] * bool(
+            self.precision_table)
         inputs = {"qtool": __version__, "settings": self.settings,
-                  "files": {str(p): file_digest(p) for p in (self.model, self.calibrate_data,
-                                                             self.verify_data)}}
+                  "files": {str(p): file_digest(p) for p in files}}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -324,11 +328,20 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             raise fail("quantize.input_pixels", "needs calibrate.preprocess (the mean, std and scale "
                                                 "that make the float input from the pixels)")
         pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale)
-    options = QuantizeOptions(**{k: tuple(v) if k == "keep_float" else v for k, v in qz.items()
-                                 if k not in DATA_DRIVEN and k != "input_pixels"}, input_pixels=pixels)
+    precision_table, precisions = None, Precisions()
+    if "precision_table" in qz:
+        precision_table = resolve("quantize.precision_table", qz["precision_table"])
+        try:
+            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
+        except QtoolError as e:
+            raise fail("quantize.precision_table", str(e)) from None
+    options = QuantizeOptions(**{k: v for k, v in qz.items()
+                                 if k not in DATA_DRIVEN + ("input_pixels", "keep_float", "precision_table")},
+                              keep_float=tuple(qz.get("keep_float", ())) + precisions.keep_float,
+                              int16=precisions.int16, input_pixels=pixels)
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
-                   cal, preprocess, options, tolerance, ver, job)
+                   cal, preprocess, options, tolerance, ver, job, precision_table)
     for target in (plan.table, plan.qmodel, plan.report):
         try:
             check_writable(target)
@@ -552,6 +565,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
+    if opt.int16:
+        quantize += f", int16: {', '.join(opt.int16)}"
     if opt.input_pixels is not None:
         quantize += ", uint8 pixel input (the preprocessing folded into the first Conv layers)"
     qz = plan.settings.get("quantize", {})

@@ -213,3 +213,37 @@ def test_jobs_correct_biases_by_default_and_search_when_asked(tmp_path, inputs):
     floats = {n: json.loads((out / n / f"{n}.verify.json").read_text())["float_nodes"] for n in models}
     assert floats["plain"] == floats["corrected"] == []
     assert len(floats["searched"]) == 2
+
+
+def test_a_precision_table_gives_its_ops_int16_and_its_bytes_count(tmp_path, inputs):
+    """quantize.precision_table: a path like the data's; the named op gets int16 fences, and a
+    change of the file's content runs the job again."""
+    import onnx
+    from onnx import numpy_helper
+
+    (inputs / "qtable.txt").write_text("conv2 INT16\n")
+    path = write(tmp_path, batch(inputs, j0={"quantize": {"precision_table": str(inputs / "qtable.txt")}}))
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "ok", "sym8": "ok"}
+    qmodel = onnx.load(tmp_path / "out" / "asym" / "asym.q.onnx")
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    types = {n.input[0]: inits[n.input[2]].dtype for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+    assert types["bn2_out"] == np.int16 and types["relu1_out"] != np.int16
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "skipped", "sym8": "skipped"}
+    (inputs / "qtable.txt").write_text("conv2 INT16\nconv1 INT16\n")
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "ok", "sym8": "skipped"}
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "No such file or directory"),
+    ("conv7 INT16\n", "line 1: the model has no node or op type 'conv7'"),
+])
+def test_precision_table_errors_name_the_job_key_and_the_line(tmp_path, inputs, text, message):
+    table = inputs / "qtable.txt"
+    if text is not None:
+        table.write_text(text)
+    path = write(tmp_path, batch(inputs, j1={"quantize": {"precision_table": str(table)}}))
+    result = invoke("run", path, "-q")
+    assert_user_error(result, f"job file '{path}': jobs[1].quantize.precision_table: precision table "
+                              f"'{table}'")
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()  # the whole file is checked before any work
