@@ -233,10 +233,13 @@ def _per_channel(value: np.ndarray, channels: int) -> np.ndarray | None:
 
 def fold_affine_into_conv(model: onnx.ModelProto) -> int:
     """In place: ``Conv -> Mul(c) -> Add(b)`` with per-channel or scalar constants becomes one Conv
-    with ``W' = W * c`` and ``B' = B * c + b`` (PP-LCNet's learnable affine blocks). Exact up to
-    float rounding, and one requantization instead of three. Returns the number of folds.
+    with ``W' = W * c`` and ``B' = B * c + b`` (PP-LCNet's learnable affine blocks); likewise an
+    inference BatchNormalization (``c = gamma / sqrt(var + eps)``, ``b = beta - mean c``), and
+    after a ConvTranspose of one group (PP-OCRv4 det's upsampling: ConvTranspose, Add(bias),
+    BatchNormalization, which onnxruntime's optimizer does not fold). Exact up to float rounding,
+    and one requantization instead of three. Returns the number of folds.
 
-    One pass in graph order: a fold only changes what nodes after the folded one see (the Conv now
+    One pass in graph order: a fold only changes what nodes after the folded one see (the conv now
     writes the folded node's output), so the indices are updated in place, not rebuilt.
     """
     g = _Graph(model)
@@ -246,15 +249,15 @@ def fold_affine_into_conv(model: onnx.ModelProto) -> int:
         match = _affine_after_conv(g, node)
         if match is None:
             continue
-        conv, weight, values = match
-        bias = np.zeros(weight.shape[0], np.float64)
+        conv, weight, scale, shift = match
+        axis = 1 if conv.op_type == "ConvTranspose" else 0  # the output channels of the weight
+        bias = np.zeros(weight.shape[axis], np.float64)
         if len(conv.input) > 2 and conv.input[2]:
             bias = onnx.numpy_helper.to_array(g.inits[conv.input[2]]).astype(np.float64)
-        if node.op_type == "Mul":
-            weight = weight * values.reshape(-1, *([1] * (weight.ndim - 1))).astype(weight.dtype)
-            bias = bias * values
-        else:
-            bias = bias + values
+        shape = [1] * weight.ndim
+        shape[axis] = -1
+        weight = weight * scale.reshape(shape).astype(weight.dtype)
+        bias = bias * scale + shift
         w_name = _fresh_init(model, g.inits, f"{conv.name}_w_folded", weight.astype(np.float32))
         b_name = _fresh_init(model, g.inits, f"{conv.name}_b_folded", bias.astype(np.float32))
         new_inputs = [conv.input[0], w_name, b_name]
@@ -271,24 +274,48 @@ def fold_affine_into_conv(model: onnx.ModelProto) -> int:
 
 
 def _affine_after_conv(g: _Graph, node: onnx.NodeProto):
-    """(the Conv, its weight, one value per channel) when ``node`` is a Mul or Add of a constant
-    that broadcasts per channel over the output of a Conv with constant weights, read only by it."""
-    if node.op_type not in ("Mul", "Add"):
+    """(the conv, its weight, per-channel scale and shift) when ``node`` is a Mul or Add of a
+    constant that broadcasts per channel, or an inference BatchNormalization, over the output of a
+    Conv (or a one-group ConvTranspose) with constant weights, read only by it."""
+    if node.op_type == "BatchNormalization":
+        if len(node.output) > 1 or not all(n in g.inits for n in node.input[1:5]):
+            return None
+        x = node.input[0]
+    elif node.op_type in ("Mul", "Add"):
+        operand = g.constant_operand_any(node)
+        if operand is None:
+            return None
+        x, const_name = operand
+    else:
         return None
-    operand = g.constant_operand_any(node)
-    if operand is None:
-        return None
-    x, const_name = operand
     conv = g.private(x)
-    if conv is None or conv.op_type != "Conv" or conv.input[1] not in g.inits:
+    if conv is None or conv.op_type not in ("Conv", "ConvTranspose") or conv.input[1] not in g.inits:
         return None
     if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in g.inits:
         return None
     weight = onnx.numpy_helper.to_array(g.inits[conv.input[1]])
     if weight.ndim != 4:
         return None
-    values = _per_channel(onnx.numpy_helper.to_array(g.inits[const_name]), weight.shape[0])
-    return None if values is None else (conv, weight, values)
+    if conv.op_type == "ConvTranspose":
+        if any(a.name == "group" and a.i != 1 for a in conv.attribute):
+            return None
+        channels = weight.shape[1]
+    else:
+        channels = weight.shape[0]
+    if node.op_type == "BatchNormalization":
+        gamma, beta, mean, var = (onnx.numpy_helper.to_array(g.inits[n]).astype(np.float64).reshape(-1)
+                                  for n in node.input[1:5])
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        if gamma.size != channels:
+            return None
+        scale = gamma / np.sqrt(var + np.float64(np.float32(eps)))
+        return conv, weight, scale, beta - mean * scale
+    values = _per_channel(onnx.numpy_helper.to_array(g.inits[const_name]), channels)
+    if values is None:
+        return None
+    if node.op_type == "Mul":
+        return conv, weight, values, np.zeros(channels)
+    return conv, weight, np.ones(channels), values
 
 
 def _fresh_init(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], base: str,

@@ -195,8 +195,8 @@ def test_demo_qoperator_matches_onnxruntime(demo_model, demo_table, demo_heldout
 def test_ppocr_qoperator_matches_onnxruntime(real_tables, kind):
     """PP-OCRv4 rec and det in QOperator form: every integer step within 1 LSB of onnxruntime.
     Only what quantize keeps float runs float (rec: the int64 shape arithmetic; LayerNormalization
-    and Softmax, integer in the executor, stay DQ -> op -> Q in this form; det: one
-    BatchNormalization)."""
+    and Softmax, integer in the executor, stay DQ -> op -> Q in this form; det: nothing, its
+    upsampling BatchNorms fold into their ConvTranspose)."""
     model, table, x = real_tables(kind)
     qmodel, report = quantize(model, table, QuantizeOptions(format="qoperator"))
     executor, diffs = step_differences(qmodel, {"x": x[:1]}, allow_float=True)

@@ -1,4 +1,4 @@
-"""HardSwish decompositions become one HardSwish node in the prepared graph."""
+"""Exported decompositions become one op in the prepared graph (HardSwish; constant affine ops and BatchNorm fold into a conv)."""
 
 import numpy as np
 import onnxruntime as ort
@@ -113,3 +113,35 @@ def test_chained_affine_blocks_fold_in_one_pass():
     assert list(folded.graph.node[1].input) == ["a0", "conv1_w_folded_1", "conv1_b_folded_1"]
     x = np.random.default_rng(1).normal(0, 1, (1, 3, 4, 4)).astype(np.float32)
     np.testing.assert_allclose(_run(folded, x), _run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def _upsampling_model(group=1):
+    """PP-OCRv4 det's upsampling: ConvTranspose (no bias) -> Add(bias per channel) -> BatchNorm."""
+    rng = np.random.default_rng(5)
+    c_in, c_out = 4, 6
+    inits = [numpy_helper.from_array(rng.normal(0, 0.5, (c_in, c_out // group, 2, 2)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(0, 1, (c_out, 1, 1)).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.uniform(0.5, 2, c_out).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.normal(0, 1, c_out).astype(np.float32), "beta"),
+             numpy_helper.from_array(rng.normal(0, 1, c_out).astype(np.float32), "mean"),
+             numpy_helper.from_array(rng.uniform(0.1, 3, c_out).astype(np.float32), "var")]
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["t"], strides=[2, 2], group=group),
+             helper.make_node("Add", ["t", "b"], ["u"]),
+             helper.make_node("BatchNormalization", ["u", "gamma", "beta", "mean", "var"], ["y"], epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c_in, 5, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", c_out, 10, 10])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_bias_and_batchnorm_after_a_conv_transpose_fold_into_it():
+    model = _upsampling_model()
+    prepared = prepare(model)
+    assert [n.op_type for n in prepared.graph.node] == ["ConvTranspose"]
+    x = np.random.default_rng(0).normal(0, 1, (3, 4, 5, 5)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    got = ort.InferenceSession(prepared.SerializeToString()).run(None, {"x": x})[0]
+    assert np.allclose(got, want, atol=1e-5)
+
+
+def test_a_grouped_conv_transpose_keeps_its_batchnorm():
+    assert "BatchNormalization" in [n.op_type for n in prepare(_upsampling_model(group=2)).graph.node]
