@@ -106,9 +106,9 @@ class LayerNormalization(IntegerOp):
             cut = max(0, r - (60 - math.ceil(math.log2(most))))
             m, r = (m >> cut if m >= 0 else -(-m >> cut)), r - cut
             multiplier.append(m), rshift.append(r), offset.append(round(b * 2.0**r))
-        as_array = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
-        return LayerNormParams(axis, n, int(round(epsilon)), as_array(multiplier), as_array(rshift),
-                               as_array(offset), int(y.zero_point), view.rounding, y.dtype)
+        multiplier, rshift, offset = (np.array(v, dtype=np.int64) for v in (multiplier, rshift, offset))
+        return LayerNormParams(axis, n, int(round(epsilon)), multiplier, rshift, offset,
+                               int(y.zero_point), view.rounding, y.dtype)
 
     def run(self, p: LayerNormParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
