@@ -203,7 +203,7 @@ def _match_layernorm(g: _Graph, div: onnx.NodeProto):
 
 def find_layernorm(model: onnx.ModelProto) -> list:
     g = _Graph(model)
-    return [m for m in map(lambda n: _match_layernorm(g, n), model.graph.node) if m is not None]
+    return [match for node in model.graph.node if (match := _match_layernorm(g, node)) is not None]
 
 
 def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
