@@ -27,7 +27,7 @@ import onnx
 
 import calibrators
 
-from . import __version__, stats_graph
+from . import __version__, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, check_memory, choose_batch
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
@@ -242,9 +242,13 @@ def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, 
 def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:
     """The tensors of ``names`` that ``qtool quantize`` may need a range for: graph inputs and
     outputs, and the activations of every node with an integer kernel that accepts the node
-    (``qtool.ops.REGISTRY`` and the op's ``check``), whatever becomes of its constants."""
+    (``qtool.ops.REGISTRY`` and the op's ``check``), whatever becomes of its constants.
+    Attention masks and the masked scores a Softmax reads (qtool/masks.py) are never quantized:
+    they are left out, with their -inf or -3.4e38 entries."""
     from .ops import REGISTRY, Unsupported, node_attrs
 
+    plan = masks.find(model)
+    unquantized = plan.tensors | {j.output for j in plan.joins.values()}
     inits = {i.name for i in model.graph.initializer}
     needed = {vi.name for vi in model.graph.input} | {vi.name for vi in model.graph.output}
     for node in model.graph.node:
@@ -258,7 +262,7 @@ def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:
         except Exception:  # a check that fails otherwise: keep the node's tensors
             pass
         needed.update(n for n in (*node.input, *node.output) if n and n not in inits)
-    return [n for n in names if n in needed]
+    return [n for n in names if n in needed and n not in unquantized]
 
 
 def _model_and_data(model_path, data_path, preprocess):

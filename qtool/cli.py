@@ -472,7 +472,7 @@ def quantize(
         for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
             typer.echo(line)
     if report.widened:
-        typer.echo(f"widened zero-width ranges: {', '.join(report.widened)}")
+        typer.echo(f"ranges made safe (zero width widened, beyond ±1e30 clipped): {', '.join(report.widened)}")
     if report.method_choice is not None:
         typer.echo(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
     if report.method_pick is not None:

@@ -24,11 +24,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from . import masks
 from .errors import QtoolError
 from .model import graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
+from .ops.softmax import MaskedSoftmax
 from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
 from .qoperator_exec import QOperatorLowering, float_name
 from .targets import check_arithmetic, x86
@@ -132,6 +134,7 @@ class IntegerExecutor:
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
         self.arithmetic = x86.host_arithmetic() if check_arithmetic(arithmetic) == "host" else arithmetic
+        self.masks = masks.find(model, self.constants)
         self.steps = self._prune(self._lower())
         if self.arithmetic == "x86-avx2":
             self._emulate_pair_saturation()
@@ -178,7 +181,18 @@ class IntegerExecutor:
     def _lower(self) -> list[Step]:
         absorbed_q = set()
         steps = []
+        joins, joined = self.masks.join_nodes, set()  # masked Softmax: the Add/Where, the Softmax
         for node in self.model.graph.node:
+            if node.name in joined:
+                continue
+            if node.name in joins:
+                step = self._masked_softmax_step(joins[node.name])
+                if step is not None:
+                    joined.add(joins[node.name].softmax)
+                    absorbed_q.update(step.absorbs)
+                    steps.append(step)
+                    self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
+                    continue
             if node.op_type == "QuantizeLinear":
                 qp = self._qparams_of(node)
                 if node.name not in absorbed_q:
@@ -202,6 +216,7 @@ class IntegerExecutor:
                 if step.absorbs:  # a QDQ group: its outputs are the QuantizeLinear outputs
                     self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
             else:
+                reason = masks.REASON if node.name in self.masks.arithmetic else reason
                 steps.append(Step("float", node, self._reads(node), list(node.output), reason=reason))
                 self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
         return steps
@@ -292,6 +307,26 @@ class IntegerExecutor:
                     keys=[o for o in node.output if o], qparams=[o for o in outputs if o is not None],
                     absorbs=[q.name for q in present])
         return step, ""
+
+    def _masked_softmax_step(self, join: masks.Join) -> Step | None:
+        """``DQ(scores) -> Add(mask) | Where -> Softmax -> Q`` as one integer step (qtool/masks.py),
+        or None when the group is not in that form (both nodes then run in float)."""
+        softmax = next(n for n in self.model.graph.node if n.name == join.softmax)
+        source = self.producer.get(join.scores)
+        users = self.consumers.get(softmax.output[0], [])
+        if (source is None or source.op_type != "DequantizeLinear" or source.input[0] in self.constants
+                or len(users) != 1 or users[0].op_type != "QuantizeLinear"
+                or softmax.output[0] in self.output_names):
+            return None
+        out = self._qparams_of(users[0])
+        view = NodeView(softmax, [Operand(self._qparams_of(source))], out, self.rounding,
+                        self.multiplier_bits, opset=self.opsets.get("", 1))
+        try:
+            params = MaskedSoftmax().derive(view, join.form)
+        except Unsupported:
+            return None
+        return Step("integer", softmax, [source.input[0], join.mask], [users[0].output[0]], op=MaskedSoftmax(),
+                    params=params, keys=[softmax.output[0]], qparams=[out], absorbs=[users[0].name])
 
     def _prune(self, steps: list[Step]) -> list[Step]:
         """Drop steps whose outputs nothing needs (e.g. DequantizeLinear absorbed by a group)."""
@@ -438,6 +473,8 @@ class IntegerExecutor:
             except OverflowError as e:
                 what = "int32 accumulator overflow" if "accumulator" in str(e) else f"overflow ({e})"
                 raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
+            except masks.MaskError as e:
+                raise QtoolError(f"{e} at Softmax node '{step.node.name}'") from None
             return list(out) if isinstance(out, (list, tuple)) else [out]
         if step.kind == "quantize":
             return [self._quantize(values[0], step.qparams[0])]

@@ -15,6 +15,10 @@ from .fixedpoint import int_range
 
 # A zero-width or non-finite range would give S = 0 or NaN; it is widened to this threshold.
 MIN_THRESHOLD = 1e-6
+# A range reaching beyond this is clipped to it: an end near float32's largest value (an attention
+# mask's -3.4e38 that was not recognized as one) would dequantize to -inf once rounded to a step,
+# and 0 * -inf is NaN. Clipped, the largest dequantized value times a weight still fits float32.
+RANGE_LIMIT = 1e30
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,13 @@ def _f32(x: float) -> float:
 
 
 def safe_range(lo: float, hi: float) -> tuple[float, float, bool]:
-    """Return ``(lo, hi, widened)``: the range made finite, containing 0 and not narrower than
-    ``MIN_THRESHOLD``. ``widened`` tells the caller to report it."""
+    """Return ``(lo, hi, changed)``: the range made finite, containing 0, not narrower than
+    ``MIN_THRESHOLD`` and within ``RANGE_LIMIT``. ``changed`` tells the caller to report it."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
         return -MIN_THRESHOLD, MIN_THRESHOLD, True
+    if lo < -RANGE_LIMIT or hi > RANGE_LIMIT:
+        lo, hi = max(lo, -RANGE_LIMIT), min(hi, RANGE_LIMIT)
+        return min(lo, 0.0), max(hi, 0.0), True
     lo, hi = min(lo, 0.0), max(hi, 0.0)
     if hi - lo < MIN_THRESHOLD:
         return (lo, lo + MIN_THRESHOLD, True) if lo < 0 else (0.0, MIN_THRESHOLD, True)
@@ -75,7 +82,7 @@ def per_channel_symmetric(weights: np.ndarray, axis: int = 0, dtype: str = "int8
     moved = np.moveaxis(np.asarray(weights, dtype=np.float64), axis, 0)
     thresholds = np.abs(moved.reshape(moved.shape[0], -1)).max(axis=1)
     _, qmax = int_range(dtype)
-    thresholds = np.maximum(thresholds, MIN_THRESHOLD)
+    thresholds = np.clip(thresholds, MIN_THRESHOLD, RANGE_LIMIT)
     scale = (thresholds / qmax).astype(np.float32)
     return QParams(scale, np.zeros(scale.shape, dtype=np.int64), dtype, axis)
 

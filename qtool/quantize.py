@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import __version__
+from . import __version__, masks
 from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
@@ -114,6 +114,8 @@ class QuantizeReport:
     guarded: list[str] = field(default_factory=list)
     # activations that share (S, Z), their range the union of the members' (not in to_dict)
     qparam_groups: list[list[str]] = field(default_factory=list)
+    # Softmax nodes that read scores plus an attention mask (qtool/masks.py): softmax -> mask tensor
+    masked: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -121,7 +123,7 @@ class QuantizeReport:
                "widened_ranges": self.widened, "warnings": self.warnings, "opset": self.opset,
                "size_before": self.size_before, "size_after": self.size_after,
                "target": self.target, "saturation_hazards": self.hazards,
-               "float_weights_guarded": self.guarded}
+               "float_weights_guarded": self.guarded, "masked_softmax": self.masked}
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
@@ -281,6 +283,7 @@ class _Rewriter:
         self.new_inits: list[onnx.TensorProto] = []
         self.weight_cache: dict[tuple, str] = {}  # (weight, axis) -> DequantizeLinear output
         self.weight_qparams: dict[tuple, QParams] = {}
+        self.masks = masks.find(model, self.inits)
 
     def run(self) -> onnx.ModelProto:
         integer = self._choose_nodes()
@@ -348,11 +351,16 @@ class _Rewriter:
             raise QtoolError(f"--keep-float: {', '.join(repr(u) for u in unknown)} is neither an op type "
                              f"nor a node name of the prepared model (qtool analyze lists them)")
         layernorm = self._layernorm_variance_nodes()
+        joins = self.masks.join_nodes
         for node in self.graph.node:
             op = REGISTRY.get(node.op_type)
             reason = None
+            if node.name in joins:  # the executor runs it with its Softmax (a masked Softmax)
+                continue
             if node.op_type in keep or node.name in keep:
                 reason = "kept float (--keep-float)"
+            elif node.name in self.masks.arithmetic:
+                reason = masks.REASON
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
             elif op is None:
@@ -367,6 +375,9 @@ class _Rewriter:
                 self.report.kept_float.append((node.op_type, node.name, reason))
             else:
                 integer[node.name] = op
+        for join in self.masks.joins.values():
+            if join.softmax in integer:
+                self.report.masked[join.softmax] = join.mask
         return integer
 
     def _keep_mixed_joins(self, integer: dict) -> None:
@@ -473,7 +484,9 @@ class _Rewriter:
             if op is None:
                 continue
             consts = self._specs(node, op)
-            names += [n for i, n in enumerate(node.input) if n and i not in consts]
+            masked = self.masks.joins.get(node.name)  # a masked Softmax reads the float masked scores
+            names += [n for i, n in enumerate(node.input) if n and i not in consts
+                      and (masked is None or n != masked.output)]
             names += [n for n in node.output if n]
         names = list(dict.fromkeys(names))
         for name in names:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..fixedpoint import quantize_multiplier, rounding_rshift, saturate
+from ..masks import masked_positions
 from ..qparams import dequantize_array
 from . import NOT_DUMPED, IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
 from .lut import TABLE_TYPES
@@ -82,17 +83,53 @@ class Softmax(IntegerOp):
                              table if wide else None)
 
     def run(self, p: SoftmaxParams, x: np.ndarray) -> np.ndarray:
-        check_integer(x)
-        if x.dtype != np.dtype(p.in_dtype):
-            raise TypeError(f"Softmax table is for {p.in_dtype} input, got {x.dtype}")
-        shape = x.shape
-        axis = p.axis % max(x.ndim, 1)
-        if p.flatten:
-            x = x.reshape(math.prod(shape[:axis]), -1)
-            axis = 1
-        q = x.astype(np.int64)
-        span = len(p.exp_values) - 1
+        return _softmax(p, x)
+
+
+def _softmax(p: SoftmaxParams, x: np.ndarray, hidden: np.ndarray | None = None) -> np.ndarray:
+    """The integer Softmax of ``x``; ``hidden`` (boolean, broadcastable to ``x``): positions that
+    get probability 0, except in a row where every position is hidden, which takes all of them."""
+    check_integer(x)
+    if x.dtype != np.dtype(p.in_dtype):
+        raise TypeError(f"Softmax table is for {p.in_dtype} input, got {x.dtype}")
+    shape = x.shape
+    axis = p.axis % max(x.ndim, 1)
+    if hidden is not None:
+        hidden = np.broadcast_to(hidden, shape)
+    if p.flatten:
+        x = x.reshape(math.prod(shape[:axis]), -1)
+        hidden = None if hidden is None else hidden.reshape(x.shape)
+        axis = 1
+    q = x.astype(np.int64)
+    span = len(p.exp_values) - 1
+    if hidden is None:
         e = p.exp_values[q - q.max(axis=axis, keepdims=True) + span]
-        ratio = e * p.multiplier // e.sum(axis=axis, keepdims=True)
-        y = saturate(rounding_rshift(ratio, p.rshift, p.rounding) + p.zero_out, p.dtype)
-        return y.reshape(shape)
+    else:
+        hidden = hidden & ~hidden.all(axis=axis, keepdims=True)  # a fully hidden row: all count
+        top = np.where(hidden, np.iinfo(np.int64).min, q).max(axis=axis, keepdims=True)
+        e = np.where(hidden, 0, p.exp_values[np.clip(q - top + span, 0, span)])
+    ratio = e * p.multiplier // e.sum(axis=axis, keepdims=True)
+    y = saturate(rounding_rshift(ratio, p.rshift, p.rounding) + p.zero_out, p.dtype)
+    return y.reshape(shape)
+
+
+@dataclass(frozen=True)
+class MaskedSoftmaxParams:
+    softmax: SoftmaxParams
+    form: str  # qtool.masks.Join.form: how the mask operand hides positions
+
+
+class MaskedSoftmax(IntegerOp):
+    """``Softmax(Add(scores, mask))`` or ``Softmax(Where(cond, scores, K))`` with an attention mask
+    (qtool/masks.py): the scores' integers and the mask operand in, the Softmax's integers out.
+    The mask operand only selects positions (0 or at most ``SENTINEL``; a condition): hidden ones
+    get probability exactly 0, as float Softmax gives them (``exp`` of -1e4 or less is 0 in
+    float32). Not in ``REGISTRY``: the executor lowers the pair to it (qtool/executor.py)."""
+
+    op_type = "MaskedSoftmax"
+
+    def derive(self, view: NodeView, form: str = "add") -> MaskedSoftmaxParams:
+        return MaskedSoftmaxParams(Softmax().derive(view), form)
+
+    def run(self, p: MaskedSoftmaxParams, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return _softmax(p.softmax, x, masked_positions(p.form, mask))
