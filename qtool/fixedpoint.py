@@ -14,6 +14,9 @@ Conventions (../shared/DESIGN.md, "Fixed-point requantization"):
   (the largest ``multiplier <= 127`` times ``2**-rshift``) so the value is kept.
 * The shift rounds in one of ``ROUNDING_MODES``. Products are int64: an int32 accumulator times a
   multiplier below 2**31 stays below 2**62.
+* A wider accumulator (16-bit activations: int64, TFLite's 16x8 kernels) takes a multiplier cut
+  to fit (``narrowed``): ``bit_length(|acc|) + bit_length(multiplier) <= 63`` for the largest
+  accumulator the layer can produce, so the product is still one int64.
 """
 
 from __future__ import annotations
@@ -138,18 +141,41 @@ def rounding_rshift(x, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
     return np.where(np.asarray(rshift) > 0, shifted, x)
 
 
+def narrowed(requant: Requant, bound) -> Requant:
+    """``requant`` with each multiplier cut so that an accumulator of at most ``bound`` (per
+    channel, like the multiplier) in absolute value times it fits int64: a multiplier ``k`` bits
+    too long becomes ``round_half_up(multiplier / 2**k)`` with ``rshift - k``. Where the bound is
+    within int32 a 31-bit multiplier fits already and nothing changes. Setup only."""
+    multiplier = np.asarray(requant.multiplier, dtype=np.int64)
+    bound = np.broadcast_to(np.asarray(bound, dtype=np.int64), multiplier.shape)
+    k = np.maximum(bit_length(np.abs(bound)) + bit_length(np.abs(multiplier)) - 63, 0)
+    if not k.any():
+        return requant
+    half = np.where(k > 0, np.left_shift(np.int64(1), np.maximum(k - 1, 0)), 0)
+    cut = np.right_shift(multiplier + half, k)
+    rshift = np.asarray(requant.rshift, dtype=np.int64) - k
+    if np.ndim(requant.multiplier) == 0:
+        return Requant(int(cut), int(rshift))
+    return Requant(cut, rshift)
+
+
 def requantize(acc, multiplier, rshift, mode: str = DEFAULT_ROUNDING) -> np.ndarray:
     """``rounding_rshift(acc * multiplier, rshift)`` with the product in int64.
 
-    ``acc`` must fit int32 so that the product cannot leave int64.
+    An ``acc`` within int32 always fits; a wider one only with a multiplier ``narrowed`` for it
+    (else ``OverflowError``, never a wrapped product).
     """
     acc = np.asarray(acc)
     if acc.dtype.kind not in "iu":
         raise TypeError(f"requantize expects an integer accumulator, got {acc.dtype}")
     acc = acc.astype(np.int64, copy=False)
-    if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
-        raise OverflowError("accumulator exceeds int32")
     multiplier = np.asarray(multiplier, dtype=np.int64)
+    if acc.size and (acc.min() < INT32_MIN or acc.max() > INT32_MAX):
+        # |acc| < 2**a and |M| <= 2**c with c = bit_length(|M| - 1): |acc * M| < 2**(a + c)
+        if acc.min() == np.iinfo(np.int64).min or np.any(
+                bit_length(np.abs(acc)) + bit_length(np.maximum(np.abs(multiplier) - 1, 0)) > 63):
+            raise OverflowError("accumulator exceeds int32 and its multiplier was not narrowed for it")
+        return rounding_rshift(acc * multiplier, rshift, mode)
     r = np.asarray(rshift, dtype=np.int64)
     if mode in _ADD_HALF and r.size and r.min() > 0 and np.abs(multiplier).max(initial=0) < 2**31:
         # int32 accumulator times a 31-bit multiplier: |product| < 2**62 without looking

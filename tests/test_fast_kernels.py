@@ -305,16 +305,20 @@ def test_window_tap_sums_equal_the_patch_sums(dtype, kernel, pads, strides, dila
 
 
 def test_global_average_pool_sums_in_int64_when_int32_may_not_hold():
-    # 129 * 256 uint16 values of 65535 sum past int32: the int32 accumulator overflows and the
-    # kernel must say so, where a sum taken in int32 would have wrapped into a wrong average
+    # 129 * 256 uint16 values of 65535 sum past int32 (into 32 bits): with a 31-bit multiplier the
+    # product still fits int64, so the average is exact; 1024 * 256 of them (34 bits) would not,
+    # and the kernel says so, where a sum taken in int32 would have wrapped into a wrong average
     from qtool.fixedpoint import quantize_multiplier
     from qtool.ops.pool import AvgPoolParams, GlobalAveragePool
 
     x = np.full((1, 1, 129, 256), 65535, dtype=np.uint16)
     assert 65535 * x.size > 2**31
     p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / x.size)), 0, 0, "half_up", "uint16")
+    assert GlobalAveragePool().run(p, x).reshape(-1).tolist() == [65535]
+    big = np.full((1, 1, 1024, 256), 65535, dtype=np.uint16)
+    p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / big.size)), 0, 0, "half_up", "uint16")
     with pytest.raises(OverflowError, match="accumulator"):
-        GlobalAveragePool().run(p, x)
+        GlobalAveragePool().run(p, big)
     fits = x[:, :, :100]  # 25,600 values: 1.68e9, inside int32
     p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / fits.size)), 0, 0, "half_up", "uint16")
     assert GlobalAveragePool().run(p, np.ascontiguousarray(fits)).reshape(-1).tolist() == [65535]

@@ -147,9 +147,11 @@ def test_per_channel_shift_broadcasts():
     assert got.tolist() == [[50, 75], [-50, -75]]
 
 
-def test_requantize_refuses_accumulators_beyond_int32():
-    with pytest.raises(OverflowError):
-        requantize(np.array([2**31], dtype=np.int64), 2**30, 31)
+def test_requantize_takes_a_wide_accumulator_only_where_the_product_fits_int64():
+    # 2**31 * 2**30 = 2**61: exact; a 34-bit sum times a 31-bit multiplier would not fit
+    assert requantize(np.array([2**31], dtype=np.int64), 2**30, 31).tolist() == [2**30]
+    with pytest.raises(OverflowError, match="not narrowed"):
+        requantize(np.array([2**33], dtype=np.int64), 2**30 + 1, 31)
 
 
 def test_requantize_rejects_float_input():

@@ -29,10 +29,12 @@ LOWEST = float(np.finfo(np.float32).min)
 D, HEADS, T = 32, 2, 12
 
 
-def attention_model(path, form="mul", mask_value=LOWEST, layers=2, seed=0, width=D):
+def attention_model(path, form="mul", mask_value=LOWEST, layers=2, seed=0, width=D, same_qk=False,
+                    scale=1.0):
     """``form``: "mul" ((1 - m) * value), "where_add" (Where(m, 0, value) added), "select"
     (Where(m, scores, value)), "select_not" (Where(not m, value, scores)), "bias" (a float bias
-    input added: not a mask)."""
+    input added: not a mask). ``same_qk``: one projection for queries and keys; ``scale``: of the
+    projections' weights."""
     rng = np.random.default_rng(seed)
     dh = width // HEADS
     inits, nodes = [], []
@@ -62,7 +64,8 @@ def attention_model(path, form="mul", mask_value=LOWEST, layers=2, seed=0, width
     x = "x"
     for layer in range(layers):
         p = f"l{layer}_"
-        wq, wk, wv, wo = (rng.normal(0, width ** -0.5, (width, width)).astype(np.float32) for _ in range(4))
+        wq, wk, wv, wo = (rng.normal(0, scale * width ** -0.5, (width, width)).astype(np.float32) for _ in range(4))
+        wk = wq if same_qk else wk
         shape = init(p + "shape", np.array([0, 0, HEADS, dh], np.int64))
         q = node("Transpose", [node("Reshape", [node("MatMul", [x, init(p + "wq", wq)], p + "q"), shape], p + "qr")],
                  p + "qh", perm=[0, 2, 1, 3])

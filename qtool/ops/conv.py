@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, offset_requant, quantize_multipliers,
-                          requantize, saturate)
+from ..fixedpoint import (INT32_MAX, INT32_MIN, OffsetRequant, Requant, narrowed, offset_requant,
+                          quantize_multipliers, requantize, saturate)
+from ..qparams import QParams
 from . import Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, parallel, per_tensor, plan_for, register
 from . import compiled, ortconv
 from .bytetable import lookup
@@ -64,6 +65,16 @@ def accumulator_bias(view: NodeView, bias_index: int | None, weight_q: np.ndarra
             raise Unsupported("bias zero point must be 0")
         bias = in_accumulator_units(stored, bias_scale, channel_scale)
     return bias - zero_in * sums
+
+
+def fitted_requant(scales, view: NodeView, weight_q: np.ndarray, axis: int, bias: np.ndarray,
+                   x: QParams) -> Requant:
+    """The per-channel multipliers of ``scales``, narrowed (fixedpoint.narrowed) where a channel's
+    accumulator can leave int32: ``sum |q_w| * max |q_x| + |bias|`` bounds it (16-bit inputs)."""
+    channels = weight_q.shape[axis]
+    l1 = np.abs(np.moveaxis(weight_q.astype(np.int64), axis, 0).reshape(channels, -1)).sum(axis=1)
+    bound = l1 * max(abs(x.qmin), abs(x.qmax)) + np.abs(bias)
+    return narrowed(quantize_multipliers(scales, view.multiplier_bits), bound)
 
 
 def in_accumulator_units(stored: np.ndarray, scale, accumulator_scale) -> np.ndarray:
@@ -117,10 +128,11 @@ class Conv(IntegerOp):
         if rank == 1:  # the 2-D Conv of height 1 it equals
             weight, pads = weight[:, :, None, :], (0, pads[0], 0, pads[1])
             strides, dilations = (1, *strides), (1, *dilations)
+        bias = accumulator_bias(view, 2, weight, 0, channel_scale, x.zero_point)
         return ConvParams(
             weight=weight,
-            bias=accumulator_bias(view, 2, weight, 0, channel_scale, x.zero_point),
-            requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
+            bias=bias,
+            requant=fitted_requant(channel_scale / y.scale, view, weight, 0, bias, x),
             zero_in=x.zero_point,
             zero_out=y.zero_point,
             pads=tuple(int(v) for v in pads),

@@ -29,7 +29,7 @@ from ..fixedpoint import (Requant, int_range, offset_requant, quantize_multiplie
                           saturate)
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, node_attrs, parallel,
                per_tensor, plan_for, register)
-from .conv import Tail, accumulator_bias, check_int32, weight_scales
+from .conv import Tail, accumulator_bias, check_int32, fitted_requant, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -93,11 +93,14 @@ class ConvTranspose(IntegerOp):
         pads = tuple(view.attr("pads", [0, 0, 0, 0]))
         if _text(view.attr("auto_pad"), "NOTSET") == "VALID":
             pads = (0, 0, 0, 0)
+        bias = accumulator_bias(view, 2, conv_layout, 0, channel_scale, 0)
         return ConvTransposeParams(
             weight=weight,
             tap_sums=conv_layout.astype(np.int64).sum(axis=1),
-            bias=accumulator_bias(view, 2, conv_layout, 0, channel_scale, 0),
-            requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
+            bias=bias,
+            # an output sums a subset of its channel's taps, less Z_x times theirs: bounded by all
+            requant=fitted_requant(channel_scale / y.scale, view, conv_layout, 0,
+                                   np.abs(bias) + abs(x.zero_point) * _l1(conv_layout), x),
             zero_in=x.zero_point,
             zero_out=y.zero_point,
             pads=(pads[0], pads[1], pads[2], pads[3]),
@@ -135,6 +138,10 @@ class ConvTranspose(IntegerOp):
 
         parallel.run_parts(rows, plan.row_parts)
         return out
+
+
+def _l1(weight: np.ndarray) -> np.ndarray:
+    return np.abs(weight.astype(np.int64)).reshape(weight.shape[0], -1).sum(axis=1)
 
 
 def run_scanned(p: ConvTransposeParams, x: np.ndarray) -> np.ndarray:

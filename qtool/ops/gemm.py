@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, offset_requant, quantize_multipliers, requantize, saturate
+from ..fixedpoint import Requant, int_range, narrowed, offset_requant, quantize_multipliers, requantize, saturate
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
                per_tensor, plan_for, register)
-from .conv import INPUT_MAX, Tail, accumulator_bias, check_int32, weight_scales
+from .conv import INPUT_MAX, Tail, accumulator_bias, check_int32, fitted_requant, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -42,7 +42,7 @@ def _derive(view: NodeView, weight_axis: int, bias_index: int | None) -> MatMulP
     return MatMulParams(
         weight=weight if weight_axis == 1 else weight.T,
         bias=bias,
-        requant=quantize_multipliers(channel_scale / y.scale, view.multiplier_bits),
+        requant=fitted_requant(channel_scale / y.scale, view, weight, weight_axis, bias, x),
         zero_out=y.zero_point,
         rounding=view.rounding,
         dtype=y.dtype,
@@ -160,8 +160,19 @@ def _derive_activations(view: NodeView) -> ActMatMulParams:
 def _run_activations(p: ActMatMulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     check_integer(a, b)
     acc = int_matmul(a.astype(np.int32) - p.zero_a, b.astype(np.int32) - p.zero_b)
-    y = requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding)
+    requant = accumulator_requant(p, a.dtype, b.dtype, a.shape[-1])
+    y = requantize(acc, requant.multiplier, requant.rshift, p.rounding)
     return saturate(y + p.zero_out, p.dtype)
+
+
+def accumulator_requant(p: ActMatMulParams, a_type, b_type, k: int) -> Requant:
+    """The multiplier for a K-long product of these operand types: the 32-bit one where the sum
+    fits int32 (8-bit operands up to K ~ 33000), else narrowed for ``K * max|a - Z_a| *
+    max|b - Z_b|`` (16-bit operands, attention's Q.K^T at int16: an int64 accumulator). It depends
+    on the shapes only, never on the values."""
+    a_max = max(abs(int(v) - p.zero_a) for v in int_range(np.dtype(a_type).name))
+    b_max = max(abs(int(v) - p.zero_b) for v in int_range(np.dtype(b_type).name))
+    return narrowed(p.requant, int(k) * a_max * b_max)
 
 
 @register
