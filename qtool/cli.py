@@ -539,9 +539,10 @@ def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name." + DATA_AXES),
-    tolerance: str = typer.Option("0.99", help="COS or COS,SQNR: minimum output cosine and SQNR (dB), "
+    tolerance: str = typer.Option("0.99,20", help="COS or COS,SQNR: minimum output cosine and SQNR (dB), "
                                  "for every output and every part of an output that joins tensors "
-                                 "(each input of its Concat, e.g. boxes and class scores)."),
+                                 "(each input of its Concat, e.g. boxes and class scores). COS alone "
+                                 "sets no SQNR floor."),
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),

@@ -170,7 +170,7 @@ def _calibrate_shard(model_path, data_path, method, params, batch_size, preproce
 # -- verify ----------------------------------------------------------------------------------------
 
 def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_path: str | Path,
-           tolerance=(0.99, None), labels: str | None = None, num_samples: int | None = None,
+           tolerance=(0.99, 20.0), labels: str | None = None, num_samples: int | None = None,
            batch_size: int | None = None, progress: bool = True, preprocess=None,
            run_ort: bool = False, run_analyze: bool = False, analyze_samples: int | None = 16,
            arithmetic: str = "exact", ort_config: dict | None = None, memory_mb: int | None = None,

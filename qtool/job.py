@@ -34,7 +34,7 @@ from .targets import TARGETS
 from .search import choose_method, choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table_formats import write_table
-from .verify import VerifyReport, parse_tolerance, verify
+from .verify import DEFAULT_TOLERANCE, VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)
 SCHEMA = {
@@ -280,7 +280,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         if not file.is_file():
             raise fail(key, f"file '{file}' not found")
     try:
-        tolerance = parse_tolerance(ver.get("tolerance", 0.99))
+        tolerance = parse_tolerance(ver.get("tolerance", list(DEFAULT_TOLERANCE)))
     except QtoolError as e:
         raise fail("verify.tolerance", str(e)) from None
     if "labels" in ver:

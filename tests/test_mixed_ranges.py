@@ -155,8 +155,11 @@ def test_verify_fails_a_destroyed_part_behind_a_good_whole(files, tmp_path, monk
     assert parts["scores"]["sqnr_db"] == pytest.approx(_sqnr(ref[..., BOXES:], got[..., BOXES:]), abs=2e-3)
     assert parts["scores"]["cosine"] == pytest.approx(_cosine(ref[..., BOXES:], got[..., BOXES:]), abs=2e-6)
     assert out["parts"]["worst"] == "scores"
-    assert report["failures"] == [f"output 'out' part 'scores' (input of Concat 'join') cosine "
-                                  f"{parts['scores']['cosine']:.6f} < 0.99"]
+    assert report["failures"][0] == (f"output 'out' part 'scores' (input of Concat 'join') cosine "
+                                     f"{parts['scores']['cosine']:.6f} < 0.99")
+    # the default SQNR floor (20 dB) fails the destroyed part too, and nothing else
+    assert report["failures"][1:] == [f"output 'out' part 'scores' (input of Concat 'join') SQNR "
+                                      f"{parts['scores']['sqnr_db']:.2f} dB < 20.0 dB"]
     text = runner.invoke(app, ["verify", str(files["model"]), str(qpath), "--data", str(files["data"]), "-q"])
     assert text.exit_code == 1
     assert "part scores" in text.stdout and "<- worst part" in text.stdout

@@ -333,7 +333,7 @@ def test_analysis_in_text_report(demo_model, qmodel, demo_heldout):
                        re.MULTILINE)
     assert ranks == [str(r) for r in range(1, ANALYSIS_TOP + 1)]
     assert "... 3 more (--json for all)" in block and "--top" not in block
-    assert result.stdout.rstrip().endswith("PASS (output cosine >= 0.99)")
+    assert result.stdout.rstrip().endswith("PASS (output cosine >= 0.99, SQNR >= 20.0 dB)")
 
 
 def test_analysis_scores_at_most_the_compared_samples(demo_model, qmodel, demo_heldout):

@@ -2,8 +2,8 @@
 (qtool/verify/core.py), with the running comparisons in qtool/verify/compare.py."""
 
 from .compare import Comparison
-from .core import (ANALYSIS_TOP, OrtCheck, VerifyReport, format_diff, format_report, parse_tolerance,
+from .core import (ANALYSIS_TOP, DEFAULT_TOLERANCE, OrtCheck, VerifyReport, format_diff, format_report, parse_tolerance,
                    tolerance_rule, verify)
 
-__all__ = ["ANALYSIS_TOP", "Comparison", "OrtCheck", "VerifyReport", "format_diff", "format_report",
+__all__ = ["ANALYSIS_TOP", "Comparison", "DEFAULT_TOLERANCE", "OrtCheck", "VerifyReport", "format_diff", "format_report",
            "parse_tolerance", "tolerance_rule", "verify"]

@@ -7,6 +7,11 @@ the executor's 8-bit integers with their dequantized value for each of the 256 b
 numpy's dequantization, float64 copies and four products; without numba the same sums come from
 numpy. The two add in different orders, so their sums can differ in the last bits (about 1e-16
 of the sum), far below the digits a report prints.
+
+Entries whose reference is not a real value are left out of the sums and counted (``excluded``):
+infinities, NaN and sentinels of ``RANGE_LIMIT`` (1e30) or more in magnitude, such as an attention
+mask's float32 lowest, whose energy would otherwise be the whole tensor's (756 dB on a BERT mask
+Add, whatever happened to the scores).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops.bytetable import BYTE_TYPES, byte_values
-from ..qparams import QParams, dequantize_array
+from ..qparams import RANGE_LIMIT, QParams, dequantize_array
 from ..report import finite
 
 ENABLED = True
@@ -55,6 +60,7 @@ class Comparison:
     # sums, and the first such pair of shapes
     mismatched: int = 0
     shapes: tuple | None = None
+    excluded: int = 0  # reference entries that are no real value (inf, NaN, |x| >= 1e30)
 
     def update(self, ref: np.ndarray, got: np.ndarray) -> None:
         """Add a batch: ``got`` the executor's float values."""
@@ -91,6 +97,7 @@ class Comparison:
                 got = np.maximum(got, 0)
             else:
                 table = np.maximum(table, 0)
+        ref, got = self._meaningful(ref, got)
         dot, ref_sq, got_sq, err_sq, hi, lo = _sums(ref, got, table)
         self.dot += dot
         self.ref_sq += ref_sq
@@ -99,13 +106,22 @@ class Comparison:
         if self.qparams is not None and np.size(ref):
             self.max_lsb = max(self.max_lsb, max(hi, -lo) / float(self.qparams.scale))
 
+    def _meaningful(self, ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``ref`` and ``got`` without the entries whose reference is no real value (two
+        reductions decide that the usual tensor has none; NaN fails both comparisons)."""
+        if not ref.size or (ref.min() > -RANGE_LIMIT and ref.max() < RANGE_LIMIT):
+            return ref, got
+        keep = np.isfinite(ref) & (np.abs(ref) < RANGE_LIMIT)
+        self.excluded += int(ref.size - np.count_nonzero(keep))
+        return np.ascontiguousarray(ref[keep]), np.ascontiguousarray(np.broadcast_to(got, ref.shape)[keep])
+
     def take(self) -> "Comparison":
         """A copy holding the figures so far, which start again from zero here: qtool/cluster.py
         sends each batch's figures to the client, which adds them up (``merge``) in batch order,
         so that the sums are the ones a single process makes."""
         taken = dataclasses.replace(self)
         self.dot = self.ref_sq = self.got_sq = self.err_sq = self.max_lsb = 0.0
-        self.mismatched, self.shapes = 0, None
+        self.mismatched, self.shapes, self.excluded = 0, None, 0
         return taken
 
     def merge(self, other: "Comparison") -> None:
@@ -117,6 +133,7 @@ class Comparison:
         self.max_lsb = max(self.max_lsb, other.max_lsb)
         self.mismatched += other.mismatched
         self.shapes = self.shapes or other.shapes
+        self.excluded += other.excluded
 
     @property
     def cosine(self) -> float:
@@ -139,6 +156,8 @@ class Comparison:
         if self.qparams is not None:
             d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
                      compared_after_relu=self.clamped)
+        if self.excluded:
+            d.update(excluded_entries=self.excluded)
         if self.mismatched:
             d.update(shape_mismatches=self.mismatched, shapes={"float": self.shapes[0], "integer": self.shapes[1]})
         return d

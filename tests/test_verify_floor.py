@@ -1,0 +1,88 @@
+"""What verify judges by: the default tolerance's SQNR floor (cosine 0.99 alone passes a 17 dB
+output), figures over the entries that are real values (a mask's -3.4e38 or an inf left out and
+counted), and the first tensor where the loss starts."""
+
+import dataclasses
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.quantize import quantize
+from qtool.table import TensorEntry
+from qtool.verify import Comparison, VerifyReport, format_report
+from test_cli import assert_no_crash, invoke
+
+LOWEST = float(np.finfo(np.float32).min)
+
+
+def _scaled_model(tmp_path, widen: float):
+    """y = 2x, int8, with x's range widened ``widen`` times past the data: coarse steps."""
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["y"], name="mul")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])],
+                              [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), model)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.random.default_rng(0).uniform(-1, 1, (32, 64)).astype(np.float32))
+    table = calibrate(model, data, progress=False)
+    table.tensors = {name: TensorEntry(e.min * widen, e.max * widen, e.threshold * widen, e.method)
+                     for name, e in table.tensors.items()}
+    qmodel, _ = quantize(model, table)
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    return model, tmp_path / "q.onnx", data
+
+
+def test_the_default_tolerance_fails_an_output_below_20_db_that_cosine_passes(tmp_path):
+    model, qmodel, data = _scaled_model(tmp_path, widen=30.0)
+    result = invoke("verify", model, qmodel, "-d", data, "--json", "-q")
+    assert_no_crash(result)
+    out = json.loads(result.stdout)["outputs"][0]
+    assert out["cosine"] >= 0.99 and out["sqnr_db"] < 20  # the case cosine alone lets through
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["failures"] == [f"output 'y' SQNR {out['sqnr_db']:.2f} dB < 20.0 dB"]
+    # a tolerance given as COS alone keeps its old meaning: cosine only
+    assert invoke("verify", model, qmodel, "-d", data, "--tolerance", "0.99", "-q").exit_code == 0
+    # and the floor passes a model above it
+    model, qmodel, data = _scaled_model(tmp_path, widen=1.0)
+    assert invoke("verify", model, qmodel, "-d", data, "-q").exit_code == 0
+
+
+def test_figures_leave_out_entries_that_are_no_real_value(tmp_path):
+    """An output holding float32's lowest where a mask hides it: the SQNR is that of the other
+    entries, and the report says how many were left out."""
+    mask = np.zeros(64, np.float32)
+    mask[::4] = LOWEST
+    graph = helper.make_graph([helper.make_node("Add", ["x", "mask"], ["y"], name="add")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])],
+                              [numpy_helper.from_array(mask, "mask")])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), model)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.random.default_rng(1).normal(size=(16, 64)).astype(np.float32))
+    result = invoke("verify", model, model, "-d", data, "--json", "-q")  # float vs float: exact
+    assert_no_crash(result)
+    report = json.loads(result.stdout)
+    assert report["outputs"][0]["excluded_entries"] == 16 * 16
+    text = invoke("verify", model, model, "-d", data, "-q").stdout
+    assert "left out of the figures" in text and "y 256" in text
+
+
+def _comparison(name, sqnr_db, ran="integer"):
+    return Comparison(name, "Add", ran, ref_sq=1.0, err_sq=10 ** (-sqnr_db / 10), dot=1.0, got_sq=1.0)
+
+
+def test_the_loss_starts_at_the_first_sharp_drop_in_graph_order():
+    tensors = [_comparison("x", 50, "input"), _comparison("a", 40), _comparison("b", 37),
+               _comparison("c", 30), _comparison("d", 5), _comparison("e", 4)]
+    report = VerifyReport(4, (0.99, 20.0), [_comparison("e", 4)], tensors, [])
+    start, drop = report.loss_start()
+    assert start.name == "c" and abs(drop - 7) < 1e-9  # 7 dB below b, the lowest before it
+    assert "where the loss starts: c (Add) at 30.00 dB, 7.0 dB below every tensor before it" in format_report(report)
+    assert report.to_dict()["loss_start"] == {"tensor": "c", "op_type": "Add", "sqnr_db": 30.0, "drop_db": 7.0}
+    gentle = VerifyReport(4, (0.99, 20.0), [], [_comparison(n, 40 - 3 * i) for i, n in enumerate("abcdef")], [])
+    assert gentle.loss_start() is None and gentle.to_dict()["loss_start"] is None
