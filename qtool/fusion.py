@@ -12,11 +12,19 @@ Exporters write LayerNorm as ``(x - mean) / sqrt(mean((x - mean)^2) + eps) * gam
 (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add: PP-OCRv4's SVTR blocks). As one
 ``LayerNormalization`` node (opset 17) it is one integer kernel (qtool/ops/normalization.py) and
 one requantization, where the pieces would round the variance and the normalized values to 8 bits.
+
+Exporters write GELU as ``x * 0.5 * (1 + Erf(x / sqrt(2)))`` (PP-OCRv6's SVTR blocks, PyTorch's
+``nn.GELU``) or, approximated, ``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))``: five to
+nine nodes, each a requantization. As one ``Gelu`` node (opset 20; ``approximate='tanh'`` for the
+second) it is one lookup table (qtool/ops/lut.py). onnxruntime's ``com.microsoft`` Gelu and FastGelu
+without a bias are the same functions and become the same node.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from itertools import permutations
 
 import numpy as np
 import onnx
@@ -24,6 +32,7 @@ from onnx import helper
 
 HARDSWISH_OPSET = 14
 LAYERNORM_OPSET = 17
+GELU_OPSET = 20
 
 
 def _scalar(inits: dict[str, onnx.TensorProto], name: str) -> float | None:
@@ -328,3 +337,118 @@ def _fresh_init(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], base
     model.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
     inits[name] = model.graph.initializer[-1]
     return name
+
+
+def _near(g: _Graph, name: str, target: float) -> bool:
+    """``name`` is a scalar constant equal to ``target`` up to float32 rounding and the digits an
+    exporter prints (1.4142135, 0.7978845)."""
+    value = _scalar(g.inits, name)
+    return value is not None and math.isclose(value, target, rel_tol=1e-6)
+
+
+def _private_op(g: _Graph, name: str, op_type: str) -> onnx.NodeProto | None:
+    node = g.private(name)
+    return node if node is not None and node.op_type == op_type else None
+
+
+def _scaled(g: _Graph, name: str, factor: float, x: str | None = None) -> tuple[str, onnx.NodeProto] | None:
+    """(the operand, the node) when ``name`` is written only by ``Mul(operand, factor)`` (either
+    order) or ``Div(operand, 1 / factor)``, for the operand ``x`` when given."""
+    node = g.private(name)
+    if node is None or len(node.input) != 2:
+        return None
+    if node.op_type == "Div" and node.input[0] not in g.inits and _near(g, node.input[1], 1.0 / factor):
+        operand = node.input[0]
+    elif node.op_type == "Mul" and (found := g.constant_operand_any(node)) and _near(g, found[1], factor):
+        operand = found[0]
+    else:
+        return None
+    return (operand, node) if x is None or operand == x else None
+
+
+def _mul_factors(g: _Graph, mul: onnx.NodeProto, inner: list[onnx.NodeProto]) -> list[str]:
+    """The factors of ``mul`` with at most one more Mul that only it reads expanded (appended to
+    ``inner``): ``Mul(Mul(a, b), c)``, ``Mul(a, Mul(b, c))`` -> [a, b, c]."""
+    factors = []
+    for name in mul.input:
+        node = _private_op(g, name, "Mul") if not inner else None
+        if node is not None and len(node.input) == 2:
+            inner.append(node)
+            factors += list(node.input)
+        else:
+            factors.append(name)
+    return factors
+
+
+def _cube(g: _Graph, name: str, x: str) -> list[onnx.NodeProto] | None:
+    """The nodes of ``x^3`` written as ``Pow(x, 3)`` or ``Mul(x, Mul(x, x))`` (either order)."""
+    node = g.private(name)
+    if node is None or len(node.input) != 2:
+        return None
+    if node.op_type == "Pow":
+        return [node] if node.input[0] == x and _scalar(g.inits, node.input[1]) == 3.0 else None
+    if node.op_type != "Mul" or x not in node.input:
+        return None
+    square = _private_op(g, node.input[1] if node.input[0] == x else node.input[0], "Mul")
+    return [square, node] if square is not None and list(square.input) == [x, x] else None
+
+
+def _gelu_inner(g: _Graph, name: str, x: str) -> tuple[str, list[onnx.NodeProto]] | None:
+    """(approximate, the nodes) when ``name`` is ``1 + Erf(x / sqrt(2))`` or ``1 + Tanh(sqrt(2/pi)
+    * (x + 0.044715 * x^3))``, every intermediate read only by the next node."""
+    add = _private_op(g, name, "Add")
+    found = None if add is None else g.constant_operand(add)
+    if found is None or found[1] != 1.0:
+        return None
+    inner = g.private(found[0])
+    if inner is not None and inner.op_type == "Erf":
+        scaled = _scaled(g, inner.input[0], 1.0 / math.sqrt(2.0), x)
+        return None if scaled is None else ("none", [scaled[1], inner, add])
+    if inner is None or inner.op_type != "Tanh":
+        return None
+    scaled = _scaled(g, inner.input[0], math.sqrt(2.0 / math.pi))
+    total = None if scaled is None else _private_op(g, scaled[0], "Add")
+    if total is None or x not in total.input:
+        return None
+    cubic = _scaled(g, total.input[1] if total.input[0] == x else total.input[0], 0.044715)
+    cube = None if cubic is None else _cube(g, cubic[0], x)
+    return None if cube is None else ("tanh", [*cube, cubic[1], total, scaled[1], inner, add])
+
+
+def _match_gelu(g: _Graph, node: onnx.NodeProto):
+    """The last Mul of ``x * 0.5 * (1 + f(x))`` in any grouping and operand order, f the erf or
+    tanh inner part -> (x, approximate, the nodes, the last one last) or None. A com.microsoft
+    Gelu, or FastGelu without a bias, -> (x, approximate, [node])."""
+    if node.domain == "com.microsoft" and node.op_type in ("Gelu", "FastGelu"):
+        if len([name for name in node.input if name]) != 1:
+            return None
+        return node.input[0], "tanh" if node.op_type == "FastGelu" else "none", [node]
+    if node.op_type != "Mul" or len(node.input) != 2:
+        return None
+    inner: list[onnx.NodeProto] = []
+    factors = _mul_factors(g, node, inner)
+    if len(factors) != 3 or len(inner) != 1:
+        return None
+    for x, half, one_plus in permutations(factors):
+        if x in g.inits or not _near(g, half, 0.5):
+            continue
+        found = _gelu_inner(g, one_plus, x)
+        if found is not None:
+            return x, found[0], [*found[1], *inner, node]
+    return None
+
+
+def find_gelu(model: onnx.ModelProto) -> list:
+    if not onnx.defs.has("Gelu"):
+        return []
+    g = _Graph(model)
+    return [match for node in model.graph.node if (match := _match_gelu(g, node)) is not None]
+
+
+def fuse_gelu(model: onnx.ModelProto, matches) -> None:
+    """In place: each match becomes one Gelu node (opset >= 20) writing its last node's output."""
+    groups = []
+    for x, approximate, nodes in matches:
+        attrs = {"approximate": approximate} if approximate != "none" else {}
+        groups.append((nodes, helper.make_node("Gelu", [x], [nodes[-1].output[0]], name=nodes[-1].name, **attrs)))
+    _replace(model, groups)

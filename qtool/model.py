@@ -201,14 +201,16 @@ def check_float_model(model: onnx.ModelProto, source: str) -> None:
 
 # decompositions that become one op (qtool/fusion.py): the finder, the rewrite, the opset it needs
 FUSIONS = ((fusion.find_hardswish, fusion.fuse_hardswish, fusion.HARDSWISH_OPSET),
-           (fusion.find_layernorm, fusion.fuse_layernorm, fusion.LAYERNORM_OPSET))
+           (fusion.find_layernorm, fusion.fuse_layernorm, fusion.LAYERNORM_OPSET),
+           (fusion.find_gelu, fusion.fuse_gelu, fusion.GELU_OPSET))
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """Constant affine ops after a Conv fold into it; HardSwish and LayerNorm decompositions become
-    HardSwish (opset 14) and LayerNormalization (opset 17) nodes (qtool/fusion.py), the model
-    upgraded to the highest opset its fusions need. Where onnx cannot upgrade it that far, the
-    fusions that need more stay undone: the decomposition still runs, with more requantizations."""
+    """Constant affine ops after a Conv fold into it; HardSwish, LayerNorm and GELU decompositions
+    become HardSwish (opset 14), LayerNormalization (opset 17) and Gelu (opset 20) nodes
+    (qtool/fusion.py), the model upgraded to the highest opset its fusions need. Where onnx cannot
+    upgrade it that far, the fusions that need more stay undone: the decomposition still runs,
+    with more requantizations."""
     if fusion.fold_affine_into_conv(model):
         _drop_unused_initializers(model)
     needed = sorted({opset for find, _, opset in FUSIONS if find(model)}, reverse=True)

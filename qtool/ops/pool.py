@@ -1,6 +1,10 @@
 """Pooling.
 
-MaxPool compares integers and shares (S, Z) with its input. AveragePool and GlobalAveragePool
+MaxPool compares integers and shares (S, Z) with its input. With ``ceil_mode=1`` its output has
+``ceil((n + pads - (k - 1) * d - 1) / s) + 1`` positions per axis, less the last when that window
+would start past the input and its leading pad (the ONNX spec, as onnxruntime and PyTorch): the
+input is padded at the end with the type's minimum as far as the last window reaches, so a window
+running past the end takes the max of its valid elements. AveragePool and GlobalAveragePool
 (seed 003): ``q_y = requant(sum(q_x - Z_x)) + Z_y`` with ``M / 2**rshift = S_x / (S_y * k)``,
 which is the seed's ``Scale * sum(q_x) - Offset`` with the offset folded into the sum.
 """
@@ -22,10 +26,25 @@ class Window:
     pads: tuple[int, int, int, int]  # top, left, bottom, right
     strides: tuple[int, int]
     dilations: tuple[int, int]
+    ceil_mode: bool = False
+
+    def _ceil_extra(self, size: int, axis: int) -> int:
+        """Positions past the end padding that the last ceil_mode window of an axis reaches."""
+        if not self.ceil_mode:
+            return 0
+        begin, end = self.pads[axis], self.pads[axis + 2]
+        reach = (self.kernel[axis] - 1) * self.dilations[axis] + 1
+        stride = self.strides[axis]
+        out = -(-(size + begin + end - reach) // stride) + 1
+        if (out - 1) * stride >= size + begin:  # that window would start in the end padding
+            out -= 1
+        return max((out - 1) * stride + reach - (size + begin + end), 0)
 
     def patches(self, x: np.ndarray, fill: int):
         """[n, C, kh*kw, out_h, out_w] windows of ``x`` padded with ``fill``."""
         top, left, bottom, right = self.pads
+        bottom += self._ceil_extra(x.shape[2], 0)
+        right += self._ceil_extra(x.shape[3], 1)
         padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=fill)
         cols, out_h, out_w = _im2col(padded, *self.kernel, self.strides, self.dilations)
         return cols.reshape(*cols.shape[:3], out_h, out_w)
@@ -52,13 +71,11 @@ def _window(view: NodeView) -> Window:
     kernel = tuple(view.attr("kernel_shape"))
     if len(kernel) != 2:
         raise Unsupported("only 2-D pooling is supported")
-    if view.attr("ceil_mode", 0):
-        raise Unsupported("ceil_mode=1 is not supported")
     if view.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         raise Unsupported("auto_pad SAME_* is not supported")
     pads = tuple(view.attr("pads", [0, 0, 0, 0]))
     return Window(kernel, (pads[0], pads[1], pads[2], pads[3]), tuple(view.attr("strides", [1, 1])),
-                  tuple(view.attr("dilations", [1, 1])))
+                  tuple(view.attr("dilations", [1, 1])), bool(view.attr("ceil_mode", 0)))
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,8 @@ class AveragePool(IntegerOp):
 
     def derive(self, view: NodeView) -> AvgPoolParams:
         window = _window(view)
+        if window.ceil_mode:  # the windows past the end would average fewer elements
+            raise Unsupported("ceil_mode=1 is not supported")
         if any(window.pads) and not view.attr("count_include_pad", 0):
             raise Unsupported("padding with count_include_pad=0 is not supported")
         return _avg_params(view, window, window.kernel[0] * window.kernel[1])
