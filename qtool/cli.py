@@ -16,7 +16,8 @@ from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
-from .report import bias_summary, float_node_lines, methods_summary, pick_summary, search_summary
+from .report import bias_summary, float_node_lines, methods_summary, pick_summary, placement_summary, \
+    search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -313,6 +314,11 @@ def quantize(
                                                  "TABLE (recalibrated on DATA) only if it also scores "
                                                  "higher on the --holdout samples [default: on with "
                                                  "--data, unless --try-methods]."),
+    placement: Optional[bool] = typer.Option(None, "--placement/--no-placement", help="In a "
+                                             "transformer, give int16 to the groups (residual stream, "
+                                             "Softmax, GELU, attention MatMuls) that raise the SQNR on "
+                                             "DATA's fit samples, kept only if higher on the --holdout "
+                                             "ones [default: on with --data for int8 QDQ]."),
     try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "
@@ -358,6 +364,7 @@ def quantize(
     """
     from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator
+    from .placement import applies as placement_applies, place as place_int16
     from .search import choose_method, choose_methods, search
     from .params import model_params
     from .model import load_model, prepare
@@ -383,6 +390,11 @@ def quantize(
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         if method_choice and data is None:
             raise QtoolError("--method-choice needs samples to score on: add --data DATA")
+        if placement and data is None:
+            raise QtoolError("--placement needs samples to score on: add --data DATA")
+        if placement and not placement_applies(options):
+            raise QtoolError("--placement gives chosen ops int16 in an int8 QDQ model for the default "
+                             "target: drop --activation-type, --precision-table, --format or --target")
         if method_choice and try_methods is not None:
             raise QtoolError("--method-choice and --try-methods both choose the table's methods: "
                              "give one")
@@ -426,6 +438,10 @@ def quantize(
         elif picking:
             loaded, pick = choose_method(model, loaded, options, str(table), data, num_samples=num_samples,
                                          batch_size=batch_size, progress=not quiet, holdout=holdout)
+        placed = None
+        if data is not None and placement is not False and not searching:
+            options, placed = place_int16(model, loaded, options, str(table), data, num_samples, batch_size,
+                                          progress=not quiet, holdout=holdout)
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
@@ -440,6 +456,8 @@ def quantize(
             report.method_choice = choice.to_dict()
         if pick is not None:
             report.method_pick = pick.to_dict()
+        if placed is not None:
+            report.placement = placed.to_dict()
         extras = [p for p in (table_out, params_out) if p is not None]
         try:
             if table_out is not None:
@@ -477,6 +495,8 @@ def quantize(
         typer.echo(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
     if report.method_pick is not None:
         typer.echo(f"method:  {pick_summary(report.method_pick)}")
+    if report.placement is not None:
+        typer.echo(f"int16:   {placement_summary(report.placement)}")
     if report.bias_correction is not None:
         typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
     if report.search is not None:

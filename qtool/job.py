@@ -29,8 +29,9 @@ from .model import file_digest, load_model, prepare
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
-from .report import bias_summary, methods_summary, pick_summary, search_summary
+from .report import bias_summary, methods_summary, pick_summary, placement_summary, search_summary
 from .targets import TARGETS
+from .placement import applies as placement_applies, place
 from .search import choose_method, choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table_formats import write_table
@@ -76,6 +77,7 @@ SCHEMA = {
         "max_float_layers": (int, False),
         "try_methods": (list, False),
         "method_choice": (bool, False),
+        "placement": (bool, False),
         "allow_float": (bool, False),
         "precision_table": (str, False),  # quantize --precision-table: a path, as data paths are
     }, False),
@@ -90,7 +92,7 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods", "method_choice", "allow_float")
+               "try_methods", "method_choice", "placement", "allow_float")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -430,17 +432,22 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
                                     preprocess=plan.preprocess, holdout=holdout)
         if pick.changed:
             write_table(table, plan.table)  # the table the model is quantized from
-    if "target_sqnr" in qz or "max_float_layers" in qz:
-        qmodel, qreport, _ = search(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
+    searching = "target_sqnr" in qz or "max_float_layers" in qz
+    options, placed = plan.options, None
+    if qz.get("placement", True) and not searching:
+        options, placed = place(plan.model, table, options, str(plan.table), plan.calibrate_data, samples, batch,
+                                progress, plan.preprocess, holdout)
+    if searching:
+        qmodel, qreport, _ = search(plan.model, table, options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
                                     samples, batch, qz.get("bias_correction", True), progress,
                                     plan.preprocess, holdout, qz.get("allow_float", False))
     elif qz.get("bias_correction", True):
-        qmodel, qreport, _ = quantize_corrected(plan.model, table, plan.options, str(plan.table),
+        qmodel, qreport, _ = quantize_corrected(plan.model, table, options, str(plan.table),
                                                 plan.calibrate_data, samples, batch, progress,
                                                 plan.preprocess, holdout)
     else:
-        qmodel, qreport = quantize(plan.model, table, plan.options, str(plan.table))
+        qmodel, qreport = quantize(plan.model, table, options, str(plan.table))
     atomic_write(plan.qmodel, qmodel.SerializeToString())
     written.append(plan.qmodel)
     seconds["quantize"] = time.perf_counter() - t0
@@ -451,6 +458,9 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     if pick is not None:
         qreport.method_pick = pick.to_dict()
         log(f"method: {pick_summary(qreport.method_pick)}")
+    if placed is not None:
+        qreport.placement = placed.to_dict()
+        log(f"int16: {placement_summary(qreport.placement)}")
     if qreport.bias_correction is not None:
         log(f"bias: {bias_summary(qreport.bias_correction)}")
     if qreport.search is not None:
@@ -577,6 +587,9 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
         quantize += f", per-tensor choice of {', '.join(qz['try_methods'])}"
     elif qz.get("method_choice", "method" not in plan.settings.get("calibrate", {})):
         quantize += ", calibration method chosen of minmax/percentile/mse on held-out samples"
+    if qz.get("placement", True) and "target_sqnr" not in qz and "max_float_layers" not in qz \
+            and placement_applies(opt):
+        quantize += ", int16 for the transformer groups that score higher on held-out samples (if any)"
     if "target_sqnr" in qz:
         quantize += (f", {'float' if qz.get('allow_float') else 'int16'} ops searched for "
                      f"{qz['target_sqnr']:g} dB")

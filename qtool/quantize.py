@@ -106,6 +106,7 @@ class QuantizeReport:
     search: dict | None = None  # qtool.search's result, when it ran
     method_choice: dict | None = None  # qtool.search.choose_methods's summary, when it ran
     method_pick: dict | None = None  # qtool.search.choose_method's summary, when it ran
+    placement: dict | None = None  # qtool.placement's summary, when it ran
     target: str = DEFAULT_TARGET
     # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
     hazards: list[dict] = field(default_factory=list)
@@ -132,6 +133,8 @@ class QuantizeReport:
             out["method_choice"] = self.method_choice
         if self.method_pick is not None:
             out["method_pick"] = self.method_pick
+        if self.placement is not None:
+            out["placement"] = self.placement
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out

@@ -84,6 +84,23 @@ def pick_summary(mp: dict) -> str:
     return f"{mp['table_method']} kept; {text}; {held}: not higher"
 
 
+def placement_summary(pl: dict) -> str:
+    """One line on the int16 placement in a transformer (``Placement.to_dict()``)."""
+    groups = ", ".join(f"{g} ({n} ops)" for g, n in pl["groups"].items())
+    fit = f"SQNR on {pl['fit_samples']} fit samples: int8 {pl['fit_int8_sqnr_db']}"
+    if not pl["chosen"]:
+        return f"none (no group of {groups} gains {pl['gain_db']:g} dB; {fit} dB)"
+    chosen = " + ".join(pl["chosen"])
+    fit += f" -> {pl['fit_chosen_sqnr_db']} dB with {chosen}"
+    if not pl["heldout_samples"]:
+        return f"none ({fit}; no held-out samples to judge it on)"
+    held = (f"held-out {pl['heldout_int8_sqnr_db']} -> {pl['heldout_chosen_sqnr_db']} dB on "
+            f"{pl['heldout_samples']} others")
+    if pl["kept"]:
+        return f"{len(pl['int16'])} ops ({chosen}); {fit}; {held}"
+    return f"none ({fit}; {held}: not higher)"
+
+
 def search_summary(sr: dict) -> str:
     """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
     int16 = sr.get("precision", "float") == "int16"

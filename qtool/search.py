@@ -115,7 +115,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         return quantize(model_path, table, opts, table_name)
 
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     evaluator = Evaluator(float_model, fit)
     result.samples = evaluator.batches.samples
     result.scored = evaluator.scored
@@ -169,7 +169,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     return final, report, result
 
 
-def _split(float_model, data_path, num_samples, holdout, batch_size, preprocess):
+def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess):
     """The samples a search fits on and those that judge it (None: not judged)."""
     fit = BIAS_SAMPLES if num_samples is None else num_samples
     return split_batches(float_model, data_path, fit, fit if holdout is None else holdout, batch_size,
@@ -284,7 +284,7 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
     models = {m: model for m, (model, _) in built.items()}
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     evaluator = Evaluator(float_model, fit)
     result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored, samples=fit.samples)
     work = onnx.ModelProto()
@@ -412,7 +412,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     start = time.perf_counter()
     pick = MethodPick(table_method=table.method, chosen=table.method)
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    fit, held = _split(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     if held is None:
         pick.seconds = time.perf_counter() - start
         return table, pick

@@ -1,0 +1,160 @@
+"""Where int16 goes in a transformer (``quantize --data``): groups of ops, chosen by held-out score.
+
+A transformer loses its int8 accuracy in the same few places in every model, and each is a
+group of ops that only helps as a whole:
+
+* the **residual stream**: the LayerNormalization ops and the Adds whose sums they read, back
+  through Adds (the residual sum, the bias Adds of the layers that feed it: the stream carries outlier channels a hundred times the median, so one int8 scale per tensor
+  leaves the other channels a few steps);
+* the **attention probabilities**: the Softmax ops and the scaling of the scores they read
+  (most probabilities are far below the largest, and int8 steps of 1/255 round them to 0);
+* the **GELU outputs**;
+* the **attention MatMuls**: MatMuls of two activations (scores and context).
+
+The groups are chosen greedily on the fit samples of DATA: each round adds the group that
+raises the worst output's SQNR most (``qtool.analyze.Evaluator``), if by at least ``GAIN_DB``.
+The groups chosen are then scored on held-out samples against the all-int8 model and kept only
+where they score higher there. A model with none of LayerNormalization, Softmax or Gelu (after
+fusion) is not a transformer: nothing is tried. Costs one quantize and one onnxruntime run over
+the fit samples per try (at most 10 for the four groups), then two over the held-out ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import onnx
+
+from .analyze import Evaluator
+from .model import load_model, prepare
+from .quantize import quantize
+from .report import finite, progress_bar
+from .search import fit_and_heldout
+from .table import Table
+from .targets import DEFAULT_TARGET
+
+GAIN_DB = 1.0
+MARKERS = ("LayerNormalization", "Softmax", "Gelu")
+_FEEDERS = ("Add", "Sub", "Mul", "Div", "Where", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def groups(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """The candidate groups of ``model`` (prepared: LayerNorm and GELU fused), by name: node names
+    in graph order; a group the model lacks is left out."""
+    nodes = list(model.graph.node)
+    if not any(n.op_type in MARKERS for n in nodes):
+        return {}
+    constants = {i.name for i in model.graph.initializer} | {n.output[0] for n in nodes if n.op_type == "Constant"}
+    producer = {o: n for n in nodes for o in n.output}
+
+    def with_feeders(core: set[str]) -> list[str]:
+        """``core`` and the ops that make its inputs, back through elementwise and shape-only ops
+        (a bias Add, the residual sum, the scaling of scores, Reshape/Transpose into heads), so
+        that a MatMul's output is fenced int16 where the group reads it; graph order."""
+        found, todo = set(core), [i for n in nodes if n.name in core for i in n.input]
+        while todo:
+            node = producer.get(todo.pop())
+            if node is not None and node.op_type in _FEEDERS and node.name not in found:
+                found.add(node.name)
+                todo += list(node.input)
+        return [n.name for n in nodes if n.name in found]
+
+    found = {
+        "residual stream": with_feeders({n.name for n in nodes if n.op_type == "LayerNormalization"}),
+        "attention probabilities": with_feeders({n.name for n in nodes if n.op_type == "Softmax"}),
+        "GELU outputs": with_feeders({n.name for n in nodes if n.op_type == "Gelu"}),
+        "attention MatMuls": with_feeders({n.name for n in nodes if n.op_type == "MatMul"
+                                           and not any(i in constants for i in n.input[:2])}),
+    }
+    return {name: members for name, members in found.items() if members}
+
+
+@dataclass
+class Placement:
+    """The groups tried and chosen, with their scores (``to_dict`` goes into the report)."""
+
+    groups: dict[str, int] = field(default_factory=dict)  # name -> ops in it
+    rounds: list[dict[str, float]] = field(default_factory=list)  # per round: group -> fit SQNR with it
+    chosen: list[str] = field(default_factory=list)  # groups chosen on the fit samples
+    int16: list[str] = field(default_factory=list)  # the ops given int16 (empty: all-int8 kept)
+    fit_samples: int = 0
+    fit_int8_db: float = 0.0
+    fit_chosen_db: float = 0.0
+    heldout: int = 0
+    heldout_int8_db: float = 0.0
+    heldout_chosen_db: float = 0.0
+    scored: str = ""
+    seconds: float = 0.0
+
+    @property
+    def kept(self) -> bool:
+        return bool(self.int16)
+
+    def to_dict(self) -> dict:
+        return {"groups": self.groups, "rounds": [{g: finite(v) for g, v in r.items()} for r in self.rounds],
+                "chosen": self.chosen, "kept": self.kept, "int16": self.int16, "gain_db": GAIN_DB,
+                "fit_samples": self.fit_samples, "fit_int8_sqnr_db": finite(self.fit_int8_db),
+                "fit_chosen_sqnr_db": finite(self.fit_chosen_db), "heldout_samples": self.heldout,
+                "heldout_int8_sqnr_db": finite(self.heldout_int8_db),
+                "heldout_chosen_sqnr_db": finite(self.heldout_chosen_db), "scored": self.scored,
+                "seconds": round(self.seconds, 2)}
+
+
+def applies(options) -> bool:
+    """Placement is for int8 QDQ models for the default target whose int16 ops nobody named."""
+    return (options.activation_type == "int8" and options.format == "qdq" and options.target == DEFAULT_TARGET
+            and not options.int16)
+
+
+def place(model_path, table: Table, options, table_name: str, data_path, num_samples: int | None = None,
+          batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None):
+    """``options`` with int16 given to the groups chosen (see the module's docstring), and the
+    Placement (None where the model is not a transformer or ``options`` do not apply)."""
+    start = time.perf_counter()
+    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    found = groups(float_model) if applies(options) else {}
+    if not found:
+        return options, None
+    result = Placement(groups={name: len(members) for name, members in found.items()})
+    fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+    evaluator = Evaluator(float_model, fit)
+    result.scored, result.fit_samples = evaluator.scored, fit.samples
+
+    def build(chosen: list[str]) -> onnx.ModelProto:
+        names = tuple(n for g in chosen for n in found[g])
+        return quantize(model_path, table, replace(options, int16=names, strict=False), table_name)[0]
+
+    models = {(): build([])}
+    result.fit_int8_db = best = evaluator.sqnr(models[()])
+    chosen: list[str] = []
+    tries = len(found) * (len(found) + 1) // 2
+    with progress_bar(tries, "int16 placement", progress, unit="try") as bar:
+        while len(chosen) < len(found):
+            scores = {}
+            for name in found:
+                if name not in chosen:
+                    key = tuple(chosen + [name])
+                    models[key] = build(list(key))
+                    scores[name] = evaluator.sqnr(models[key])
+                    bar.update(1)
+            result.rounds.append(scores)
+            pick = max(scores, key=lambda g: scores[g])
+            if not scores[pick] >= best + GAIN_DB:
+                break
+            chosen.append(pick)
+            best = scores[pick]
+            for key in [k for k in models if k and k != tuple(chosen)]:
+                del models[key]  # only the chosen model is judged
+    result.chosen, result.fit_chosen_db = chosen, best
+    if chosen and held is not None:
+        judge = Evaluator(float_model, held)
+        result.heldout = held.samples
+        result.heldout_int8_db = judge.sqnr(models[()])
+        result.heldout_chosen_db = judge.sqnr(models[tuple(chosen)])
+        if result.heldout_chosen_db > result.heldout_int8_db:
+            result.int16 = [n for g in chosen for n in found[g]]
+    result.seconds = time.perf_counter() - start
+    if not result.int16:
+        return options, result
+    return replace(options, int16=tuple(result.int16)), result
