@@ -91,8 +91,14 @@ def find(model: onnx.ModelProto, constants: dict[str, np.ndarray] | None = None)
     plan = MaskPlan()
     masks = plan.tensors
 
+    zeros: set[str] = set()  # all-zero tensors made at run time (zeros_like: Expand of a 0 constant)
+
     def mask_like(name: str) -> bool:
         return name in masks or (name in constants and (is_sentinel(constants[name]) or _all_low(constants[name])))
+
+    def zero(name: str) -> bool:
+        return name in zeros or (name in constants and constants[name].dtype.kind == "f"
+                                 and not np.any(constants[name]))
 
     producer = {}
     for node in graph.node:
@@ -105,8 +111,7 @@ def find(model: onnx.ModelProto, constants: dict[str, np.ndarray] | None = None)
             made = any(n in constants and _all_low(constants[n]) and constants[n].size == 1 for n in ins) \
                 or all(n in masks for n in ins)
         elif op == "Where" and len(ins) == 3:
-            made = all(mask_like(n) or (n in constants and not np.any(constants[n])) for n in ins[1:]) \
-                and any(mask_like(n) for n in ins[1:])
+            made = all(mask_like(n) or zero(n) for n in ins[1:]) and any(mask_like(n) for n in ins[1:])
         elif op in ("Add", "Sum", "Min") and ins:
             made = all(n in masks for n in ins)
         elif op in _CARRIERS and ins and ins[0] in masks:
@@ -117,6 +122,8 @@ def find(model: onnx.ModelProto, constants: dict[str, np.ndarray] | None = None)
                                                              onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16))
         if made:
             masks.update(o for o in node.output if o)
+        elif op in _CARRIERS and op != "Concat" and ins and zero(ins[0]):
+            zeros.update(o for o in node.output if o)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:

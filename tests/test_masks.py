@@ -56,6 +56,10 @@ def attention_model(path, form="mul", mask_value=LOWEST, layers=2, seed=0, width
         node("Cast", ["m4"], "m4b", to=TensorProto.BOOL)
         node("Where", ["m4b", init("zero", np.array(0.0, np.float32)), init("low", np.array(mask_value, np.float32))],
              "ext")
+    elif form == "where_expand":  # Where(not m, value, zeros_like(m)): torch's masked_fill
+        node("Not", [node("Cast", ["m4"], "m4b", to=TensorProto.BOOL)], "m4n")
+        node("Expand", [init("zero", np.array(0.0, np.float32)), node("Shape", ["m4n"], "m4s")], "zeros")
+        node("Where", ["m4n", init("low", np.array(mask_value, np.float32)), "zeros"], "ext")
     elif form in ("select", "select_not"):
         node("Cast", ["m4"], "m4b", to=TensorProto.BOOL)
         if form == "select_not":
@@ -74,7 +78,7 @@ def attention_model(path, form="mul", mask_value=LOWEST, layers=2, seed=0, width
         v = node("Transpose", [node("Reshape", [node("MatMul", [x, init(p + "wv", wv)], p + "v"), shape], p + "vr")],
                  p + "vh", perm=[0, 2, 1, 3])
         s = node("Div", [node("MatMul", [q, k], p + "s"), init(p + "sq", np.array(np.sqrt(dh), np.float32))], p + "sd")
-        if form in ("mul", "where_add"):
+        if form in ("mul", "where_add", "where_expand"):
             s = node("Add", [s, "ext"], p + "sm")
         elif form == "select":
             s = node("Where", ["m4b", s, "low"], p + "sm")
@@ -120,6 +124,7 @@ def _pipeline(tmp_path, form, **kw):
 # -- recognition -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form, value", [("mul", LOWEST), ("mul", -1e4), ("mul", -1e9), ("where_add", -np.inf),
+                                         ("where_expand", -np.inf),
                                          ("where_add", LOWEST), ("select", LOWEST), ("select_not", -1e4)])
 def test_every_exporter_form_is_a_masked_softmax(tmp_path, form, value):
     plan = masks.find(onnx.load(attention_model(tmp_path / "m.onnx", form, value)))
@@ -128,6 +133,8 @@ def test_every_exporter_form_is_a_masked_softmax(tmp_path, form, value):
                                                     "where" if form == "select" else "add"}
     if form in ("mul", "where_add"):
         assert plan.tensors == {"ext"} and "ext_node" in plan.arithmetic
+    if form == "where_expand":  # the zeros made at run time are no mask, but the Where of them is
+        assert plan.tensors == {"ext"} and {"ext_node", "zeros_node"} <= plan.arithmetic
     assert not plan.arithmetic & {"l0_sd_node", "l0_s_node", "l0_a_node"}
 
 
@@ -180,7 +187,8 @@ def test_an_additive_mask_with_other_values_is_refused():
 
 # -- end to end ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("form, value", [("mul", LOWEST), ("mul", -1e4), ("where_add", -np.inf), ("select", LOWEST)])
+@pytest.mark.parametrize("form, value", [("mul", LOWEST), ("mul", -1e4), ("where_add", -np.inf),
+                                         ("where_expand", -np.inf), ("select", LOWEST)])
 def test_masked_attention_quantizes_and_verifies(tmp_path, form, value):
     """int8 with masks as exporters write them: the masked scores never get a range, the Softmax
     is integer and gives padding exactly probability 0, onnxruntime agrees with the executor."""
