@@ -18,6 +18,10 @@ Exporters write GELU as ``x * 0.5 * (1 + Erf(x / sqrt(2)))`` (PP-OCRv6's SVTR bl
 nine nodes, each a requantization. As one ``Gelu`` node (opset 20; ``approximate='tanh'`` for the
 second) it is one lookup table (qtool/ops/lut.py). onnxruntime's ``com.microsoft`` Gelu and FastGelu
 without a bias are the same functions and become the same node.
+
+PyTorch writes ``x[:, i]`` and ``select`` (the Q, K and V of a packed attention projection) as a
+Gather by a constant scalar index; as Slice and Squeeze the same values move by integer
+data-movement ops, where a Gather of an activation would run float.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from onnx import helper
 HARDSWISH_OPSET = 14
 LAYERNORM_OPSET = 17
 GELU_OPSET = 20
+SELECT_OPSET = 13  # Squeeze's axes as an input
 
 
 def _scalar(inits: dict[str, onnx.TensorProto], name: str) -> float | None:
@@ -452,3 +457,47 @@ def fuse_gelu(model: onnx.ModelProto, matches) -> None:
         attrs = {"approximate": approximate} if approximate != "none" else {}
         groups.append((nodes, helper.make_node("Gelu", [x], [nodes[-1].output[0]], name=nodes[-1].name, **attrs)))
     _replace(model, groups)
+
+
+def _match_select(g: _Graph, node: onnx.NodeProto):
+    """(index, axis) of a Gather that picks one slice of an activation by a constant scalar index
+    (PyTorch's ``select``, ``x[:, 1]``): the Q, K and V of a packed projection."""
+    if node.op_type != "Gather" or len(node.input) != 2 or node.input[0] in g.inits:
+        return None
+    data = g.producer.get(node.input[0])
+    index = g.inits.get(node.input[1])
+    if data is None or data.op_type == "Shape" or index is None or index.dims:  # shapes stay as they are
+        return None
+    value = onnx.numpy_helper.to_array(index)
+    if value.dtype.kind not in "iu":
+        return None
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    return int(value), axis
+
+
+def find_select(model: onnx.ModelProto) -> list:
+    g = _Graph(model)
+    return [(node, match) for node in model.graph.node if (match := _match_select(g, node)) is not None]
+
+
+def fuse_select(model: onnx.ModelProto, matches) -> None:
+    """In place: ``Gather(x, i, axis=a)`` with a constant scalar ``i`` becomes
+    ``Squeeze(Slice(x, [i], [i + 1], [a]), [a])``: the same values, by data-movement ops that run
+    integer (qtool/ops/layout.py), where a Gather of an activation would run float. The Squeeze
+    keeps the Gather's name and output."""
+    inits = {t.name: t for t in model.graph.initializer}
+    replaced = {}
+    for node, (index, axis) in matches:
+        base = node.name or node.output[0]
+        ints = {}
+        for key, value in (("start", index), ("end", index + 1 if index != -1 else np.iinfo(np.int64).max),
+                           ("axis", axis)):
+            ints[key] = _fresh_init(model, inits, f"{base}/{key}", np.array([value], np.int64))
+        sliced = f"{node.output[0]}/slice"
+        replaced[id(node)] = [
+            helper.make_node("Slice", [node.input[0], ints["start"], ints["end"], ints["axis"]], [sliced],
+                             name=f"{base}/slice"),
+            helper.make_node("Squeeze", [sliced, ints["axis"]], [node.output[0]], name=node.name)]
+    kept = [new for n in model.graph.node for new in replaced.get(id(n), [n])]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)

@@ -202,12 +202,14 @@ def check_float_model(model: onnx.ModelProto, source: str) -> None:
 # decompositions that become one op (qtool/fusion.py): the finder, the rewrite, the opset it needs
 FUSIONS = ((fusion.find_hardswish, fusion.fuse_hardswish, fusion.HARDSWISH_OPSET),
            (fusion.find_layernorm, fusion.fuse_layernorm, fusion.LAYERNORM_OPSET),
-           (fusion.find_gelu, fusion.fuse_gelu, fusion.GELU_OPSET))
+           (fusion.find_gelu, fusion.fuse_gelu, fusion.GELU_OPSET),
+           (fusion.find_select, fusion.fuse_select, fusion.SELECT_OPSET))
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     """Constant affine ops after a Conv fold into it; HardSwish, LayerNorm and GELU decompositions
-    become HardSwish (opset 14), LayerNormalization (opset 17) and Gelu (opset 20) nodes
+    become HardSwish (opset 14), LayerNormalization (opset 17) and Gelu (opset 20) nodes, a Gather
+    of an activation by a constant scalar a Slice and a Squeeze
     (qtool/fusion.py), the model upgraded to the highest opset its fusions need. Where onnx cannot
     upgrade it that far, the fusions that need more stay undone: the decomposition still runs,
     with more requantizations."""

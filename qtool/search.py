@@ -441,6 +441,6 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
         pick.seconds = time.perf_counter() - start
         return table, pick
     pick.chosen = best
-    chosen = calibrate(model_path, data_path, best, progress=False, preprocess=preprocess)
+    chosen = calibrate(model_path, data_path, best, batch_size=batch_size, progress=False, preprocess=preprocess)
     pick.seconds = time.perf_counter() - start
     return chosen, pick

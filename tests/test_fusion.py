@@ -145,3 +145,43 @@ def test_bias_and_batchnorm_after_a_conv_transpose_fold_into_it():
 
 def test_a_grouped_conv_transpose_keeps_its_batchnorm():
     assert "BatchNormalization" in [n.op_type for n in prepare(_upsampling_model(group=2)).graph.node]
+
+
+def _select_model():
+    """PyTorch's select on a packed projection: x [N, 3, 4, 8] -> q = x[:, 0], k = x[:, 1],
+    v = x[:, -1] (Gathers by constant scalars), and a shape Gather that must stay."""
+    nodes = [helper.make_node("Relu", ["in"], ["x"], name="relu"),
+             helper.make_node("Gather", ["x", "i0"], ["q"], name="select_q", axis=1),
+             helper.make_node("Gather", ["x", "i1"], ["k"], name="select_k", axis=1),
+             helper.make_node("Gather", ["x", "last"], ["v"], name="select_v", axis=1),
+             helper.make_node("Add", ["q", "k"], ["qk"], name="add"),
+             helper.make_node("Mul", ["qk", "v"], ["out"], name="mul"),
+             helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+             helper.make_node("Gather", ["shape", "i1"], ["dim"], name="dim")]
+    ints = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("i0", 0), ("i1", 1), ("last", -1))]
+    graph = helper.make_graph(nodes, "select", [helper.make_tensor_value_info("in", TensorProto.FLOAT, ["N", 3, 4, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 4, 8]),
+                               helper.make_tensor_value_info("dim", TensorProto.INT64, [])], ints)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_select_by_a_constant_scalar_becomes_slice_and_squeeze(tmp_path):
+    import onnx
+
+    from qtool.calibrate import calibrate
+    from qtool.quantize import quantize
+
+    model = _select_model()
+    prepared = prepare(model)
+    ops = {n.name: n.op_type for n in prepared.graph.node}
+    assert {ops[n] for n in ("select_q", "select_k", "select_v")} == {"Squeeze"}  # name and output kept
+    assert sum(op == "Slice" for op in ops.values()) == 3 and ops["dim"] == "Gather"  # shapes untouched
+    x = np.random.default_rng(0).normal(0, 1, (2, 3, 4, 8)).astype(np.float32)
+    for a, b in zip(_run(model, x), _run(prepared, x)):
+        np.testing.assert_array_equal(a, b)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", **{"in": x})
+    _, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False))
+    floats = {n for _, n, _ in report.kept_float}
+    assert not floats & {"select_q", "select_k", "select_v", "select_q/slice", "select_v/slice"}
+    assert report.quantized["Slice"] == 3 and report.quantized["Squeeze"] == 3
