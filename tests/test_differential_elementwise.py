@@ -30,7 +30,7 @@ def _model(node, inputs: dict, inits: dict, opset: int = 13):
         ir = 8 if opset <= 18 else 9
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)
 
-    sample = {n: np.zeros(s, np.float32) for n, s in inputs.items()}
+    sample = {n: np.ones(s, np.float32) for n, s in inputs.items()}
     y = ReferenceEvaluator(build([])).run(None, sample)[0]
     return build(["N", *y.shape[1:]])
 
@@ -79,6 +79,14 @@ CASES.update({
     "layernorm_two_axes": _case("LayerNormalization", {"x": (8, 3, 4, 5)},
                                 {"gamma": RNG.normal(0.0, 1.0, (4, 5)).astype(np.float32)},
                                 opset=17, axis=-2, epsilon=0.1),
+})
+CASES.update({  # a sentence encoder's mean pooling and L2 normalization
+    "reducesum": _case("ReduceSum", {"x": (8, 12, 16)}, {"axes": np.array([1], np.int64)}),
+    "reducesum_flat": _case("ReduceSum", {"x": (8, 12, 16)}, {"axes": np.array([1, 2], np.int64)}, keepdims=0),
+    "reducel2": _case("ReduceL2", {"x": (8, 12, 16)}, axes=[-1]),
+    "reducel2_opset18": _case("ReduceL2", {"x": (8, 12, 16)}, {"axes": np.array([-1], np.int64)}, opset=18,
+                              keepdims=0),
+    "div_activation": _case("Div", {"a": (8, 12, 16), "b": (8, 12, 1)}),
 })
 if HAS_GELU:
     CASES["gelu"] = _case("Gelu", X, opset=20, spread=2.0)
@@ -143,3 +151,15 @@ def test_hardswish_decomposition_is_one_table(tmp_path):
     assert report.kept_float == [] and report.quantized == {"HardSwish": 1}
     diffs = per_step_differences(qmodel, data)
     assert len(diffs) == 1 and max(int(d.max()) for d in diffs.values()) <= 1
+
+
+def test_div_by_an_activation_by_hand():
+    """``q_y = round(round(d_a * M / d_b) / 2**rshift) + Z_y``, M / 2**rshift = 1 here; a zero
+    divisor gives the type's end by the dividend's sign (float: +-inf) and Z_y for 0 / 0."""
+    from qtool.ops.mul import Div, DivActivationParams
+
+    p = DivActivationParams(2**30, 30, zero_a=1, zero_b=-2, zero_out=3, rounding="half_up", dtype="int8")
+    a = np.array([11, -9, 1, 10, 8, 1], np.int8)  # d_a = 10, -10, 0, 9, 7, 0
+    b = np.array([-2, -2, -2, 0, -4, 5], np.int8)  # d_b = 0, 0, 0, 2, -2, 7
+    # 9 / 2 = 4.5 -> 5 (half up), 7 / -2 = -3.5 -> -3 (half up), 0 / 7 = 0; then + 3
+    assert Div().run(p, a, b).tolist() == [127, -128, 3, 8, 0, 3]
