@@ -40,6 +40,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -482,6 +483,23 @@ def run_ort(model: Path, inputs: dict, one_by_one: bool = False) -> list[np.ndar
 
 
 # ---------------------------------------------------------------- the bench
+def run_measured(argv: list[str]) -> dict:
+    """``zoo.run_stage`` with the process's own peak RSS (MB) from the OS (wait4's ru_maxrss)."""
+    import os
+    import tempfile
+
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, lines = out.read(), [line for line in err.read().splitlines() if line.strip()]
+    return {"code": proc.returncode, "seconds": time.perf_counter() - start, "stdout": stdout,
+            "last": lines[-1] if lines else "", "peak_mb": usage.ru_maxrss / 1024}
+
+
 def bench_model(model: Model, work: Path, qtool: str) -> dict:
     folder = work / "runs" / model.key
     folder.mkdir(parents=True, exist_ok=True)
@@ -512,8 +530,9 @@ def bench_model(model: Model, work: Path, qtool: str) -> dict:
         report = json.loads(quantized["stdout"])
         entry["float_ops"] = sorted({k["op_type"] for k in report.get("kept_float", [])})
         entry["int16_ops"] = len((report.get("placement") or {}).get("int16", []))
-        verified = zoo.run_stage([qtool, "verify", str(path), str(q), "--data", str(folder / "held.npz"), "--json", "-q", *batch])
+        verified = run_measured([qtool, "verify", str(path), str(q), "--data", str(folder / "held.npz"), "--json", "-q", *batch])
         entry["verify_exit"] = verified["code"]
+        entry["verify_peak_mb"] = round(verified["peak_mb"])
         if verified["code"] in (0, 1):
             v = json.loads(verified["stdout"])
             entry["sqnr_db"] = min(o["sqnr_db"] for o in v["outputs"])
@@ -553,7 +572,8 @@ def print_rows(rows: list[dict]) -> None:
             sq = e.get("sqnr_db")
             figures = f"{sq:7.2f} dB" if isinstance(sq, float) else " " * 10
             extra = "" if "verify_exit" not in e else f"  verify exit {e['verify_exit']}, float nodes " \
-                f"{e.get('float_nodes', '?')} ({', '.join(e.get('float_ops', []))}), quantize {e['quantize_s']} s"
+                f"{e.get('float_nodes', '?')} ({', '.join(e.get('float_ops', []))}), quantize {e['quantize_s']} s, " \
+                f"verify peak {e.get('verify_peak_mb', '?')} MB"
             print(f"  {label:<22} {figures}  {e.get('metric', ''):<16}{extra} {e.get('error', '')}")
 
 

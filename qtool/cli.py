@@ -17,7 +17,7 @@ from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, Qt
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import atomic_write, check_writable
 from .report import bias_summary, float_node_lines, methods_summary, pick_summary, placement_summary, \
-    search_summary
+    rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -319,6 +319,10 @@ def quantize(
                                              "Softmax, GELU, attention MatMuls) that raise the SQNR on "
                                              "DATA's fit samples, kept only if higher on the --holdout "
                                              "ones [default: on with --data for int8 QDQ]."),
+    weight_rounding: Optional[bool] = typer.Option(None, "--weight-rounding/--no-weight-rounding",
+                                                   help="Round MatMul/Gemm weights to fit their inputs "
+                                                   "on DATA's fit samples (GPTQ), kept only if higher on "
+                                                   "the --holdout ones [default: on with --data]."),
     try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "
@@ -365,6 +369,7 @@ def quantize(
     from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator
     from .placement import applies as placement_applies, place as place_int16
+    from .rounding import fit as fit_rounding
     from .search import choose_method, choose_methods, search
     from .params import model_params
     from .model import load_model, prepare
@@ -390,6 +395,8 @@ def quantize(
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         if method_choice and data is None:
             raise QtoolError("--method-choice needs samples to score on: add --data DATA")
+        if weight_rounding and data is None:
+            raise QtoolError("--weight-rounding needs samples to fit on: add --data DATA")
         if placement and data is None:
             raise QtoolError("--placement needs samples to score on: add --data DATA")
         if placement and not placement_applies(options):
@@ -442,6 +449,10 @@ def quantize(
         if data is not None and placement is not False and not searching:
             options, placed = place_int16(model, loaded, options, str(table), data, num_samples, batch_size,
                                           progress=not quiet, holdout=holdout)
+        rounded = rounding = None
+        if data is not None and weight_rounding is not False and not searching:
+            rounded, rounding = fit_rounding(model, loaded, options, str(table), data, num_samples, batch_size,
+                                             progress=not quiet, holdout=holdout)
         if searching:
             qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
                                        max_float_layers, num_samples, batch_size,
@@ -449,15 +460,18 @@ def quantize(
                                        allow_float=allow_float)
         elif data is not None and bias_correction is not False:
             qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
-                                                   batch_size, progress=not quiet, holdout=holdout)
+                                                   batch_size, progress=not quiet, holdout=holdout,
+                                                   rounded_weights=rounded)
         else:
-            qmodel, report = run(model, loaded, options, str(table))
+            qmodel, report = run(model, loaded, options, str(table), None, rounded)
         if choice is not None:
             report.method_choice = choice.to_dict()
         if pick is not None:
             report.method_pick = pick.to_dict()
         if placed is not None:
             report.placement = placed.to_dict()
+        if rounding is not None:
+            report.rounding = rounding.to_dict()
         extras = [p for p in (table_out, params_out) if p is not None]
         try:
             if table_out is not None:
@@ -497,6 +511,8 @@ def quantize(
         typer.echo(f"method:  {pick_summary(report.method_pick)}")
     if report.placement is not None:
         typer.echo(f"int16:   {placement_summary(report.placement)}")
+    if report.rounding is not None:
+        typer.echo(f"weights: {rounding_summary(report.rounding)}")
     if report.bias_correction is not None:
         typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
     if report.search is not None:

@@ -29,9 +29,11 @@ from .model import file_digest, load_model, prepare
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
-from .report import bias_summary, methods_summary, pick_summary, placement_summary, search_summary
+from .report import bias_summary, methods_summary, pick_summary, placement_summary, rounding_summary, \
+    search_summary
 from .targets import TARGETS
 from .placement import applies as placement_applies, place
+from .rounding import fit as fit_rounding
 from .search import choose_method, choose_methods, search
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table_formats import write_table
@@ -78,6 +80,7 @@ SCHEMA = {
         "try_methods": (list, False),
         "method_choice": (bool, False),
         "placement": (bool, False),
+        "weight_rounding": (bool, False),
         "allow_float": (bool, False),
         "precision_table": (str, False),  # quantize --precision-table: a path, as data paths are
     }, False),
@@ -92,7 +95,7 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods", "method_choice", "placement", "allow_float")
+               "try_methods", "method_choice", "placement", "weight_rounding", "allow_float")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -437,6 +440,10 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     if qz.get("placement", True) and not searching:
         options, placed = place(plan.model, table, options, str(plan.table), plan.calibrate_data, samples, batch,
                                 progress, plan.preprocess, holdout)
+    rounded = rounding = None
+    if qz.get("weight_rounding", True) and not searching:
+        rounded, rounding = fit_rounding(plan.model, table, options, str(plan.table), plan.calibrate_data, samples,
+                                         batch, progress, plan.preprocess, holdout)
     if searching:
         qmodel, qreport, _ = search(plan.model, table, options, str(plan.table), plan.calibrate_data,
                                     qz.get("target_sqnr"), qz.get("max_float_layers"),
@@ -445,9 +452,9 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     elif qz.get("bias_correction", True):
         qmodel, qreport, _ = quantize_corrected(plan.model, table, options, str(plan.table),
                                                 plan.calibrate_data, samples, batch, progress,
-                                                plan.preprocess, holdout)
+                                                plan.preprocess, holdout, rounded)
     else:
-        qmodel, qreport = quantize(plan.model, table, options, str(plan.table))
+        qmodel, qreport = quantize(plan.model, table, options, str(plan.table), None, rounded)
     atomic_write(plan.qmodel, qmodel.SerializeToString())
     written.append(plan.qmodel)
     seconds["quantize"] = time.perf_counter() - t0
@@ -461,6 +468,9 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     if placed is not None:
         qreport.placement = placed.to_dict()
         log(f"int16: {placement_summary(qreport.placement)}")
+    if rounding is not None:
+        qreport.rounding = rounding.to_dict()
+        log(f"weights: {rounding_summary(qreport.rounding)}")
     if qreport.bias_correction is not None:
         log(f"bias: {bias_summary(qreport.bias_correction)}")
     if qreport.search is not None:
@@ -590,6 +600,8 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     if qz.get("placement", True) and "target_sqnr" not in qz and "max_float_layers" not in qz \
             and placement_applies(opt):
         quantize += ", int16 for the transformer groups that score higher on held-out samples (if any)"
+    if qz.get("weight_rounding", True) and "target_sqnr" not in qz and "max_float_layers" not in qz:
+        quantize += ", MatMul/Gemm weights rounded to fit their inputs where that scores higher held out"
     if "target_sqnr" in qz:
         quantize += (f", {'float' if qz.get('allow_float') else 'int16'} ops searched for "
                      f"{qz['target_sqnr']:g} dB")

@@ -107,6 +107,7 @@ class QuantizeReport:
     method_choice: dict | None = None  # qtool.search.choose_methods's summary, when it ran
     method_pick: dict | None = None  # qtool.search.choose_method's summary, when it ran
     placement: dict | None = None  # qtool.placement's summary, when it ran
+    rounding: dict | None = None  # qtool.rounding's summary, when it ran
     target: str = DEFAULT_TARGET
     # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
     hazards: list[dict] = field(default_factory=list)
@@ -135,16 +136,20 @@ class QuantizeReport:
             out["method_pick"] = self.method_pick
         if self.placement is not None:
             out["placement"] = self.placement
+        if self.rounding is not None:
+            out["weight_rounding"] = self.rounding
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out
 
 
 def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
-             table_name: str = "table", bias_corrections: dict[str, np.ndarray] | None = None
-             ) -> tuple[onnx.ModelProto, QuantizeReport]:
+             table_name: str = "table", bias_corrections: dict[str, np.ndarray] | None = None,
+             rounded_weights: dict | None = None) -> tuple[onnx.ModelProto, QuantizeReport]:
     """``bias_corrections``: node name -> float shift added to its bias before quantization (see
-    qtool.bias_correction); a named Conv or ConvTranspose without a bias gets one."""
+    qtool.bias_correction); a named Conv or ConvTranspose without a bias gets one.
+    ``rounded_weights``: weight name -> ``qtool.rounding.Rounded``, integers fitted on the scales
+    quantize gives the weight (used where those scales are the ones it gets)."""
     options.check()
     source = load_model(model_path)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
@@ -165,7 +170,8 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
         pixels = fold(model, options.input_pixels)  # (input name, zero point)
     corrections = dict(bias_corrections or {})
     _add_zero_biases(model, corrections)
-    rewritten = _Rewriter(model, table, options, report, table_name, corrections, pixels).run()
+    rewritten = _Rewriter(model, table, options, report, table_name, corrections, pixels,
+                          rounded_weights or {}).run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
     report.guarded = guard_float_ops(rewritten)
@@ -266,9 +272,11 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
 
 class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
-                 table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None):
+                 table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
+                 rounded_weights: dict | None = None):
         self.model, self.table, self.opt, self.report = model, table, options, report
         self.bias_corrections = bias_corrections
+        self.rounded = rounded_weights or {}
         self.pixels = pixels  # (input name, zero point) with --input-pixels
         self.table_name = table_name
         self.graph = model.graph
@@ -439,6 +447,10 @@ class _Rewriter:
                     linked.add(other.name)
                     todo.append(other)
         roots = {n.name for n in self.graph.node if n.op_type == "Sqrt" and n.input[0] in statistics}
+        # the reductions whose statistics those read (ReduceSum runs integer; here it must not)
+        read = {name for n in self.graph.node if n.name in linked | roots for name in n.input}
+        roots |= {n.name for n in self.graph.node if n.op_type in ("ReduceMean", "ReduceSum")
+                  and any(o in read for o in n.output)}
         # and the Mul or Div that normalizes with them: its operand spans that range too
         kept = linked | roots
         scaling = {u.name for node in self.graph.node if node.name in kept
@@ -660,7 +672,7 @@ class _Rewriter:
                 scale = np.asarray(w_qp.scale, np.float64)
                 if scale.ndim and bias.shape != scale.shape:
                     continue
-                w_q = np.abs(quantize_array(self.inits[w_name], w_qp).astype(np.int64))  # symmetric: Z = 0
+                w_q = np.abs(self._weight_integers(w_name, w_qp).astype(np.int64))  # symmetric: Z = 0
                 axis = w_qp.axis if w_qp.axis is not None else 0
                 l1 = np.moveaxis(w_q, axis, 0).reshape(w_q.shape[axis], -1).sum(axis=1) if scale.ndim \
                     else np.full(bias.shape, w_q.sum())
@@ -680,13 +692,20 @@ class _Rewriter:
                 f"the weight scale of {sum(c for _, c in raised)} channel(s) in {len(raised)} layer(s) "
                 f"raised so that their int32 bias cannot overflow: {names}")
 
+    def _weight_integers(self, name: str, qp: QParams) -> np.ndarray:
+        """The weight's integers: rounded to nearest, or fitted (qtool.rounding) on these scales."""
+        fitted = self.rounded.get(name)
+        if fitted is not None and fitted.values.shape == self.inits[name].shape \
+                and np.array_equal(np.asarray(fitted.scale, np.float32), np.asarray(qp.scale, np.float32)):
+            return fitted.values.astype(qp.dtype)
+        return quantize_array(self.inits[name], qp)
+
     def _weight(self, name: str, spec: Weight) -> str:
         key = (name, spec.axis if self.opt.per_channel else None)
         if key in self.weight_cache:
             return self.weight_cache[key]
         qp = self._weight_qparams(name, spec.axis)
-        q = quantize_array(self.inits[name], qp)
-        q_name = self._init(f"{name}_quantized", q)
+        q_name = self._init(f"{name}_quantized", self._weight_integers(name, qp))
         shape = np.shape(qp.scale)
         scale, zero_point = self._qp_inits(name, qp, shape)
         out = self._fresh(f"{name}_dequantized")

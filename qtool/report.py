@@ -101,6 +101,16 @@ def placement_summary(pl: dict) -> str:
     return f"none ({fit}; {held}: not higher)"
 
 
+def rounding_summary(rp: dict) -> str:
+    """One line on the fitted weight rounding (``RoundingPick.to_dict()``)."""
+    if rp["reason"]:
+        return f"nearest ({rp['reason']})"
+    held = (f"held-out nearest {rp['heldout_nearest_sqnr_db']} -> fitted {rp['heldout_fitted_sqnr_db']} dB "
+            f"on {rp['heldout_samples']} samples")
+    what = f"{rp['layers']} MatMul/Gemm weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
+    return f"{what}; {held}" + ("" if rp["kept"] else ": not higher, nearest kept")
+
+
 def search_summary(sr: dict) -> str:
     """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
     int16 = sr.get("precision", "float") == "int16"

@@ -205,12 +205,15 @@ def test_div_refuses_zero_divisor():
         _div(0, 0.1, QParams(0.25, 0))
 
 
-def test_div_by_activation_is_not_a_kernel_form():
-    assert REGISTRY["Div"].constants(helper.make_node("Div", ["x", "c"], ["y"])).keys() == {1}
+def test_div_by_an_activation_derives_its_own_form():
+    from qtool.ops.mul import DivActivationParams
+
+    assert REGISTRY["Div"].constants(helper.make_node("Div", ["x", "c"], ["y"]))[1].optional
     node = helper.make_node("Div", ["x", "c"], ["y"])
-    with pytest.raises(Unsupported, match="constant"):
-        REGISTRY["Div"].derive(_view(node, [Operand(QParams(1.0, 0)), Operand(QParams(1.0, 0))],
-                                     QParams(1.0, 0)))
+    p = REGISTRY["Div"].derive(_view(node, [Operand(QParams(0.5, 3)), Operand(QParams(0.25, -2))], QParams(1.0, 1)))
+    # M / 2**rshift = S_a / (S_b S_y) = 2
+    assert isinstance(p, DivActivationParams) and (p.zero_a, p.zero_b, p.zero_out) == (3, -2, 1)
+    assert p.multiplier / 2**p.rshift == 2.0
 
 
 # -- Clip -------------------------------------------------------------------------------------------
