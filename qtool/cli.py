@@ -402,6 +402,9 @@ def quantize(
         if placement and not placement_applies(options):
             raise QtoolError("--placement gives chosen ops int16 in an int8 QDQ model for the default "
                              "target: drop --activation-type, --precision-table, --format or --target")
+        if (placement or weight_rounding) and (target_sqnr is not None or max_float_layers is not None):
+            raise QtoolError(f"{'--placement' if placement else '--weight-rounding'} does not combine with "
+                             f"the search (--target-sqnr, --max-float-layers), which places int16 itself")
         if method_choice and try_methods is not None:
             raise QtoolError("--method-choice and --try-methods both choose the table's methods: "
                              "give one")

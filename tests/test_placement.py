@@ -165,4 +165,8 @@ def test_cli_placement_refusals(block, tmp_path):
     assert_user_error(invoke("quantize", model, "-t", table, "-o", out, "--placement", "--data", data,
                              "--activation-type", "int16"),
                       "--placement gives chosen ops int16", "--activation-type")
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", out, "--placement", "--data", data,
+                             "--target-sqnr", "30"), "--placement does not combine with the search")
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", out, "--weight-rounding", "--data", data,
+                             "--max-float-layers", "2"), "--weight-rounding does not combine with the search")
     assert not out.exists()
