@@ -213,16 +213,33 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
     return (fixed if batch is None else model), shapes
 
 
-def activation_bytes(typed: onnx.ModelProto, batch: int = 1) -> int:
+def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] | None = None) -> int:
     """Bytes of one sample's float activations in ``typed`` (from ``_fix_dims`` with ``batch``):
-    the tensors whose sizes inference found, divided by the batch."""
+    the tensors whose sizes inference found, divided by the batch; the others are appended to
+    ``unsized`` when given."""
     infos = {vi.name: vi for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
     total = 0
     for name in float_tensors(typed):
         dims = input_shape(infos[name]) if name in infos else []
         if dims and all(isinstance(d, int) and d > 0 for d in dims):
             total += math.prod(dims) * 4
+        elif unsized is not None:
+            unsized.append(name)
     return total // max(1, batch)
+
+
+def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None) -> int:
+    """Bytes of one sample's float activations: those shape inference sizes, plus the ones it
+    cannot (a ViT's attention behind run-time reshapes), measured by running the first sample."""
+    shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
+    unsized: list[str] = []
+    total = activation_bytes(shaped, batch, unsized)
+    known = {o.name for o in model.graph.output} | {n for node in model.graph.node for n in node.output}
+    unsized = [n for n in unsized if n in known]
+    if unsized and len(data):
+        values = FloatRunner(model, unsized).run(data.batch(0, 1))
+        total += sum(np.asarray(values[n]).nbytes for n in unsized if n in values)
+    return total
 
 
 def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
@@ -235,8 +252,7 @@ def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, 
     if fixed or requested:
         return fixed or requested, ""
     check_memory(memory_mb)
-    shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
-    return choose_batch(activation_bytes(shaped, batch), factor, memory_mb, cap)
+    return choose_batch(sample_bytes(model, data, typed), factor, memory_mb, cap)
 
 
 def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:

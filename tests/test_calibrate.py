@@ -291,3 +291,34 @@ def test_images_cannot_feed_a_two_input_model(tmp_path):
     result = invoke("calibrate", tmp_path / "m.onnx", "-d", folder, "-o", tmp_path / "t.yaml",
                     "--input", "a", "-q")
     one_line_error(result, f"data folder '{folder}'", "no data for model input 'b'")
+
+
+def test_the_batch_estimate_counts_tensors_inference_cannot_size(tmp_path):
+    """A tensor whose size only a run tells (an Expand to a shape computed at run time, as a ViT's
+    attention behind run-time reshapes) counts in the per-sample estimate: measured on sample 0."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtool.calibrate import _fix_dims, activation_bytes, sample_bytes
+    from qtool.data import load_dataset
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n"]),
+             helper.make_node("Mul", ["rows", "scale"], ["r"]),  # computed: inference does not follow it
+             helper.make_node("Concat", ["n", "r", "width"], ["shape"], axis=0),
+             helper.make_node("Expand", ["x", "shape"], ["big"]),
+             helper.make_node("ReduceMean", ["big"], ["y"], axes=[1], keepdims=0)]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k)
+             for k, v in (("zero", [0]), ("one", [1]), ("rows", [1024]), ("scale", [4]), ("width", [256]))]
+    graph = helper.make_graph(nodes, "expand", [helper.make_tensor_value_info("x", f, ["N", 1, 256])],
+                              [helper.make_tensor_value_info("y", f, ["N", 256])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "d.npz", x=np.ones((3, 1, 256), np.float32))
+    data = load_dataset(tmp_path / "d.npz", model)
+    shaped, batch = _fix_dims(model, data, 1)[0], 1
+    expanded = 4096 * 256 * 4  # bytes of 'big' for one sample
+    assert activation_bytes(shaped, batch) < expanded  # inference alone misses it
+    assert sample_bytes(model, data) >= expanded
