@@ -108,7 +108,7 @@ def rounding_summary(rp: dict) -> str:
     held = (f"held-out nearest {rp['heldout_nearest_sqnr_db']} -> fitted {rp['heldout_fitted_sqnr_db']} dB "
             f"on {rp['heldout_samples']} samples")
     what = f"{rp['layers']} MatMul/Gemm weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
-    return f"{what}; {held}" + ("" if rp["kept"] else ": not higher, nearest kept")
+    return f"{what}; {held}" + ("" if rp["kept"] else f": not {rp['gain_db']:g} dB higher, nearest kept")
 
 
 def search_summary(sr: dict) -> str:
