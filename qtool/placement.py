@@ -14,9 +14,10 @@ group of ops that only helps as a whole:
 The groups are chosen greedily on the fit samples of DATA: each round adds the group that
 raises the worst output's SQNR most (``qtool.analyze.Evaluator``), if by at least ``GAIN_DB``.
 The groups chosen are then scored on held-out samples against the all-int8 model and kept only
-where they score higher there. A model with none of LayerNormalization, Softmax or Gelu (after
-fusion) is not a transformer: nothing is tried. Costs one quantize and one onnxruntime run over
-the fit samples per try (at most 10 for the four groups), then two over the held-out ones.
+where they score higher there. A model with no LayerNormalization, no Gelu (after fusion) and no
+Softmax of attention scores (a MatMul of two activations) is not a transformer: nothing is tried.
+Costs one quantize and one onnxruntime run over the fit samples per try (at most 10 for the four
+groups), then two over the held-out ones.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .table import Table
 from .targets import DEFAULT_TARGET
 
 GAIN_DB = 1.0
-MARKERS = ("LayerNormalization", "Softmax", "Gelu")
+MARKERS = ("LayerNormalization", "Gelu")  # and a Softmax of attention scores (_reads)
 _FEEDERS = ("Add", "Sub", "Mul", "Div", "Where", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
@@ -43,10 +44,12 @@ def groups(model: onnx.ModelProto) -> dict[str, list[str]]:
     """The candidate groups of ``model`` (prepared: LayerNorm and GELU fused), by name: node names
     in graph order; a group the model lacks is left out."""
     nodes = list(model.graph.node)
-    if not any(n.op_type in MARKERS for n in nodes):
-        return {}
     constants = {i.name for i in model.graph.initializer} | {n.output[0] for n in nodes if n.op_type == "Constant"}
     producer = {o: n for n in nodes for o in n.output}
+    attention = {n.name for n in nodes if n.op_type == "MatMul" and not any(i in constants for i in n.input[:2])}
+    if not any(n.op_type in MARKERS for n in nodes) and not any(
+            n.op_type == "Softmax" and _reads(producer, n, attention) for n in nodes):
+        return {}
 
     def with_feeders(core: set[str]) -> list[str]:
         """``core`` and the ops that make its inputs, back through elementwise and shape-only ops
@@ -64,10 +67,25 @@ def groups(model: onnx.ModelProto) -> dict[str, list[str]]:
         "residual stream": with_feeders({n.name for n in nodes if n.op_type == "LayerNormalization"}),
         "attention probabilities": with_feeders({n.name for n in nodes if n.op_type == "Softmax"}),
         "GELU outputs": with_feeders({n.name for n in nodes if n.op_type == "Gelu"}),
-        "attention MatMuls": with_feeders({n.name for n in nodes if n.op_type == "MatMul"
-                                           and not any(i in constants for i in n.input[:2])}),
+        "attention MatMuls": with_feeders(attention),
     }
     return {name: members for name, members in found.items() if members}
+
+
+def _reads(producer: dict, node: onnx.NodeProto, sources: set[str]) -> bool:
+    """Whether ``node`` reads, back through elementwise and shape-only ops, one of ``sources``
+    (a Softmax of attention scores; a classifier's Softmax reads a Gemm)."""
+    todo, seen = list(node.input[:1]), set()
+    while todo:
+        source = producer.get(todo.pop())
+        if source is None or source.name in seen:
+            continue
+        seen.add(source.name)
+        if source.name in sources:
+            return True
+        if source.op_type in _FEEDERS:
+            todo += list(source.input)
+    return False
 
 
 @dataclass

@@ -152,3 +152,55 @@ def test_other_gathers_stay_float(tmp_path):
     reasons = {name: why for op_type, name, why in report.kept_float if op_type == "Gather"}
     assert reasons == {"columns": "Gather axis 1: only rows of a table (axis 0) are gathered",
                        "pick": "input 'shape' must be a constant"}
+
+
+def _table_of(qmodel):
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    gather = next(n for n in qmodel.graph.node if n.op_type == "Gather")
+    dq = next(n for n in qmodel.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == gather.input[0])
+    return inits[dq.input[0]], inits[dq.input[1]]
+
+
+def test_an_int16_gather_stores_a_small_table_int16(tmp_path):
+    """With int16 activations a table of at most WIDE_TABLE_VALUES values (a position or token-type
+    table) is stored int16 per row: its rows' rounding is no longer an int8 step added to every
+    token. onnxruntime runs the model and the executor agrees with it within one step; the rows
+    gathered are within one int16 step of the float table's (an int8 table's: ~100 such steps)."""
+    from qtool.quantize import WIDE_TABLE_VALUES
+
+    assert ROWS * WIDTH <= WIDE_TABLE_VALUES
+    onnx.save(_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", ids=_every_row())
+    table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
+    qmodel, _ = quantize(tmp_path / "m.onnx", table, QuantizeOptions(activation_type="int16"))
+    values, scales = _table_of(qmodel)
+    assert values.dtype == np.int16 and scales.shape == (ROWS,)
+    ids = _ids(32, 2)
+    executor = IntegerExecutor(qmodel)
+    run = executor.run({"ids": ids}, keep_integer=True)
+    want = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": ids})[0]
+    step = executor.integer_tensors()["y_float"].qparams.scale
+    assert np.abs(run.outputs["y"] - want).max() <= step * 1.001
+    words = executor.integer_tensors()["words"].qparams
+    rows = run.integer["words"].astype(np.float64) * words.scale
+    table_rows = numpy_helper.to_array(_model().graph.initializer[0])[ids]
+    assert np.abs(rows - table_rows).max() <= 1.001 * words.scale
+
+
+def test_a_large_or_int8_gathered_table_stays_one_byte(tmp_path):
+    from qtool.quantize import WIDE_TABLE_VALUES
+
+    onnx.save(_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", ids=_every_row())
+    table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
+    assert _table_of(quantize(tmp_path / "m.onnx", table)[0])[0].dtype.itemsize == 1  # int8 output
+    rows = WIDE_TABLE_VALUES // WIDTH + 1  # a word table beyond the bound, int16 output
+    big = _model()
+    big.graph.initializer[0].CopyFrom(numpy_helper.from_array(
+        np.random.default_rng(3).normal(0, 1, (rows, WIDTH)).astype(np.float32), "table"))
+    onnx.save(big, tmp_path / "big.onnx")
+    np.savez(tmp_path / "big.npz", ids=np.random.default_rng(4).integers(0, rows, (64, 8)).astype(np.int64))
+    table = calibrate(tmp_path / "big.onnx", tmp_path / "big.npz", progress=False)
+    qmodel, _ = quantize(tmp_path / "big.onnx", table, QuantizeOptions(activation_type="int16"))
+    assert _table_of(qmodel)[0].dtype.itemsize == 1

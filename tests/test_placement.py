@@ -170,3 +170,17 @@ def test_cli_placement_refusals(block, tmp_path):
     assert_user_error(invoke("quantize", model, "-t", table, "-o", out, "--weight-rounding", "--data", data,
                              "--max-float-layers", "2"), "--weight-rounding does not combine with the search")
     assert not out.exists()
+
+
+def test_a_classifier_softmax_is_no_transformer(tmp_path):
+    """A CNN classifier ending in Gemm -> Softmax (PP-OCR cls) has nothing to place: its Softmax
+    reads no attention scores."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["logits"], name="fc"),
+             helper.make_node("Softmax", ["logits"], ["p"], name="softmax", axis=-1)]
+    graph = helper.make_graph(nodes, "cls", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 4])],
+                              [numpy_helper.from_array(rng.normal(0, 1, (16, 4)).astype(np.float32), "w"),
+                               numpy_helper.from_array(np.zeros(4, np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert groups(model) == {}
