@@ -70,14 +70,8 @@ def _mul(p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class DivActivationParams:
-    multiplier: int
-    rshift: int
-    zero_a: int
-    zero_b: int
-    zero_out: int
-    rounding: str
-    dtype: str
+class DivActivationParams(MulParams):
+    """Div by an activation: Mul's fields, ``M / 2**rshift = S_a / (S_b S_y)``."""
 
 
 @dataclass(frozen=True)
