@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnx
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -145,10 +146,9 @@ def minilm_reference(w: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray
     return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
 
 
-def build_minilm(w: dict[str, np.ndarray], opset: int) -> "onnx.ModelProto":
+def build_minilm(w: dict[str, np.ndarray], opset: int) -> onnx.ModelProto:
     """The sentence encoder as an exporter writes it (inputs input_ids, attention_mask,
     token_type_ids, int64 [batch, sequence]; output sentence_embedding [batch, 384])."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     nodes, inits = [], []
@@ -356,7 +356,6 @@ def _minilm_folder(work: Path) -> Path:
 
 def _minilm(opset: int) -> Callable:
     def make(work: Path) -> Path:
-        import onnx
         import onnxruntime as ort
 
         path = work / "models" / f"minilm-op{opset}.onnx"
