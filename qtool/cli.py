@@ -321,8 +321,9 @@ def quantize(
                                              "ones [default: on with --data for int8 QDQ]."),
     weight_rounding: Optional[bool] = typer.Option(None, "--weight-rounding/--no-weight-rounding",
                                                    help="Round MatMul/Gemm weights to fit their inputs "
-                                                   "on DATA's fit samples (GPTQ), kept only if higher on "
-                                                   "the --holdout ones [default: on with --data]."),
+                                                   "on DATA's fit samples (GPTQ), kept only if at least "
+                                                   "0.5 dB higher on the --holdout ones [default: on "
+                                                   "with --data]."),
     try_methods: Optional[str] = typer.Option(None, "--try-methods", help="Calibration methods to "
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "
