@@ -15,6 +15,7 @@ The models (each exported the way current exporters write them):
 * ``khmersm``: a 3-layer text transformer + CRF tagger (khmersm's own ONNX, opset 17, the
   padding mask a boolean ``Where``). Metric: Viterbi tags (the wheel's CRF) equal to float's.
 * ``ppocr4-rec``: PP-OCRv4 recognition (SVTR attention blocks, opset 11). Metric: CTC strings.
+* ``ppocr6-rec``: PP-OCRv6 small recognition (attention and GELU blocks). Metric: CTC strings.
 
 For each, 32 fit and 32 held-out samples (disjoint seeds), then as separate processes:
 
@@ -422,6 +423,8 @@ MODELS = [
           lambda w: wheel_files(KHMER_WHEEL, "khmersm/", w) / "model.onnx",
           lambda n, s, w: khmer_inputs(n, s, wheel_files(KHMER_WHEEL, "khmersm/", w)), None, batch1=True),
     Model("ppocr4-rec", "SVTR attention blocks + CTC (PP-OCRv4 rec), opset 11", _zoo_model("ppocr4-rec"),
+          lambda n, s, w: {"x": zoo.text_lines(n, s)}, _ctc),
+    Model("ppocr6-rec", "attention + GELU blocks + CTC (PP-OCRv6 small rec)", _zoo_model("ppocr6-rec"),
           lambda n, s, w: {"x": zoo.text_lines(n, s)}, _ctc),
 ]
 

@@ -84,6 +84,8 @@ CASES.update({  # a sentence encoder's mean pooling and L2 normalization
     "reducesum": _case("ReduceSum", {"x": (8, 12, 16)}, {"axes": np.array([1], np.int64)}),
     "reducesum_flat": _case("ReduceSum", {"x": (8, 12, 16)}, {"axes": np.array([1, 2], np.int64)}, keepdims=0),
     "reducel2": _case("ReduceL2", {"x": (8, 12, 16)}, axes=[-1]),
+    "reducemean_spatial": _case("ReduceMean", {"x": (8, 4, 6, 6)}, axes=[2, 3]),  # an SE block's average
+    "reducemean_flat": _case("ReduceMean", {"x": (8, 12, 16)}, axes=[-1], keepdims=0),
     "reducel2_opset18": _case("ReduceL2", {"x": (8, 12, 16)}, {"axes": np.array([-1], np.int64)}, opset=18,
                               keepdims=0),
     "div_activation": _case("Div", {"a": (8, 12, 16), "b": (8, 12, 1)}),

@@ -1,8 +1,13 @@
-"""ReduceSum and ReduceL2: a sentence encoder's mean pooling and L2 normalization.
+"""ReduceSum, ReduceMean and ReduceL2: a sentence encoder's mean pooling and L2 normalization,
+a squeeze-and-excitation block's global average.
 
 ReduceSum: ``q_y = (sum(q_x - Z_x) * M >> rshift) + Z_y`` with ``M / 2**rshift = S_x / S_y``, the
 sum in int64 over the reduced axes; the multiplier is narrowed (qtool.fixedpoint.narrowed) so that
 a sum of up to 2**40 still fits int64 times it.
+
+ReduceMean: the same sum, ``q_y = round(sum(q_x - Z_x) * M / n) >> rshift`` with ``n`` the count
+of values reduced (known at run time); the quotient keeps ``rshift`` fractional bits, so the
+result is within one step of the exact rounding.
 
 ReduceL2: ``y = sqrt(sum((S_x (q_x - Z_x))**2)) = S_x sqrt(T)`` with ``T = sum(d**2)`` exact in
 int64. The root is taken exactly on integers with ``ROOT_BITS`` = 15 fractional bits,
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, isqrt, narrowed, quantize_multiplier, requantize, saturate
+from ..fixedpoint import Requant, isqrt, narrowed, quantize_multiplier, requantize, rounding_rshift, saturate
 from . import IntegerOp, NodeView, Raw, Unsupported, check_integer, per_tensor, register
 from .layout import raw_input
 
@@ -73,6 +78,22 @@ class ReduceSum(_Reduce):
         check_integer(x)
         acc = self._sum(p, x.astype(np.int64) - p.zero_in)
         return saturate(requantize(acc, p.requant.multiplier, p.requant.rshift, p.rounding) + p.zero_out, p.dtype)
+
+
+@register
+class ReduceMean(_Reduce):
+    op_type = "ReduceMean"
+
+    def derive(self, view: NodeView) -> ReduceParams:
+        return _reduce_params(view, "ReduceMean", 1.0, ACC_BOUND)
+
+    def run(self, p: ReduceParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        acc = self._sum(p, x.astype(np.int64) - p.zero_in)
+        n = max(1, x.size // max(1, acc.size))  # values per output element
+        num = acc * np.int64(p.requant.multiplier)  # |acc| < 2**40 with the narrowed multiplier
+        quotient = np.sign(num) * ((np.abs(num) + n // 2) // n)  # half away from zero
+        return saturate(rounding_rshift(quotient, p.requant.rshift, p.rounding) + p.zero_out, p.dtype)
 
 
 @register
