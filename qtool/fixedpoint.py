@@ -313,6 +313,14 @@ def isqrt(x) -> np.ndarray:
         s = np.where(smaller, nxt, s)
 
 
+def divide_away(numerator, denominator) -> np.ndarray:
+    """``numerator / denominator`` rounded half away from zero, int64 arrays, ``denominator > 0``;
+    the caller keeps ``|numerator| + denominator`` inside int64."""
+    numerator = np.asarray(numerator, dtype=np.int64)
+    denominator = np.asarray(denominator, dtype=np.int64)
+    return np.sign(numerator) * ((np.abs(numerator) + denominator // 2) // denominator)
+
+
 def divide_rounded(numerator, denominator) -> np.ndarray:
     """``numerator / denominator`` rounded half up, int64 arrays, ``denominator > 0``; the caller
     keeps ``2 * |numerator| + denominator`` inside int64."""

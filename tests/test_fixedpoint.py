@@ -251,3 +251,11 @@ def test_quantize_saturates_infinities_and_nan_deterministically():
     per_channel = QParams(np.array([0.1, 0.2], np.float32), np.array([0, 5]), "uint8", 0)
     got = quantize_array(np.array([[np.nan, 1e20], [-np.inf, 0.5]], np.float32), per_channel)
     assert got.tolist() == [[0, 255], [0, 7]]
+
+
+def test_divide_away_rounds_half_away_from_zero():
+    from qtool.fixedpoint import divide_away
+
+    pairs = [(7, 2, 4), (-7, 2, -4), (5, 3, 2), (-5, 3, -2), (4, 3, 1), (-4, 3, -1), (0, 5, 0), (9, 1, 9)]
+    got = divide_away([n for n, _, _ in pairs], [d for _, d, _ in pairs])
+    assert got.tolist() == [q for _, _, q in pairs]

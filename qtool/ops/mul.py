@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, quantize_multiplier, requantize, rounding_rshift, saturate
+from ..fixedpoint import Requant, divide_away, quantize_multiplier, requantize, rounding_rshift, saturate
 from ..qparams import dequantize_array
 from . import IntegerOp, NodeView, Unsupported, Weight, check_integer, per_tensor, register
 from .bytetable import has_pair_table, lookup_pair, pair_table
@@ -136,8 +136,7 @@ def _divide(p: DivActivationParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     num = (a.astype(np.int64) - p.zero_a) * p.multiplier  # |.| < 2**17 * 2**31
     den = b.astype(np.int64) - p.zero_b
     num, den = np.broadcast_arrays(num, den)
-    safe = np.where(den == 0, 1, np.abs(den))
-    quotient = np.sign(num) * np.sign(den) * ((np.abs(num) + safe // 2) // safe)  # half away from zero
+    quotient = np.sign(den) * divide_away(num, np.where(den == 0, 1, np.abs(den)))
     y = rounding_rshift(quotient, p.rshift, p.rounding) + p.zero_out
     low, high = np.iinfo(p.dtype).min, np.iinfo(p.dtype).max
     y = np.where(den == 0, np.where(num > 0, high, np.where(num < 0, low, p.zero_out)), y)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, isqrt, narrowed, quantize_multiplier, requantize, rounding_rshift, saturate
+from ..fixedpoint import Requant, divide_away, isqrt, narrowed, quantize_multiplier, requantize, rounding_rshift, saturate
 from . import IntegerOp, NodeView, Raw, Unsupported, check_integer, per_tensor, register
 from .layout import raw_input
 
@@ -45,7 +45,7 @@ class ReduceParams:
     dtype: str
 
 
-def _reduce_params(view: NodeView, what: str, ratio: float, bound: int) -> ReduceParams:
+def _reduce_params(view: NodeView, what: str, bound: int) -> ReduceParams:
     x = per_tensor(view.inputs[0].qparams, f"{what} input")
     y = per_tensor(view.output, f"{what} output")
     axes = raw_input(view, 1, f"{what} axes")
@@ -54,7 +54,7 @@ def _reduce_params(view: NodeView, what: str, ratio: float, bound: int) -> Reduc
         axes = None
     if axes is None and view.attr("noop_with_empty_axes", 0):
         raise Unsupported(f"{what} with noop_with_empty_axes and no axes is an identity")
-    requant = narrowed(Requant(*quantize_multiplier(ratio * x.scale / y.scale, view.multiplier_bits)), bound)
+    requant = narrowed(Requant(*quantize_multiplier(x.scale / y.scale, view.multiplier_bits)), bound)
     return ReduceParams(None if axes is None else tuple(axes), bool(view.attr("keepdims", 1)), requant,
                         x.zero_point, y.zero_point, view.rounding, y.dtype)
 
@@ -72,7 +72,7 @@ class ReduceSum(_Reduce):
     op_type = "ReduceSum"
 
     def derive(self, view: NodeView) -> ReduceParams:
-        return _reduce_params(view, "ReduceSum", 1.0, ACC_BOUND)
+        return _reduce_params(view, "ReduceSum", ACC_BOUND)
 
     def run(self, p: ReduceParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
@@ -85,14 +85,13 @@ class ReduceMean(_Reduce):
     op_type = "ReduceMean"
 
     def derive(self, view: NodeView) -> ReduceParams:
-        return _reduce_params(view, "ReduceMean", 1.0, ACC_BOUND)
+        return _reduce_params(view, "ReduceMean", ACC_BOUND)
 
     def run(self, p: ReduceParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         acc = self._sum(p, x.astype(np.int64) - p.zero_in)
         n = max(1, x.size // max(1, acc.size))  # values per output element
-        num = acc * np.int64(p.requant.multiplier)  # |acc| < 2**40 with the narrowed multiplier
-        quotient = np.sign(num) * ((np.abs(num) + n // 2) // n)  # half away from zero
+        quotient = divide_away(acc * np.int64(p.requant.multiplier), n)  # |acc| < 2**40: narrowed multiplier
         return saturate(rounding_rshift(quotient, p.requant.rshift, p.rounding) + p.zero_out, p.dtype)
 
 
@@ -101,7 +100,7 @@ class ReduceL2(_Reduce):
     op_type = "ReduceL2"
 
     def derive(self, view: NodeView) -> ReduceParams:
-        p = _reduce_params(view, "ReduceL2", 1.0, ACC_BOUND)
+        p = _reduce_params(view, "ReduceL2", ACC_BOUND)
         return ReduceParams(p.axes, p.keepdims, Requant(p.requant.multiplier, p.requant.rshift + ROOT_BITS),
                             p.zero_in, p.zero_out, p.rounding, p.dtype)
 
