@@ -367,11 +367,9 @@ def quantize(
     is the worst SQNR over the outputs: an output made by a Softmax/Sigmoid is scored on its input
     (the logits), an output that concatenates tensors (a detector's boxes and scores) part by part.
     """
-    from .bias_correction import quantize_corrected
     from .calibrate import make_calibrator
-    from .placement import applies as placement_applies, place as place_int16
-    from .rounding import fit as fit_rounding
-    from .search import choose_method, choose_methods, search
+    from .placement import applies as placement_applies
+    from .recipe import DataSteps, quantize_with_data
     from .params import model_params
     from .model import load_model, prepare
     from .pixels import PixelInput
@@ -440,42 +438,15 @@ def quantize(
         if params_out is not None:
             check_writable(params_out)
         loaded = read_table(table, table_format)
-        choice = pick = None
         if table_out is not None:
             check_writable(table_out)
-        if methods:
-            loaded, choice = choose_methods(model, loaded, methods, options, str(table), data, num_samples,
-                                            batch_size, progress=not quiet, holdout=holdout)
-        elif picking:
-            loaded, pick = choose_method(model, loaded, options, str(table), data, num_samples=num_samples,
-                                         batch_size=batch_size, progress=not quiet, holdout=holdout)
-        placed = None
-        if data is not None and placement is not False and not searching:
-            options, placed = place_int16(model, loaded, options, str(table), data, num_samples, batch_size,
-                                          progress=not quiet, holdout=holdout)
-        rounded = rounding = None
-        if data is not None and weight_rounding is not False and not searching:
-            rounded, rounding = fit_rounding(model, loaded, options, str(table), data, num_samples, batch_size,
-                                             progress=not quiet, holdout=holdout)
-        if searching:
-            qmodel, report, _ = search(model, loaded, options, str(table), data, target_sqnr,
-                                       max_float_layers, num_samples, batch_size,
-                                       bias_correction is not False, progress=not quiet, holdout=holdout,
-                                       allow_float=allow_float)
-        elif data is not None and bias_correction is not False:
-            qmodel, report, _ = quantize_corrected(model, loaded, options, str(table), data, num_samples,
-                                                   batch_size, progress=not quiet, holdout=holdout,
-                                                   rounded_weights=rounded)
+        if data is not None:
+            steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
+                              target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout)
+            qmodel, report, loaded, _ = quantize_with_data(model, loaded, options, str(table), data, steps,
+                                                           progress=not quiet)
         else:
-            qmodel, report = run(model, loaded, options, str(table), None, rounded)
-        if choice is not None:
-            report.method_choice = choice.to_dict()
-        if pick is not None:
-            report.method_pick = pick.to_dict()
-        if placed is not None:
-            report.placement = placed.to_dict()
-        if rounding is not None:
-            report.rounding = rounding.to_dict()
+            qmodel, report = run(model, loaded, options, str(table))
         extras = [p for p in (table_out, params_out) if p is not None]
         try:
             if table_out is not None:

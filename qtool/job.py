@@ -19,7 +19,7 @@ import yaml
 import calibrators
 
 from . import __version__
-from .bias_correction import BIAS_SAMPLES, quantize_corrected
+from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
@@ -28,13 +28,12 @@ from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest, load_model, prepare
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
-from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions, quantize
+from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions
 from .report import bias_summary, methods_summary, pick_summary, placement_summary, rounding_summary, \
     search_summary
 from .targets import TARGETS
-from .placement import applies as placement_applies, place
-from .rounding import fit as fit_rounding
-from .search import choose_method, choose_methods, search
+from .placement import applies as placement_applies
+from .recipe import DataSteps, quantize_with_data
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
 from .table_formats import write_table
 from .verify import DEFAULT_TOLERANCE, VerifyReport, parse_tolerance, verify
@@ -422,54 +421,26 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
     samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8)
-    holdout = qz.get("holdout")
-    choice = pick = None
-    if qz.get("try_methods"):
-        table, choice = choose_methods(plan.model, table, qz["try_methods"], plan.options, str(plan.table),
-                                       plan.calibrate_data, samples, batch, progress, plan.preprocess,
-                                       cal.get("batch_size"), holdout=holdout)
+    steps = DataSteps(tuple(qz.get("try_methods") or ()), qz.get("method_choice", "method" not in cal),
+                      qz.get("placement"), qz.get("weight_rounding"), qz.get("bias_correction", True),
+                      qz.get("target_sqnr"), qz.get("max_float_layers"), qz.get("allow_float", False),
+                      samples, batch, qz.get("holdout"), plan.preprocess, cal.get("batch_size"))
+    qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
+                                                         plan.calibrate_data, steps, progress)
+    if changed:
         write_table(table, plan.table)  # the table the model is quantized from
-    elif qz.get("method_choice", "method" not in cal):  # a method the job names is kept unless asked
-        table, pick = choose_method(plan.model, table, plan.options, str(plan.table), plan.calibrate_data,
-                                    num_samples=samples, batch_size=batch, progress=progress,
-                                    preprocess=plan.preprocess, holdout=holdout)
-        if pick.changed:
-            write_table(table, plan.table)  # the table the model is quantized from
-    searching = "target_sqnr" in qz or "max_float_layers" in qz
-    options, placed = plan.options, None
-    if qz.get("placement", True) and not searching:
-        options, placed = place(plan.model, table, options, str(plan.table), plan.calibrate_data, samples, batch,
-                                progress, plan.preprocess, holdout)
-    rounded = rounding = None
-    if qz.get("weight_rounding", True) and not searching:
-        rounded, rounding = fit_rounding(plan.model, table, options, str(plan.table), plan.calibrate_data, samples,
-                                         batch, progress, plan.preprocess, holdout)
-    if searching:
-        qmodel, qreport, _ = search(plan.model, table, options, str(plan.table), plan.calibrate_data,
-                                    qz.get("target_sqnr"), qz.get("max_float_layers"),
-                                    samples, batch, qz.get("bias_correction", True), progress,
-                                    plan.preprocess, holdout, qz.get("allow_float", False))
-    elif qz.get("bias_correction", True):
-        qmodel, qreport, _ = quantize_corrected(plan.model, table, options, str(plan.table),
-                                                plan.calibrate_data, samples, batch, progress,
-                                                plan.preprocess, holdout, rounded)
-    else:
-        qmodel, qreport = quantize(plan.model, table, options, str(plan.table), None, rounded)
     atomic_write(plan.qmodel, qmodel.SerializeToString())
     written.append(plan.qmodel)
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
-    if choice is not None:
-        log(f"methods: {methods_summary(choice.to_dict(), table.method.split('+')[0])}")
-    if pick is not None:
-        qreport.method_pick = pick.to_dict()
+    if qreport.method_choice is not None:
+        log(f"methods: {methods_summary(qreport.method_choice, table.method.split('+')[0])}")
+    if qreport.method_pick is not None:
         log(f"method: {pick_summary(qreport.method_pick)}")
-    if placed is not None:
-        qreport.placement = placed.to_dict()
+    if qreport.placement is not None:
         log(f"int16: {placement_summary(qreport.placement)}")
-    if rounding is not None:
-        qreport.rounding = rounding.to_dict()
+    if qreport.rounding is not None:
         log(f"weights: {rounding_summary(qreport.rounding)}")
     if qreport.bias_correction is not None:
         log(f"bias: {bias_summary(qreport.bias_correction)}")

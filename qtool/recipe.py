@@ -1,0 +1,81 @@
+"""``quantize --data`` as one library call: the judged steps in their order, shared by the CLI and jobs.
+
+The order is: the calibration method (per tensor with ``try_methods``, else one method for the
+model), int16 placement in transformers, fitted weight rounding, then
+either the search (``target_sqnr`` / ``max_float_layers``) or bias correction, or a plain
+quantize. Each step fits on the fit samples of DATA and is kept only where the held-out samples
+score higher; its summary goes into the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .bias_correction import BIAS_SAMPLES, quantize_corrected
+from .placement import place
+from .quantize import quantize
+from .rounding import fit as fit_rounding
+from .search import choose_method, choose_methods, search
+from .table import Table
+
+
+@dataclass
+class DataSteps:
+    """Which judged steps run, and on how many samples. A step set to None runs where it applies."""
+    try_methods: tuple[str, ...] = ()
+    method_choice: bool | None = None
+    placement: bool | None = None
+    weight_rounding: bool | None = None
+    bias_correction: bool | None = None
+    target_sqnr: float | None = None
+    max_float_layers: int | None = None
+    allow_float: bool = False
+    num_samples: int | None = BIAS_SAMPLES
+    batch_size: int = 8
+    holdout: int | None = None
+    preprocess: object = None
+    calibrate_batch: int | None = None  # the batch size the table was calibrated at (try_methods)
+
+    @property
+    def searching(self) -> bool:
+        return self.target_sqnr is not None or self.max_float_layers is not None
+
+
+def quantize_with_data(model_path, table: Table, options, table_name: str, data_path, steps: DataSteps,
+                       progress: bool = True):
+    """Quantize MODEL with the judged steps of ``steps`` fitted on DATA: returns the model, its
+    report (each step's summary in it), the table the model was quantized from and whether that
+    table differs from ``table`` (a method choice changed it)."""
+    common = dict(progress=progress, preprocess=steps.preprocess, holdout=steps.holdout)
+    n, batch = steps.num_samples, steps.batch_size
+    choice = pick = None
+    changed = False
+    if steps.try_methods:
+        table, choice = choose_methods(model_path, table, list(steps.try_methods), options, table_name, data_path,
+                                       n, batch, calibrate_batch=steps.calibrate_batch, **common)
+        changed = True
+    elif steps.method_choice is not False:
+        table, pick = choose_method(model_path, table, options, table_name, data_path, num_samples=n,
+                                    batch_size=batch, **common)
+        changed = pick.changed
+    placed = rounding = None
+    rounded = None
+    if not steps.searching:
+        if steps.placement is not False:
+            options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
+        if steps.weight_rounding is not False:
+            rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch, **common)
+    if steps.searching:
+        qmodel, report, _ = search(model_path, table, options, table_name, data_path, steps.target_sqnr,
+                                   steps.max_float_layers, n, batch, steps.bias_correction is not False,
+                                   allow_float=steps.allow_float, **common)
+    elif steps.bias_correction is not False:
+        qmodel, report, _ = quantize_corrected(model_path, table, options, table_name, data_path, n, batch,
+                                               rounded_weights=rounded, **common)
+    else:
+        qmodel, report = quantize(model_path, table, options, table_name, None, rounded)
+    for name, summary in (("method_choice", choice), ("method_pick", pick), ("placement", placed),
+                          ("rounding", rounding)):
+        if summary is not None:
+            setattr(report, name, summary.to_dict())
+    return qmodel, report, table, changed
