@@ -10,11 +10,24 @@ to a cap beyond which nothing ran faster, whose estimate fits the budget; at lea
 depends only on the model, the data's shapes and the options, so every run makes the same one:
 the float reference (onnxruntime) computes in the last bits differently at different batch
 sizes, and tables must not change from run to run.
+
+What does not grow with the batch counts too (``fixed_bytes``): the process with its libraries
+(~150 MB), and the models. verify holds the float model about 4 times over (its proto, the
+onnxruntime session, what loading and preparing it left behind) and the quantized model about 5
+times (its proto, the executor's integer weights and their float32 copies for the fast matrix
+products); exec only the latter. Measured on MiniLM (90 MB float, 26 MB int8; verify at batch 1
+peaks at 610 MB, of which ~40 MB is the sample) and PP-OCRv4 rec (11 MB / 4 MB: 170 MB before
+the first sample). When the models alone exceed the budget the batch is 1 and the log says so.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from .errors import QtoolError
+
+_libc = None
 
 DEFAULT_MEMORY_MB = 512
 EXEC_BATCH_CAP = 8
@@ -22,6 +35,28 @@ VERIFY_BATCH_CAP = 8
 CALIBRATE_BATCH_CAP = 8
 # bytes a command holds per byte of one sample's float activations (see above)
 CALIBRATE_FACTOR, EXEC_FACTOR, VERIFY_FACTOR = 0.5, 1.5, 4.0
+PROCESS_BYTES = 150 << 20  # python, numpy, onnx, onnxruntime and qtool imported
+FLOAT_MODEL_COPIES, INTEGER_MODEL_COPIES = 4, 5
+
+
+def fixed_bytes(float_model_bytes: int = 0, integer_model_bytes: int = 0) -> int:
+    """What a command holds whatever the batch: the process, and its models' copies (above)."""
+    return PROCESS_BYTES + FLOAT_MODEL_COPIES * float_model_bytes + INTEGER_MODEL_COPIES * integer_model_bytes
+
+
+def release_freed() -> None:
+    """Give the heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing). Loading
+    and preparing a model frees hundreds of MB of copies that glibc otherwise keeps: MiniLM's
+    verify held 87 MB of them through its peak."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
 
 
 def check_memory(memory_mb: int) -> None:
@@ -29,10 +64,16 @@ def check_memory(memory_mb: int) -> None:
         raise QtoolError(f"--memory must be at least 1 MB, got {memory_mb}")
 
 
-def choose_batch(activation_bytes: int, factor: float, memory_mb: int, cap: int) -> tuple[int, str]:
-    """(batch size, a line for the log) for samples of ``activation_bytes`` of float activations."""
+def choose_batch(activation_bytes: int, factor: float, memory_mb: int, cap: int,
+                 fixed: int = 0) -> tuple[int, str]:
+    """(batch size, a line for the log) for samples of ``activation_bytes`` of float activations,
+    beside ``fixed`` bytes that do not grow with the batch."""
     check_memory(memory_mb)
     per_sample = max(1.0, factor * activation_bytes)
-    size = max(1, min(cap, int(memory_mb * 2 ** 20 // per_sample)))
-    return size, (f"batch size {size} (about {per_sample / 2**20:.0f} MB a sample; "
-                  f"--memory {memory_mb})")
+    left = memory_mb * 2 ** 20 - fixed
+    size = max(1, min(cap, int(left // per_sample)))
+    beside = f" beside about {fixed / 2**20:.0f} MB for the process and its models" if fixed else ""
+    over = ("; the models alone take more than --memory: raise it, or expect a larger peak"
+            if left < per_sample and fixed else "")
+    return size, (f"batch size {size} (about {per_sample / 2**20:.0f} MB a sample{beside}; "
+                  f"--memory {memory_mb}{over})")

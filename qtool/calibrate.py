@@ -28,7 +28,8 @@ import onnx
 import calibrators
 
 from . import __version__, masks, stats_graph
-from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, check_memory, choose_batch
+from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, check_memory, choose_batch, \
+    release_freed
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
@@ -228,31 +229,50 @@ def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] 
     return total // max(1, batch)
 
 
-def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None) -> int:
-    """Bytes of one sample's float activations: those shape inference sizes, plus the ones it
-    cannot (a ViT's attention behind run-time reshapes), measured by running the first sample."""
+def activation_sizes(model: onnx.ModelProto, data: Dataset,
+                     typed: tuple[onnx.ModelProto, int] | None = None) -> tuple[int, list[str]]:
+    """(bytes of one sample's float activations that shape inference sizes, the activations it
+    cannot size: a ViT's attention behind run-time reshapes)."""
     shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
     unsized: list[str] = []
     total = activation_bytes(shaped, batch, unsized)
     known = {o.name for o in model.graph.output} | {n for node in model.graph.node for n in node.output}
-    unsized = [n for n in unsized if n in known]
+    return total, [n for n in unsized if n in known]
+
+
+def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
+                 runner: FloatRunner | None = None, sizes: tuple[int, list[str]] | None = None) -> int:
+    """Bytes of one sample's float activations: ``activation_sizes`` (or ``sizes``, its result),
+    the unsized ones measured by running the first sample, on ``runner`` when it returns them
+    all (a command's own session: no second copy of the weights alive)."""
+    total, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
     if unsized and len(data):
-        values = FloatRunner(model, unsized).run(data.batch(0, 1))
+        probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
+        values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1))
         total += sum(np.asarray(values[n]).nbytes for n in unsized if n in values)
+        del values, probe
+        release_freed()  # a probe's session, before the command builds its own
     return total
 
 
+def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
+    """Whether ``default_batch`` chooses the batch from the memory budget."""
+    return not (fixed_batch(model) or requested)
+
+
 def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
-                  memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None
-                  ) -> tuple[int, str]:
+                  memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None,
+                  held: int = 0, runner: FloatRunner | None = None,
+                  sizes: tuple[int, list[str]] | None = None) -> tuple[int, str]:
     """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
-    from the activations' size and ``memory_mb`` (qtool/batching.py); and a line for the log
-    when chosen. ``typed``: (``_fix_dims``'s model, its batch) when the caller has one."""
+    from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
+    whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,
+    its batch) when the caller has one; ``runner`` and ``sizes``: see ``sample_bytes``."""
     fixed = fixed_batch(model)
     if fixed or requested:
         return fixed or requested, ""
     check_memory(memory_mb)
-    return choose_batch(sample_bytes(model, data, typed), factor, memory_mb, cap)
+    return choose_batch(sample_bytes(model, data, typed, runner, sizes), factor, memory_mb, cap, held)
 
 
 def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:

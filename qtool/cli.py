@@ -670,7 +670,7 @@ def exec_(
       qtool exec model.q.onnx --input images/ -o y.npz --batch-size 1
       qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
-    from .batching import EXEC_FACTOR
+    from .batching import EXEC_FACTOR, fixed_bytes
     from .calibrate import default_batch
     from .data import check_sampling, load_dataset, output_sample_axes
     from .executor import IntegerExecutor
@@ -687,7 +687,8 @@ def exec_(
         data = load_dataset(inputs, model)
         as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
         batch_size, note = ((1, "") if as_they_are else
-                            default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP))
+                            default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP,
+                                          held=fixed_bytes(0, os.path.getsize(qmodel))))
         # states in and out with their samples on another axis: one batch, written as it is
         one_batch = any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
             and any(axis != 0 for axis in output_sample_axes(model).values())

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
 import uuid
 from pathlib import Path
 
@@ -178,10 +179,10 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
     """``qtool.verify.verify`` with the samples shared out among the workers of ADDRESS: the same
     report, figure for figure (each batch's sums are added on the client in batch order).
     ``run_ort`` and ``run_analyze`` are refused, so ``analyze_samples`` and ``ort_config`` unused."""
-    from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
+    from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, fixed_bytes
     from .calibrate import default_batch
     from .data import check_sampling, load_dataset
-    from .model import load_model, prepare
+    from .model import load_model, prepare, weight_bytes
     from .verify.core import accuracy, judge
 
     if run_ort or run_analyze:
@@ -191,7 +192,8 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     data = load_dataset(data_path, model, preprocess)
     total = len(data) if num_samples is None else min(num_samples, len(data))
-    batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP)
+    batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
+                                     held=fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path)))
     with connect(address) as client:
         shards = _shards(total, batch_size, _workers(client))
         if log is not None:

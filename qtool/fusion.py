@@ -131,11 +131,12 @@ def fuse_hardswish(model: onnx.ModelProto, matches) -> None:
                      for x, nodes in matches])
 
 
-def _replace(model: onnx.ModelProto, groups: list[tuple[list[onnx.NodeProto], onnx.NodeProto]]) -> None:
-    """In place: each group of nodes gives way to its one new node, at the place of its last."""
-    replace = {nodes[-1].name: new for nodes, new in groups}
+def _replace(model: onnx.ModelProto, groups: list[tuple[list[onnx.NodeProto], onnx.NodeProto | list]]) -> None:
+    """In place: each group of nodes gives way to its new node (or nodes, in order), at the place
+    of its last."""
+    replace = {nodes[-1].name: new if isinstance(new, list) else [new] for nodes, new in groups}
     drop = {n.name for nodes, _ in groups for n in nodes[:-1]}
-    kept = [replace.get(n.name, n) for n in model.graph.node if n.name not in drop]
+    kept = [m for n in model.graph.node if n.name not in drop for m in replace.get(n.name, [n])]
     del model.graph.node[:]
     model.graph.node.extend(kept)
 
@@ -167,13 +168,34 @@ def _row_constant(g: _Graph, name: str, k: int) -> np.ndarray | None:
     return value if value.ndim == k and value.size > 1 else None
 
 
+def _raw_axes(g: _Graph, node: onnx.NodeProto) -> tuple[int, ...] | None:
+    """A ReduceMean's axes as written (attribute or constant input) when it keeps dims."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axes = attrs.get("axes")
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in g.inits:
+            return None
+        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    if node.op_type != "ReduceMean" or not axes or attrs.get("keepdims", 1) != 1:
+        return None
+    return tuple(int(a) for a in axes)
+
+
 def _match_layernorm(g: _Graph, div: onnx.NodeProto):
     """``Div(Sub(x, ReduceMean(x)), Sqrt(Add(ReduceMean(Pow(Sub, 2)), eps)))``, then ``Mul(gamma)``
-    and ``Add(beta)`` -> (x, gamma, beta or None, axis, eps, the nodes) or None. The gamma is
-    required: the row's length comes from it."""
+    and ``Add(beta)`` -> (x, gamma, beta or None, axis, eps, the nodes, perm or None) or None. The
+    gamma is required: the row's length comes from it.
+
+    Paddle's exporter also writes the form where the centred tensor is transposed before the
+    variance: ``Transpose(Sub(x, ReduceMean(x, axis=a)), perm)`` with ``perm`` moving ``a`` last
+    (PP-OCRv6 rec); that is ``LayerNormalization(Transpose(x, perm))`` over the last axis, and
+    ``perm`` is returned for it."""
     if div.op_type != "Div":
         return None
-    sub, sqrt = g.producer.get(div.input[0]), g.private(div.input[1])
+    centred, sqrt = g.producer.get(div.input[0]), g.private(div.input[1])
+    transpose, sub = None, centred
+    if centred is not None and centred.op_type == "Transpose":
+        transpose, sub = centred, g.private(centred.input[0])
     if sub is None or sub.op_type != "Sub" or sqrt is None or sqrt.op_type != "Sqrt":
         return None
     add_eps = g.private(sqrt.input[0])
@@ -184,17 +206,28 @@ def _match_layernorm(g: _Graph, div: onnx.NodeProto):
     variance = g.private(variance_in)
     square = None if variance is None else g.private(variance.input[0])
     if square is None or not (
-            (square.op_type == "Pow" and len(square.input) == 2 and square.input[0] == sub.output[0]
+            (square.op_type == "Pow" and len(square.input) == 2 and square.input[0] == centred.output[0]
              and _scalar(g.inits, square.input[1]) == 2.0)
-            or (square.op_type == "Mul" and list(square.input) == [sub.output[0]] * 2)):
+            or (square.op_type == "Mul" and list(square.input) == [centred.output[0]] * 2)):
         return None
     mean = g.private(sub.input[1])
     axes = _reduced_axes(g, variance)
-    if mean is None or mean.input[0] != sub.input[0] or axes is None or _reduced_axes(g, mean) != axes:
+    if mean is None or mean.input[0] != sub.input[0] or axes is None:
         return None
-    if sub.output[0] in g.outputs or {n.name for n in g.consumers[sub.output[0]]} != {square.name, div.name}:
+    perm = None
+    if transpose is None:
+        if _reduced_axes(g, mean) != axes:
+            return None
+    else:
+        perm = [int(p) for p in next((helper.get_attribute_value(a) for a in transpose.attribute
+                                      if a.name == "perm"), [])]
+        mean_axes = _raw_axes(g, mean)
+        if (axes != (-1,) or not perm or mean_axes is None or len(mean_axes) != 1
+                or not -len(perm) <= mean_axes[0] < len(perm) or perm[-1] != mean_axes[0] % len(perm)):
+            return None
+    if centred.output[0] in g.outputs or {n.name for n in g.consumers[centred.output[0]]} != {square.name, div.name}:
         return None
-    nodes = [mean, sub, square, variance, add_eps, sqrt, div]
+    nodes = [mean, sub] + ([transpose] if transpose is not None else []) + [square, variance, add_eps, sqrt, div]
     mul = g.consumers[div.output[0]]
     if len(mul) != 1 or div.output[0] in g.outputs or mul[0].op_type != "Mul":
         return None
@@ -212,7 +245,7 @@ def _match_layernorm(g: _Graph, div: onnx.NodeProto):
             if value.size in (1, gamma.size):
                 beta = np.broadcast_to(value.reshape(-1), (gamma.size,)).reshape(gamma.shape)
                 nodes.append(add[0])
-    return sub.input[0], gamma, beta, -len(axes), eps, nodes
+    return sub.input[0], gamma, beta, -len(axes), eps, nodes, perm
 
 
 def find_layernorm(model: onnx.ModelProto) -> list:
@@ -222,16 +255,23 @@ def find_layernorm(model: onnx.ModelProto) -> list:
 
 def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
     """In place: each match becomes one LayerNormalization node (opset >= 17) writing the output
-    of its last node, gamma and beta as new initializers (float32)."""
+    of its last node, gamma and beta as new initializers (float32); the transposed form becomes
+    the Transpose of the input, then the LayerNormalization."""
     inits = {t.name: t for t in model.graph.initializer}
     groups = []
-    for x, gamma, beta, axis, eps, nodes in matches:
+    for x, gamma, beta, axis, eps, nodes, perm in matches:
         last = nodes[-1]
+        new = []
+        if perm is not None:
+            transposed = _fresh_name(model, f"{last.name}_transposed")
+            new.append(helper.make_node("Transpose", [x], [transposed], name=transposed, perm=perm))
+            x = transposed
         inputs = [x, _fresh_init(model, inits, f"{last.name}_scale", gamma.astype(np.float32))]
         if beta is not None:
             inputs.append(_fresh_init(model, inits, f"{last.name}_bias", beta.astype(np.float32)))
-        groups.append((nodes, helper.make_node("LayerNormalization", inputs, [last.output[0]], name=last.name,
-                                               axis=axis, epsilon=float(eps))))
+        new.append(helper.make_node("LayerNormalization", inputs, [last.output[0]], name=last.name,
+                                    axis=axis, epsilon=float(eps)))
+        groups.append((nodes, new))
     _replace(model, groups)
 
 
@@ -330,6 +370,16 @@ def _affine_after_conv(g: _Graph, node: onnx.NodeProto):
     if node.op_type == "Mul":
         return conv, weight, values, np.zeros(channels)
     return conv, weight, np.ones(channels), values
+
+
+def _fresh_name(model: onnx.ModelProto, base: str) -> str:
+    """``base`` (or ``base_1``, ...): the first name no node, tensor or initializer has."""
+    taken = ({n.name for n in model.graph.node} | {t for n in model.graph.node for t in n.output}
+             | {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer})
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    return name
 
 
 def _fresh_init(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], base: str,

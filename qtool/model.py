@@ -14,6 +14,7 @@ import onnxruntime as ort
 from onnx import TensorProto, external_data_helper, numpy_helper
 
 from . import fusion
+from .batching import release_freed
 from .errors import QtoolError
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
@@ -123,7 +124,9 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
         prepared = onnx.load(options.optimized_model_filepath)
     normalize(prepared)
     prepared = _fuse(prepared, source)
-    return without_weights(onnx.shape_inference.infer_shapes, prepared)
+    prepared = without_weights(onnx.shape_inference.infer_shapes, prepared)
+    release_freed()  # the copies made on the way
+    return prepared
 
 
 # ops of a model that is quantized already (ONNX's and onnxruntime's com.microsoft ones); besides
@@ -466,6 +469,16 @@ class FloatRunner:
         except Exception as e:
             raise QtoolError(f"onnxruntime failed on the float model: {first_line(e)}") from None
         return dict(zip(self.output_names, values))
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers' values, from their dims and types (nothing is copied: upb's
+    ``ByteSize`` serializes the whole model to count)."""
+    total = 0
+    for t in model.graph.initializer:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type) if t.data_type else np.dtype(np.uint8)
+        total += math.prod(t.dims) * dtype.itemsize
+    return total
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:

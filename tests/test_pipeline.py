@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
+from qtool.model import prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.table_formats import read_table, write_table
 from qtool.verify import verify
@@ -198,12 +199,19 @@ def test_data_movement_ops_share_their_input_range(demo_model, demo_table):
     assert pool.params.rescale.requant is None  # identity: no arithmetic at all
 
 
-def _layernorm_decomposition(tmp_path, gamma: bool):
-    """x -> (x - mean) / sqrt(var + eps) [* gamma] as exporters write it, at opset 13."""
+def _layernorm_decomposition(tmp_path, gamma: bool, mean_axis: int | None = None):
+    """x -> (x - mean) / sqrt(var + eps) [* gamma] as exporters write it, at opset 13. With
+    ``mean_axis``, Paddle's form: x is [N, 8, 5], the mean is over ``mean_axis``, and the centred
+    tensor is transposed to [N, 5, 8] before the variance over the last axis."""
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1], name="mean"),
-             helper.make_node("Sub", ["x", "mean"], ["centred"], name="sub"),
-             helper.make_node("Pow", ["centred", "two"], ["sq"], name="pow"),
+    if mean_axis is None:
+        nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1], name="mean"),
+                 helper.make_node("Sub", ["x", "mean"], ["centred"], name="sub")]
+    else:
+        nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[mean_axis], name="mean"),
+                 helper.make_node("Sub", ["x", "mean"], ["centred_t"], name="sub"),
+                 helper.make_node("Transpose", ["centred_t"], ["centred"], perm=[0, 2, 1], name="transpose")]
+    nodes += [helper.make_node("Pow", ["centred", "two"], ["sq"], name="pow"),
              helper.make_node("ReduceMean", ["sq"], ["var"], axes=[-1], name="var"),
              helper.make_node("Add", ["var", "eps"], ["var_eps"], name="add_eps"),
              helper.make_node("Sqrt", ["var_eps"], ["std"], name="sqrt"),
@@ -211,14 +219,14 @@ def _layernorm_decomposition(tmp_path, gamma: bool):
     if gamma:
         nodes.append(helper.make_node("Mul", ["normed", "gamma"], ["y"], name="gamma_mul"))
     graph = helper.make_graph(
-        nodes, "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 8])],
+        nodes, "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 8] if mean_axis is None else ["N", 8, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5, 8])],
         [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
          numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
          numpy_helper.from_array(rng.normal(1, 0.1, 8).astype(np.float32), "gamma")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
               tmp_path / "m.onnx")
-    x = rng.normal(0, 2, (8, 5, 8)).astype(np.float32)
+    x = rng.normal(0, 2, (8, 5, 8) if mean_axis is None else (8, 8, 5)).astype(np.float32)
     np.savez(tmp_path / "d.npz", x=x)
     table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
     return x, quantize(tmp_path / "m.onnx", table)
@@ -240,6 +248,26 @@ def test_layernorm_decomposition_is_one_integer_op(tmp_path):
     step = float(numpy_helper.to_array(next(t for t in qmodel.graph.initializer if t.name == dq.input[1])))
     assert np.abs(got - want).max() <= step * 1.001  # one output step at most
     assert np.mean(got == want) >= 0.99
+
+
+def test_transposed_layernorm_decomposition_is_one_integer_op(tmp_path):
+    """Paddle's form (mean over axis 1, the centred tensor transposed before the variance; PP-OCRv6
+    rec) becomes Transpose -> LayerNormalization, the same function in float, integer in the
+    executor."""
+    x, (qmodel, report) = _layernorm_decomposition(tmp_path, gamma=True, mean_axis=1)
+    assert report.kept_float == [] and report.quantized == {"LayerNormalization": 1, "Transpose": 1}
+    assert IntegerExecutor(qmodel).float_nodes() == []
+    prepared = prepare(onnx.load(tmp_path / "m.onnx"), "m.onnx")
+    assert [n.op_type for n in prepared.graph.node] == ["Transpose", "LayerNormalization"]
+    want = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
+    got = ort.InferenceSession(prepared.SerializeToString()).run(None, {"x": x})[0]
+    assert got.shape == (8, 5, 8) and np.abs(got - want).max() < 1e-5
+
+
+def test_transposed_layernorm_needs_the_mean_axis_moved_last(tmp_path):
+    # a mean over axis 2, which the transpose moves to the middle: not a LayerNorm, stays float
+    _, (_, report) = _layernorm_decomposition(tmp_path, gamma=True, mean_axis=2)
+    assert ("Add", "add_eps", "inside a LayerNormalization (float by default)") in report.kept_float
 
 
 def test_layernorm_variance_stays_float(tmp_path):

@@ -160,6 +160,27 @@ def test_choose_batch_fits_the_budget():
     assert choose_batch(0, 1.0, 512, 8)[0] == 8
 
 
+def test_choose_batch_counts_what_the_batch_does_not_change():
+    from qtool.batching import PROCESS_BYTES, choose_batch, fixed_bytes
+
+    # 100 MB a sample: 5 fit in 512 MB alone, 2 beside 250 MB of process and models
+    assert choose_batch(50 << 20, 2.0, 512, 8)[0] == 5
+    size, note = choose_batch(50 << 20, 2.0, 512, 8, 250 << 20)
+    assert size == 2 and "beside about 250 MB for the process and its models" in note
+    # models larger than the budget: one sample at a time, and the log says the budget is exceeded
+    size, note = choose_batch(1 << 20, 1.0, 512, 8, 600 << 20)
+    assert size == 1 and "the models alone take more than --memory" in note
+    # verify: the process, 4 copies of the float model and 5 of the integer one
+    assert fixed_bytes(90 << 20, 26 << 20) == PROCESS_BYTES + (4 * 90 + 5 * 26 << 20)
+
+
+def test_verify_log_names_the_memory_the_models_take(tmp_path, demo_model, demo_q, demo_heldout):
+    result = invoke("verify", demo_model, demo_q, "--data", demo_heldout, "--memory", 200)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"batch size \d \(about [0-9.]+ MB a sample beside about 15\d MB for the process "
+                     r"and its models; --memory 200\)", result.stderr), result.stderr
+
+
 @pytest.mark.parametrize("command", ["calibrate", "exec", "verify"])
 def test_memory_budget_must_be_positive(tmp_path, demo_model, demo_q, demo_heldout, command):
     args = {"calibrate": ("calibrate", demo_model, "--data", demo_heldout, "-o", tmp_path / "t.yaml"),

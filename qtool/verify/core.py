@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import os
 import queue
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,13 +14,13 @@ import numpy as np
 import onnxruntime as ort
 
 from ..analyze import Analysis, analyze, format_analysis
-from ..calibrate import default_batch
+from ..calibrate import activation_sizes, batch_is_chosen, default_batch
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
-from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR
+from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, fixed_bytes
 from ..ops import blas, parallel
-from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare
+from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes
 from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
@@ -211,17 +212,22 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
     parts = {name: PartComparisons(join) for name, join in joins.items()}
     placing = {n for join in joins.values() for n in join.tensors()}  # their shapes place the parts
+    # sizing a sample may run the model once: on verify's own session (which returns the tensors
+    # shape inference cannot size), so that two copies of the weights are never alive together
+    sizes = activation_sizes(model, data) if batch_is_chosen(model, batch_size) else (0, [])
+    extra = [c.name for c in tensors] + sorted((placing | set(sizes[1])) - {c.name for c in tensors})
     # the float model on one thread, beside the executor on the other (two intra-op threads
     # spinning for work took the executor's core: rec 58 ms a line instead of 37)
-    runner = FloatRunner(model, [c.name for c in tensors] + sorted(placing - {c.name for c in tensors}),
-                         threads=1, arena=False)
+    runner = FloatRunner(model, extra, threads=1, arena=False)
+    batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
+                                     held=fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path)),
+                                     runner=runner, sizes=sizes)
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
                                           else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
     pixels = pixel_inputs(qmodel)  # quantize --input-pixels: onnxruntime gets the pixels
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     begin, total = shard or (0, len(data) if num_samples is None else min(num_samples, len(data)))
-    batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP)
     analysis = None
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
         samples = total if analyze_samples is None else min(analyze_samples, total)
