@@ -73,7 +73,8 @@ def choose_batch(activation_bytes: int, factor: float, memory_mb: int, cap: int,
     left = memory_mb * 2 ** 20 - fixed
     size = max(1, min(cap, int(left // per_sample)))
     beside = f" beside about {fixed / 2**20:.0f} MB for the process and its models" if fixed else ""
-    over = ("; the models alone take more than --memory: raise it, or expect a larger peak"
+    over = ("; the models alone take more than --memory: raise it, or expect a larger peak" if left <= 0
+            else "; one sample beside them takes more than --memory: raise it, or expect a larger peak"
             if left < per_sample and fixed else "")
     return size, (f"batch size {size} (about {per_sample / 2**20:.0f} MB a sample{beside}; "
                   f"--memory {memory_mb}{over})")

@@ -15,7 +15,7 @@ import typer
 from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
-from .fileio import atomic_write, check_writable
+from .fileio import STDOUT, atomic_write, check_writable, write_all
 from .report import bias_summary, float_node_lines, methods_summary, pick_summary, placement_summary, \
     rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
@@ -33,6 +33,18 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]}, rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print the qtool version and exit.")) -> None:
+    pass
 
 
 def _cluster_option():
@@ -258,7 +270,8 @@ def quantize(
     table_format: Optional[str] = typer.Option(None, "--table-format", help="Format of TABLE: yaml, "
                                                "json, cali_table, trt or ort (detected when "
                                                "omitted)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model."),
+    output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model; - for standard "
+                                "output (the report then goes to standard error)."),
     format: str = typer.Option("qdq", "--format", help="qdq (QuantizeLinear/DequantizeLinear around "
                                "float ops) or qoperator (QLinearConv, QLinearMatMul, com.microsoft "
                                "QLinear* ops, integer data movement, LUTs as Gather)."),
@@ -375,7 +388,7 @@ def quantize(
     from .pixels import PixelInput
     from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
-    from .table_formats import read_table, write_table
+    from .table_formats import dumps_table, output_format, read_table
 
     try:
         pixels = None
@@ -418,6 +431,9 @@ def quantize(
                              "add --data (and not --no-method-choice)")
         if table_out is not None and str(table_out) == "-":
             raise QtoolError("--table-out needs a file name (standard output carries the report)")
+        if str(output) == STDOUT and (as_json or str(params_out) == STDOUT):
+            raise QtoolError(f"-o - and {'--json' if as_json else '--params-out -'} would both write to "
+                             f"standard output; choose one")
         methods = [m.strip() for m in (try_methods or "").split(",") if m.strip()]
         if try_methods is not None and not methods:
             raise QtoolError("--try-methods: no method named; e.g. --try-methods percentile,mse,kl")
@@ -447,53 +463,49 @@ def quantize(
                                                            progress=not quiet)
         else:
             qmodel, report = run(model, loaded, options, str(table))
-        extras = [p for p in (table_out, params_out) if p is not None]
-        try:
-            if table_out is not None:
-                write_table(loaded, table_out)
-            if params_out is not None:
-                atomic_write(params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode())
-            atomic_write(output, qmodel.SerializeToString())
-        except QtoolError:
-            for path in extras:
-                path.unlink(missing_ok=True)  # every output or none
-            raise
+        outputs = [(output, qmodel.SerializeToString())]
+        if table_out is not None:
+            outputs.append((table_out, dumps_table(loaded, output_format(table_out)).encode()))
+        if params_out is not None:
+            outputs.append((params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode()))
+        write_all(outputs)  # every output or none
     except QtoolError as e:
         raise _fail(e)
+    say = _log if str(output) == STDOUT else typer.echo  # the model is on standard output
     for w in report.warnings:
         _log(f"warning: {w}")
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=1))
+        say(json.dumps(report.to_dict(), indent=1))
         return
     ops = ", ".join(f"{t} {n}" for t, n in report.quantized.items())
-    typer.echo(f"integer: {sum(report.quantized.values())} ops ({ops})")
-    typer.echo(f"float:   {len(report.kept_float)} ops")
+    say(f"integer: {sum(report.quantized.values())} ops ({ops})")
+    say(f"float:   {len(report.kept_float)} ops")
     for line in float_node_lines(report.kept_float):
-        typer.echo(line)
+        say(line)
     if report.guarded:
-        typer.echo(f"guarded: {len(report.guarded)} float ops read their input through Flatten -> "
-                   f"Reshape, so that onnxruntime keeps their weights float")
+        say(f"guarded: {len(report.guarded)} float ops read their input through Flatten -> "
+            f"Reshape, so that onnxruntime keeps their weights float")
     if report.format == "qoperator" and report.qdq_groups:
-        typer.echo(f"qoperator: {len(report.qdq_groups)} integer ops without a quantized-operator "
-                   f"form stay DequantizeLinear -> op -> QuantizeLinear")
+        say(f"qoperator: {len(report.qdq_groups)} integer ops without a quantized-operator "
+            f"form stay DequantizeLinear -> op -> QuantizeLinear")
         for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
-            typer.echo(line)
+            say(line)
     if report.widened:
-        typer.echo(f"ranges made safe (zero width widened, beyond ±1e30 clipped): {', '.join(report.widened)}")
+        say(f"ranges made safe (zero width widened, beyond ±1e30 clipped): {', '.join(report.widened)}")
     if report.method_choice is not None:
-        typer.echo(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
+        say(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
     if report.method_pick is not None:
-        typer.echo(f"method:  {pick_summary(report.method_pick)}")
+        say(f"method:  {pick_summary(report.method_pick)}")
     if report.placement is not None:
-        typer.echo(f"int16:   {placement_summary(report.placement)}")
+        say(f"int16:   {placement_summary(report.placement)}")
     if report.rounding is not None:
-        typer.echo(f"weights: {rounding_summary(report.rounding)}")
+        say(f"weights: {rounding_summary(report.rounding)}")
     if report.bias_correction is not None:
-        typer.echo(f"bias:    {bias_summary(report.bias_correction)}")
+        say(f"bias:    {bias_summary(report.bias_correction)}")
     if report.search is not None:
-        typer.echo(f"search:  {search_summary(report.search)}")
-    typer.echo(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
-               f"-> {output}")
+        say(f"search:  {search_summary(report.search)}")
+    say(f"size:    {report.size_before} -> {report.size_after} bytes (opset {report.opset}) "
+        f"-> {output}")
 
 
 @app.command(epilog=EXIT_CODES)
@@ -615,6 +627,8 @@ def verify(
             raise QtoolError("--ort-config is for --ort; add --ort or drop it")
         config = dict(_key_value("--ort-config", entry) for entry in ort_config or [])
         if report_path is not None:
+            if str(report_path) == STDOUT:
+                raise QtoolError("--report needs a file name (standard output carries the report)")
             check_writable(report_path)
         if cluster is not None:
             from .cluster import verify as verify_on
@@ -638,7 +652,8 @@ def verify(
 def exec_(
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
     inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name." + DATA_AXES),
-    output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs."),
+    output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs; - for standard "
+                                "output."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
                                                        "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report and no progress bar on "
@@ -681,6 +696,7 @@ def exec_(
     writer = None
     try:
         check_sampling(None, batch_size)
+        _one_stdout_writer(as_json, output)
         check_writable(output)
         model = load_model(qmodel)
         executor = IntegerExecutor(model, arithmetic=target)
@@ -855,11 +871,25 @@ def version():
     typer.echo(__version__)
 
 
+class Interrupted(BaseException):
+    """Ctrl-C: raised by qtool's SIGINT handler instead of KeyboardInterrupt, which click turns
+    into a blank line. A BaseException, so that every cleanup (temporary outputs, a job's staged
+    files) runs as it unwinds."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted()
+
+
 def main() -> None:
     """The console script: like ``app()``, but click's own usage errors (an unknown option, a
-    value of the wrong type) are one ``error:`` line too, with exit code 2."""
+    value of the wrong type) are one ``error:`` line too, with exit code 2; Ctrl-C prints
+    ``error: interrupted`` and exits 130."""
+    import signal
     import sys
 
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (a background job)
+        signal.signal(signal.SIGINT, _interrupt)
     command = typer.main.get_command(app)
     try:
         code = command.main(args=sys.argv[1:], prog_name="qtool", standalone_mode=False)
@@ -872,7 +902,7 @@ def main() -> None:
         message = " ".join(e.format_message().split())
         typer.echo(f"error: {message} (see qtool --help)", err=True)
         raise SystemExit(e.exit_code) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         typer.echo("error: interrupted", err=True)
         raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)

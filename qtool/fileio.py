@@ -1,4 +1,11 @@
-"""Output files are written whole or not at all: a temporary file beside the target, then rename."""
+"""Output files are written whole or not at all.
+
+A regular file (or a path that does not exist yet) is written to a temporary file beside it, then
+renamed over it. A symlink is followed: its target is what gets replaced, the link stays. What is
+not a regular file (``-`` for standard output, ``/dev/null``, a fifo, a terminal, ``/dev/stdout``)
+is never replaced: the output is built in a temporary file first and copied into it only when
+complete, so a failed command writes nothing there either.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import stat
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -14,10 +23,38 @@ import numpy as np
 
 from .errors import QtoolError
 
+STDOUT = "-"
+
+
+def _streamed(path: Path) -> bool:
+    """Whether ``path`` is written through rather than replaced: ``-``, or something that exists
+    and is neither a regular file nor a directory (a device, a fifo, a socket), or a path that
+    resolves through /proc or /dev/fd (``/dev/stdout``: the shell's redirection, not a file to
+    replace)."""
+    if str(path) == STDOUT:
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if not stat.S_ISREG(mode):
+        return not stat.S_ISDIR(mode)
+    return os.path.abspath(path).startswith(("/proc/", "/dev/"))
+
+
+def replaced(path: Path) -> Path:
+    """The regular file a rename must replace for ``path``: the symlink's final target."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
 
 def check_writable(path: str | Path) -> None:
-    """Fail early, before long work, when ``path`` could not be created."""
+    """Fail early, before long work, when ``path`` could not be created or written."""
     path = Path(path)
+    if _streamed(path):
+        if str(path) != STDOUT and not os.access(path, os.W_OK):
+            raise QtoolError(f"cannot write '{path}': permission denied")
+        return
+    path = replaced(path)
     if path.is_dir():
         raise QtoolError(f"cannot write '{path}': it is a directory")
     folder = path.parent
@@ -32,19 +69,25 @@ def check_writable(path: str | Path) -> None:
 @contextlib.contextmanager
 def atomic_file(path: str | Path):
     """A binary file that becomes ``path`` when the block ends without error, and is removed
-    otherwise: a temporary file beside it, then a rename."""
+    otherwise: a temporary file beside it, then a rename; for standard output and other targets
+    that are not regular files, a temporary file copied into them at the end (module docstring)."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    if _streamed(path):
+        with _spooled(path) as f:
+            yield f
+        return
+    target = replaced(path)
+    folder = target.parent if str(target.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as e:
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
@@ -53,9 +96,35 @@ def atomic_file(path: str | Path):
         raise
 
 
+@contextlib.contextmanager
+def _spooled(path: Path):
+    """A temporary file whose bytes go to ``path`` (or standard output) when the block ends."""
+    with tempfile.TemporaryFile(prefix="qtool-out-") as spool:
+        yield spool
+        spool.seek(0)
+        try:
+            if str(path) == STDOUT:
+                sys.stdout.flush()
+                shutil.copyfileobj(spool, sys.stdout.buffer, 1 << 20)
+                sys.stdout.buffer.flush()
+            else:
+                with open(path, "wb") as out:
+                    shutil.copyfileobj(spool, out, 1 << 20)
+        except OSError as e:
+            raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
     with atomic_file(path) as f:
         f.write(data)
+
+
+def write_all(items: list[tuple[str | Path, bytes]]) -> None:
+    """Several outputs, every one or none: each is written to its temporary file first, and only
+    when all are complete do they take their places (a failure leaves every target as it was)."""
+    with contextlib.ExitStack() as stack:
+        for path, data in items:
+            stack.enter_context(atomic_file(path)).write(data)
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
-from .fileio import atomic_write, check_writable
+from .fileio import atomic_write, check_writable, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest, load_model, prepare
 from .pixels import PixelInput
@@ -349,6 +349,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     for target in (plan.table, plan.qmodel, plan.report):
         try:
             check_writable(target)
+            if target.exists() and not replaced(target).is_file():
+                raise QtoolError(f"'{target}' exists and is not a regular file; a job replaces its outputs")
         except QtoolError as e:
             raise fail("output_dir", str(e)) from None
     return plan
@@ -382,9 +384,18 @@ def up_to_date(plan: JobPlan) -> dict | None:
         return None
 
 
+def staged(path: Path) -> Path:
+    """Where a job builds the output ``path`` before it takes its place: a hidden file beside the
+    file it replaces (a symlink's target: the link stays), so that the rename is atomic."""
+    target = replaced(path)
+    return target.with_name(f".{target.stem}.partial{target.suffix}")
+
+
 def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
-    """Run a job; when a stage fails, the artifacts written by the earlier ones are removed (and
-    the folders made for them), so that a failed job leaves nothing, as every command does."""
+    """Run a job. Its table, model and report are built aside (``staged``) and take their places
+    together when the job completes, the report last (a later run trusts the report's digests of
+    the others); when a stage fails or the run is interrupted, the staged files are removed and
+    the previous outputs stay as they were, as do the folders (those made for it are removed)."""
     folders = []  # the output folders that do not exist yet, deepest first
     folder = plan.table.parent
     while not folder.exists():
@@ -392,7 +403,10 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
         folder = folder.parent
     written: list[Path] = []
     try:
-        return _run(plan, progress, log, written)
+        result = _run(plan, progress, log, written)
+        for final in (plan.table, plan.qmodel, plan.report):
+            os.replace(staged(final), replaced(final))
+        return result
     except BaseException:
         for artifact in written:
             artifact.unlink(missing_ok=True)
@@ -405,6 +419,8 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
 
 
 def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
+    """The job's stages, each output written to its ``staged`` path (listed in ``written``)."""
+    table_path, qmodel_path, report_path = staged(plan.table), staged(plan.qmodel), staged(plan.report)
     cal, ver = plan.calibrate, plan.verify
     seconds = {}
 
@@ -412,8 +428,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     table = collect(plan.model, plan.calibrate_data, cal.get("method", "minmax"), cal.get("params"),
                     cal.get("num_samples"), cal.get("batch_size"), progress, plan.preprocess,
                     histogram_samples=cal.get("histogram_samples", DEFAULT_SAMPLES_PER_TENSOR)).table()
-    write_table(table, plan.table)
-    written.append(plan.table)
+    written.append(table_path)
+    write_table(table, table_path)
     seconds["calibrate"] = time.perf_counter() - t0
     log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "
         f"({seconds['calibrate']:.1f} s)")
@@ -428,9 +444,9 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
                                                          plan.calibrate_data, steps, progress)
     if changed:
-        write_table(table, plan.table)  # the table the model is quantized from
-    atomic_write(plan.qmodel, qmodel.SerializeToString())
-    written.append(plan.qmodel)
+        write_table(table, table_path)  # the table the model is quantized from
+    written.append(qmodel_path)
+    atomic_write(qmodel_path, qmodel.SerializeToString())
     seconds["quantize"] = time.perf_counter() - t0
     log(f"quantize: {sum(qreport.quantized.values())} ops integer, {len(qreport.kept_float)} float "
         f"-> {plan.qmodel} ({seconds['quantize']:.1f} s)")
@@ -448,7 +464,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         log(f"search: {search_summary(qreport.search)}")
 
     t0 = time.perf_counter()
-    report = verify(plan.model, plan.qmodel, plan.verify_data, plan.tolerance, ver.get("labels"),
+    report = verify(plan.model, qmodel_path, plan.verify_data, plan.tolerance, ver.get("labels"),
                     ver.get("num_samples"), ver.get("batch_size"), progress, plan.preprocess)
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
@@ -459,10 +475,11 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
             failures.append(f"accuracy drop {lost:.2f} points > max_accuracy_drop {drop}")
     # the job's digest and its outputs' digests let a later run skip it while nothing changed
     job = {"name": plan.name, "digest": plan.digest(),
-           "outputs": {str(p): file_digest(p) for p in (plan.table, plan.qmodel)}}
+           "outputs": {str(p): file_digest(staged(p)) for p in (plan.table, plan.qmodel)}}
     # no timings in the file: the same job gives the same bytes (they are in run's summary)
     summary = report.to_dict() | {"job_failures": failures, "job": job}
-    atomic_write(plan.report, (json.dumps(summary, indent=1) + "\n").encode())
+    written.append(report_path)
+    atomic_write(report_path, (json.dumps(summary, indent=1) + "\n").encode())
     log(f"verify: {report.samples} samples -> {plan.report} ({seconds['verify']:.1f} s)")
     return JobResult(plan.table, plan.qmodel, plan.report, report, qreport, seconds, failures)
 

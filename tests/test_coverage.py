@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import packaged_file
-from test_cli import invoke, user_error_leaves_nothing
+from test_cli import assert_user_error, invoke, user_error_leaves_nothing
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +242,15 @@ def test_silero_vad_goes_end_to_end(tmp_path, name):
     np.savez(data, input=_speech(8), state=np.zeros((2, 8, 128), np.float32), sr=np.array(16000, np.int64))
     table, qpath = tmp_path / "t.yaml", tmp_path / "q.onnx"
     for args in (("calibrate", path, "--data", data, "-o", table, "-q", "--batch-size", "4"),
-                 ("quantize", path, "-t", table, "-o", qpath, "-q")):
+                 ("quantize", path, "-t", table, "-o", qpath, "-q", "--json")):
         result = invoke(*args)
         assert result.exit_code == 0, result.output
+    if not sum(json.loads(result.stdout)["quantized"].values()):
+        # the whole network inside the If stays float today (issue 31): verify says there is
+        # nothing to verify rather than passing float against float
+        assert_user_error(invoke("verify", path, qpath, "--data", data, "-q"), "has no integer op",
+                          "nothing to verify")
+        return
     result = invoke("verify", path, qpath, "--data", data, "--json", "-q", "--tolerance", "0")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibrate import calibrate
+from qtool.errors import QtoolError
 from qtool.executor import IntegerExecutor
 from qtool.model import prepare
 from qtool.quantize import QuantizeOptions, quantize
@@ -176,13 +177,21 @@ def test_executor_reports_accumulator_overflow(demo_model, demo_table, demo_held
         executor.run({"input": np.load(demo_heldout)["input"][:2]})
 
 
-def test_float_model_against_itself_is_exact(demo_model, demo_heldout):
+def test_float_model_in_the_executor_is_exact(demo_model, demo_heldout):
     # the executor runs every node of an unquantized model in float (onnxruntime, one node at a
     # time, BatchNormalization included): it must reproduce the whole-model run
-    report = verify(demo_model, demo_model, demo_heldout, num_samples=64, progress=False)
-    assert report.tensors == []  # nothing is integer
-    assert len(report.float_nodes) == 17  # the unprepared graph: BatchNormalization not folded
-    assert report.outputs[0].cosine > 0.999999
+    executor = IntegerExecutor(onnx.load(demo_model))
+    assert len(executor.float_nodes()) == 17  # the unprepared graph: BatchNormalization not folded
+    x = np.load(demo_heldout)["input"][:64]
+    got = executor.run({"input": x}).outputs["logits"]
+    want = ort.InferenceSession(str(demo_model)).run(None, {"input": x})[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_verify_refuses_a_model_with_no_integer_op(demo_model, demo_heldout):
+    # float against float would PASS: a user who verifies the wrong file must be told
+    with pytest.raises(QtoolError, match="has no integer op .17 nodes would run in float., so there is nothing to verify"):
+        verify(demo_model, demo_model, demo_heldout, num_samples=64, progress=False)
 
 
 def test_data_movement_ops_share_their_input_range(demo_model, demo_table):

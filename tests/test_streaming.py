@@ -170,6 +170,8 @@ def test_choose_batch_counts_what_the_batch_does_not_change():
     # models larger than the budget: one sample at a time, and the log says the budget is exceeded
     size, note = choose_batch(1 << 20, 1.0, 512, 8, 600 << 20)
     assert size == 1 and "the models alone take more than --memory" in note
+    size, note = choose_batch(300 << 20, 1.0, 512, 8, 250 << 20)
+    assert size == 1 and "one sample beside them takes more than --memory" in note
     # verify: the process, 4 copies of the float model and 5 of the integer one
     assert fixed_bytes(90 << 20, 26 << 20) == PROCESS_BYTES + (4 * 90 + 5 * 26 << 20)
 

@@ -56,19 +56,31 @@ def test_figures_leave_out_entries_that_are_no_real_value(tmp_path):
     entries, and the report says how many were left out."""
     mask = np.zeros(64, np.float32)
     mask[::4] = LOWEST
-    graph = helper.make_graph([helper.make_node("Add", ["x", "mask"], ["y"], name="add")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])],
-                              [numpy_helper.from_array(mask, "mask")])
-    model = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), model)
+    inits = [numpy_helper.from_array(mask, "mask"), numpy_helper.from_array(np.float32(0.02), "s"),
+             numpy_helper.from_array(np.uint8(0), "z")]
+
+    def save(nodes, name):
+        graph = helper.make_graph(nodes + [helper.make_node("Add", ["r", "mask"], ["y"], name="add")], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])], inits)
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / name)
+        return tmp_path / name
+
+    model = save([helper.make_node("Relu", ["x"], ["r"], name="relu")], "m.onnx")
+    # the same with an integer Relu (QDQ around it); the mask Add stays float in both
+    qmodel = save([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q0"),
+                   helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq0"),
+                   helper.make_node("Relu", ["xd"], ["rf"], name="relu"),
+                   helper.make_node("QuantizeLinear", ["rf", "s", "z"], ["rq"], name="q1"),
+                   helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["r"], name="dq1")], "q.onnx")
     data = tmp_path / "d.npz"
-    np.savez(data, x=np.random.default_rng(1).normal(size=(16, 64)).astype(np.float32))
-    result = invoke("verify", model, model, "-d", data, "--json", "-q")  # float vs float: exact
+    np.savez(data, x=np.random.default_rng(1).uniform(0, 5, size=(16, 64)).astype(np.float32))
+    result = invoke("verify", model, qmodel, "-d", data, "--json", "-q")
     assert_no_crash(result)
     report = json.loads(result.stdout)
     assert report["outputs"][0]["excluded_entries"] == 16 * 16
-    text = invoke("verify", model, model, "-d", data, "-q").stdout
+    assert report["outputs"][0]["sqnr_db"] > 30  # the unmasked entries: 0.02-step rounding of [0, 5]
+    text = invoke("verify", model, qmodel, "-d", data, "-q").stdout
     assert "left out of the figures" in text and "y 256" in text
 
 
@@ -86,3 +98,10 @@ def test_the_loss_starts_at_the_first_sharp_drop_in_graph_order():
     assert report.to_dict()["loss_start"] == {"tensor": "c", "op_type": "Add", "sqnr_db": 30.0, "drop_db": 7.0}
     gentle = VerifyReport(4, (0.99, 20.0), [], [_comparison(n, 40 - 3 * i) for i, n in enumerate("abcdef")], [])
     assert gentle.loss_start() is None and gentle.to_dict()["loss_start"] is None
+
+
+def test_verify_of_a_float_model_is_a_one_line_error(demo_model, demo_heldout):
+    from test_cli import assert_user_error, invoke
+
+    assert_user_error(invoke("verify", demo_model, demo_model, "--data", demo_heldout),
+                      "digits_cnn.onnx' has no integer op", "nothing to verify: give the model qtool quantize wrote")

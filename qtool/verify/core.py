@@ -192,6 +192,10 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel, arithmetic=arithmetic)
+    if not any(step.kind == "integer" for step in executor.steps):
+        raise QtoolError(f"model file '{qmodel_path}' has no integer op ({len(executor.float_nodes())} nodes "
+                         f"would run in float), so there is nothing to verify: give the model qtool "
+                         f"quantize wrote (its report says how many ops it made integer)")
     _check_same_interface(model, qmodel, executor.output_names, float_path, qmodel_path)
     data = load_dataset(data_path, model, preprocess)
     input_names = {vi.name for vi in graph_inputs(model)}

@@ -1,0 +1,177 @@
+"""Outputs never replace what is not a regular file: symlinks are followed, devices and fifos are
+written through, ``-`` is standard output, and several outputs of one command land all or none."""
+
+import io
+import os
+import stat
+import threading
+
+import numpy as np
+import onnx
+import pytest
+
+from qtool.errors import QtoolError
+from qtool.fileio import atomic_write, check_writable, write_all
+
+from test_cli import assert_user_error, invoke
+
+
+def _leftovers(folder):
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_symlink_is_followed_and_kept(tmp_path):
+    target = tmp_path / "real.bin"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(target.name)
+    atomic_write(link, b"new")
+    assert link.is_symlink() and os.readlink(link) == "real.bin"
+    assert target.read_bytes() == b"new" and _leftovers(tmp_path) == []
+
+
+def test_dangling_symlink_creates_its_target(tmp_path):
+    link = tmp_path / "link.bin"
+    link.symlink_to("made.bin")
+    atomic_write(link, b"data")
+    assert link.is_symlink() and (tmp_path / "made.bin").read_bytes() == b"data"
+
+
+def test_fifo_is_written_through_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    atomic_write(fifo, b"through the pipe")
+    reader.join(10)
+    assert got == [b"through the pipe"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and _leftovers(tmp_path) == []
+
+
+def test_dev_null_stays_a_device():
+    check_writable("/dev/null")
+    atomic_write("/dev/null", b"discarded")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_all_outputs_or_none(tmp_path):
+    first = tmp_path / "first.txt"
+    first.write_bytes(b"old")
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(QtoolError, match="cannot write"):
+        write_all([(first, b"new"), (tmp_path / "file" / "second.txt", b"x")])
+    assert first.read_bytes() == b"old" and _leftovers(tmp_path) == []
+    write_all([(first, b"new"), (tmp_path / "second.txt", b"x")])
+    assert first.read_bytes() == b"new" and (tmp_path / "second.txt").read_bytes() == b"x"
+
+
+def test_quantize_to_standard_output(tmp_path, demo_model, demo_table):
+    from qtool.table_formats import write_table
+
+    table = tmp_path / "t.yaml"
+    write_table(demo_table, table)
+    result = invoke("quantize", demo_model, "-t", table, "-o", "-")
+    assert result.exit_code == 0, result.output
+    model = onnx.load_from_string(result.stdout_bytes)
+    assert any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+    assert "integer: " in result.stderr and "-> -" in result.stderr  # the report went to stderr
+    assert not (tmp_path / "-").exists() and not os.path.exists("-")
+
+
+def test_quantize_to_standard_output_refuses_a_second_writer(tmp_path, demo_model, demo_table):
+    from qtool.table_formats import write_table
+
+    table = tmp_path / "t.yaml"
+    write_table(demo_table, table)
+    assert_user_error(invoke("quantize", demo_model, "-t", table, "-o", "-", "--json"),
+                      "-o - and --json would both write to standard output")
+    assert_user_error(invoke("quantize", demo_model, "-t", table, "-o", "-", "--params-out", "-"),
+                      "-o - and --params-out - would both write to standard output")
+
+
+def test_exec_to_standard_output(qmodel, demo_heldout):
+    result = invoke("exec", qmodel, "--input", demo_heldout, "-o", "-", "-q")
+    assert result.exit_code == 0, result.output
+    outputs = np.load(io.BytesIO(result.stdout_bytes))
+    assert list(outputs.keys()) == ["logits"] and len(outputs["logits"]) == len(np.load(demo_heldout)["input"])
+    assert_user_error(invoke("exec", qmodel, "--input", demo_heldout, "-o", "-", "--json"),
+                      "--json and -o - would both write to standard output")
+
+
+def test_verify_html_report_needs_a_file(demo_model, qmodel, demo_heldout):
+    assert_user_error(invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--report", "-"),
+                      "--report needs a file name")
+
+
+def test_quantize_through_a_symlink_and_into_dev_null(tmp_path, demo_model, demo_table):
+    from qtool.table_formats import write_table
+
+    table = tmp_path / "t.yaml"
+    write_table(demo_table, table)
+    (tmp_path / "real.onnx").write_bytes(b"old")
+    (tmp_path / "model.onnx").symlink_to("real.onnx")
+    result = invoke("quantize", demo_model, "-t", table, "-o", tmp_path / "model.onnx",
+                    "--params-out", "/dev/null")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "model.onnx").is_symlink()
+    onnx.load(str(tmp_path / "real.onnx"))
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+# -- interruptions ------------------------------------------------------------------------------
+
+_SLOW = """
+import sys, time
+import qtool.{module} as target
+def slow(*args, **kwargs):
+    print("working", file=sys.stderr, flush=True)
+    time.sleep(60)
+target.{function} = slow
+from qtool.cli import main
+sys.argv = ["qtool"] + sys.argv[1:]
+main()
+"""
+
+
+def _interrupted(tmp_path, module: str, function: str, *args) -> tuple[int, str]:
+    """Run ``qtool ARGS`` with ``module.function`` made slow, Ctrl-C it once it is there: (exit
+    code, stderr after the 'working' line)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow.py"
+    script.write_text(_SLOW.format(module=module, function=function))
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        assert proc.stderr.readline() == "working\n"
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        return proc.wait(30), rest
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, demo_model, demo_calib):
+    code, err = _interrupted(tmp_path, "calibrate", "collect", "calibrate", demo_model, "-d", demo_calib,
+                             "-o", tmp_path / "t.yaml")
+    assert (code, err) == (130, "error: interrupted\n")
+    assert not (tmp_path / "t.yaml").exists() and _leftovers(tmp_path) == []
+
+
+def test_interrupted_job_keeps_the_previous_outputs(tmp_path, demo_model, demo_calib, demo_heldout):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {demo_model}\noutput_dir: {tmp_path / 'out'}\n"
+                   f"calibrate: {{data: {demo_calib}, batch_size: 64}}\n"
+                   f"verify: {{data: {demo_heldout}, num_samples: 64}}\n")
+    first = invoke("run", job, "-q")
+    assert first.exit_code == 0, first.output
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert len(before) == 3
+    # the new table and model are written, then Ctrl-C during verify
+    code, err = _interrupted(tmp_path, "job", "verify", "run", job, "--force", "-q")
+    assert code == 130 and err.endswith("error: interrupted\n"), err
+    after = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert after == before  # the same files, byte for byte, and no staged ones left
