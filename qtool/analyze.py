@@ -30,7 +30,7 @@ from .calibrate import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map
-from .model import first_line, load_model, prepare
+from .model import batch_hint, first_line, load_model, prepare
 from .pixels import feeds_for, pixel_inputs
 from .report import finite, progress_bar
 
@@ -180,7 +180,7 @@ def as_written_session(model: onnx.ModelProto) -> ort.InferenceSession:
     (float weights between activation fences measured 7.0 dB with them, 12.2 dB without, on
     PP-OCRv4 rec), and each variant of a QDQ model must compute what its graph says."""
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors come back as exceptions, told in one line
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -276,7 +276,8 @@ class Evaluator:
             session = as_written_session(model)
             return [session.run(names, feeds_for(pixels, feeds)) for feeds in self.batches]
         except Exception as e:
-            raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}") from None
+            raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}"
+                             f"{batch_hint(self.batches[0] if self.batches else {})}") from None
 
     @staticmethod
     def _values(piece, runs, b):

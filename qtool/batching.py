@@ -59,6 +59,19 @@ def release_freed() -> None:
         _libc.malloc_trim(0)
 
 
+class OneAtATime(Exception):
+    """The first batch of a batch size the command chose (above 1) failed: the command starts
+    again one sample at a time (a model whose input says N but that runs only one sample: a
+    Reshape to a fixed leading 1). ``note`` is the line for the log."""
+
+    def __init__(self, size: int, error: Exception):
+        reason = str(error).split(" (on a batch of ")[0]
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        super().__init__(f"batch size 1: the model failed on a batch of {size} samples and runs one "
+                         f"sample at a time ({reason})")
+        self.note = str(self)
+
+
 def check_memory(memory_mb: int) -> None:
     if memory_mb < 1:
         raise QtoolError(f"--memory must be at least 1 MB, got {memory_mb}")

@@ -28,8 +28,8 @@ import onnx
 import calibrators
 
 from . import __version__, masks, stats_graph
-from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, check_memory, choose_batch, \
-    release_freed
+from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
+    choose_batch, release_freed
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
@@ -330,10 +330,24 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR,
             memory_mb: int = DEFAULT_MEMORY_MB, feeds=None, shard: tuple[int, int] | None = None
             ) -> Statistics:
-    """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
+    """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``;
+    when its first batch fails, one sample at a time (``OneAtATime``), told too.
     ``feeds`` (qtool.analyze.Batches): these batches of DATA's samples instead of DATA in order
     (a data-driven step calibrating on its fit samples only). ``shard``: samples [first, stop) of
     DATA only, in batches from ``first`` (a part of a calibration spread by qtool/cluster.py)."""
+    args = (model_path, data_path, method, params, num_samples)
+    rest = dict(progress=progress, preprocess=preprocess, log=log, histogram_samples=histogram_samples,
+                memory_mb=memory_mb, feeds=feeds, shard=shard)
+    try:
+        return _collect(*args, batch_size, **rest)
+    except OneAtATime as retry:
+        if log is not None:
+            log(retry.note)
+        return _collect(*args, 1, **rest)
+
+
+def _collect(model_path, data_path, method, params, num_samples, batch_size, progress, preprocess, log,
+             histogram_samples, memory_mb, feeds, shard) -> Statistics:
     new_calibrator = calibrator_factory(method, params)
     new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
@@ -342,6 +356,7 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     first, total = shard or (0, len(data) if num_samples is None else min(num_samples, len(data)))
     if feeds is not None:
         total = feeds.samples
+    chosen = batch_is_chosen(model, batch_size) and feeds is None and shard is None
     typed, shapes, batch_size, note = _batching(model, data, total - first, batch_size, memory_mb)
     if log is not None:
         for vi in graph_inputs(model):
@@ -355,7 +370,12 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     with progress_bar(total - first, "calibrate", progress) as bar:
         try:
             for batch in (data.batches(batch_size, total, first) if feeds is None else feeds):
-                update(batch)
+                try:
+                    update(batch)
+                except QtoolError as e:
+                    if chosen and batch_size > 1 and stats.samples == 0 and data.samples_in(batch) > 1:
+                        raise OneAtATime(batch_size, e) from None
+                    raise
                 n = data.samples_in(batch)
                 stats.samples += n
                 bar.update(n)

@@ -685,13 +685,12 @@ def exec_(
       qtool exec model.q.onnx --input images/ -o y.npz --batch-size 1
       qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
-    from .batching import EXEC_FACTOR, fixed_bytes
-    from .calibrate import default_batch
+    from .batching import EXEC_FACTOR, OneAtATime, fixed_bytes
+    from .calibrate import batch_is_chosen, default_batch
     from .data import check_sampling, load_dataset, output_sample_axes
     from .executor import IntegerExecutor
     from .fileio import NpzWriter
     from .model import load_model
-    from .report import progress_bar
 
     writer = None
     try:
@@ -702,6 +701,7 @@ def exec_(
         executor = IntegerExecutor(model, arithmetic=target)
         data = load_dataset(inputs, model)
         as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
+        chosen = batch_is_chosen(model, batch_size)
         batch_size, note = ((1, "") if as_they_are else
                             default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP,
                                           held=fixed_bytes(0, os.path.getsize(qmodel))))
@@ -711,17 +711,15 @@ def exec_(
         if one_batch:
             batch_size, note = len(data), ""
         whole = as_they_are or one_batch
-        writer = NpzWriter(output, None if whole else len(data))
-        shapes = {}
-        with progress_bar(len(data), "exec", not quiet) as bar:
-            for feeds in data.batches(batch_size):
-                outputs = executor.run(feeds).outputs
-                if not whole:
-                    outputs = _per_sample(outputs, data.samples_in(feeds))
-                shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
-                          for name, value in outputs.items()}
-                writer.append(outputs)
-                bar.update(min(batch_size, len(data) - bar.n))
+        chosen = chosen and not whole
+        try:
+            writer = NpzWriter(output, None if whole else len(data))
+            shapes = _exec_batches(executor, data, batch_size, writer, whole, not quiet, chosen)
+        except OneAtATime as retry:  # the batch size exec chose failed on its first batch
+            writer.discard()
+            batch_size, note = 1, retry.note
+            writer = NpzWriter(output, None if whole else len(data))
+            shapes = _exec_batches(executor, data, 1, writer, whole, not quiet, False)
         ragged = dict(writer.ragged)
         writer.close()
         for name in ragged:
@@ -906,6 +904,30 @@ def main() -> None:
         typer.echo("error: interrupted", err=True)
         raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _exec_batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
+    """exec's runs, each batch's outputs to ``writer``: the outputs' shapes. A first batch of a
+    ``chosen`` size above 1 that fails raises ``OneAtATime``."""
+    from .batching import OneAtATime
+    from .report import progress_bar
+
+    shapes = {}
+    with progress_bar(len(data), "exec", progress) as bar:
+        for feeds in data.batches(batch_size):
+            try:
+                outputs = executor.run(feeds).outputs
+            except QtoolError as e:
+                if chosen and bar.n == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
+                    raise OneAtATime(batch_size, e) from None
+                raise
+            if not whole:
+                outputs = _per_sample(outputs, data.samples_in(feeds))
+            shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
+                      for name, value in outputs.items()}
+            writer.append(outputs)
+            bar.update(min(batch_size, len(data) - bar.n))
+    return shapes
 
 
 def _per_sample(outputs: dict, n: int) -> dict:

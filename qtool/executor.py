@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from . import masks
 from .errors import QtoolError
-from .model import graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
+from .model import batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
@@ -36,6 +36,10 @@ from .qoperator_exec import QOperatorLowering, float_name
 from .targets import check_arithmetic, x86
 from .targets.form import is_guard
 from .qparams import QParams, centered, dequantize_array, quantize_array
+
+# numpy's messages for an input of a shape the model's ops cannot take (a model that runs one
+# sample at a time given several): user errors, not bugs
+_SHAPE_ERRORS = ("cannot reshape array", "operands could not be broadcast")
 
 
 FOREIGN_ROUNDING = "half_to_even"
@@ -427,7 +431,18 @@ class IntegerExecutor:
         steps = self.steps if keep_integer else self._chained_steps
         for step, done in zip(steps, self._frees[keep_integer]):
             values = [env[n] for n in step.inputs]
-            outputs = self._run_step(step, values)
+            try:
+                outputs = self._run_step(step, values)
+            except QtoolError as e:
+                if step.kind == "integer":  # an overflow, a mask: the batch has nothing to do with it
+                    raise
+                raise QtoolError(f"{e}{batch_hint(feeds)}") from None
+            except ValueError as e:
+                if not str(e).startswith(_SHAPE_ERRORS):
+                    raise  # a bug
+                shapes = ", ".join(str(list(np.shape(v))) for v in values)
+                raise QtoolError(f"{step.node.op_type} node '{step.node.name}' cannot take inputs of shapes "
+                                 f"{shapes} ({e}){batch_hint(feeds)}") from None
             for name, value in zip(step.outputs, outputs):
                 env[name] = value
             if keep_integer and step.kind in ("integer", "quantize"):
@@ -564,7 +579,7 @@ class IntegerExecutor:
         model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import),
                                        ir_version=self.model.ir_version)
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # errors come back as exceptions, told in one line
         # one node at a time: no thread pool of its own, whose threads would spin after each run
         # and take the cores from the BLAS threads of the integer kernels in between (measured on
         # PP-OCRv4 rec: 503 ms per line with the default pools, 92-96 ms without)

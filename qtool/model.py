@@ -114,7 +114,7 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
                              f"(needed for per-channel QDQ): {first_line(e)}") from None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors come back as exceptions, told in one line
     with tempfile.TemporaryDirectory(prefix="qtool-prepare-") as tmp:
         options.optimized_model_filepath = os.path.join(tmp, "prepared.onnx")
         try:
@@ -434,6 +434,14 @@ def float_tensors(model: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def batch_hint(feeds: dict) -> str:
+    """What to add to an error from a run of several samples: the model may take only one (a
+    Reshape to a fixed leading 1 behind an input that says N)."""
+    sizes = {np.shape(v)[0] for v in feeds.values() if np.ndim(v)}
+    return (f" (on a batch of {max(sizes)} samples; if the model runs one sample at a time, add --batch-size 1)"
+            if sizes and max(sizes) > 1 else "")
+
+
 class FloatRunner:
     """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
 
@@ -453,7 +461,7 @@ class FloatRunner:
         finally:
             del model.graph.output[outputs:]
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # errors come back as exceptions, told in one line
         # run each node's consumers soon after it, so tensors are freed early: with every tensor
         # an output (or reduced), the default order keeps a whole batch's activations alive
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -467,7 +475,7 @@ class FloatRunner:
         try:
             values = self.session.run(None, feeds)
         except Exception as e:
-            raise QtoolError(f"onnxruntime failed on the float model: {first_line(e)}") from None
+            raise QtoolError(f"onnxruntime failed on the float model: {first_line(e)}{batch_hint(feeds)}") from None
         return dict(zip(self.output_names, values))
 
 

@@ -3,14 +3,42 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 
 from tqdm import tqdm
 
 
+HEARTBEAT_SECONDS = 10
+
+
+class _Lines:
+    """tqdm's output for a stderr that is no terminal (a CI log, ``| tee``, a scheduler): each
+    refresh as one whole line, instead of carriage returns that make one endless line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "sample") -> tqdm:
-    """A units/s bar on stderr; also off when stderr is not a terminal (logs stay clean)."""
-    return tqdm(total=total, unit=unit, desc=desc, disable=None if enabled else True, leave=False)
+    """A units/s bar on a terminal's stderr; on any other stderr a line every
+    ``HEARTBEAT_SECONDS`` with done/total and the time left, the first after that long (short
+    steps print nothing); nothing when not ``enabled`` (--quiet)."""
+    if not enabled:
+        return tqdm(total=total, disable=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, unit=unit, desc=desc, leave=False)
+    return tqdm(total=total, unit=unit, desc=desc, file=_Lines(sys.stderr), mininterval=HEARTBEAT_SECONDS,
+                maxinterval=HEARTBEAT_SECONDS, delay=HEARTBEAT_SECONDS, leave=False, ascii=True,
+                bar_format="{desc}: {n_fmt}/{total_fmt} " + unit + "s, {elapsed} elapsed, about {remaining} left")
 
 
 def finite(x: float):

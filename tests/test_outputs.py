@@ -175,3 +175,26 @@ def test_interrupted_job_keeps_the_previous_outputs(tmp_path, demo_model, demo_c
     assert code == 130 and err.endswith("error: interrupted\n"), err
     after = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     assert after == before  # the same files, byte for byte, and no staged ones left
+
+
+# -- progress on a stderr that is no terminal ----------------------------------------------------
+
+def test_long_steps_print_a_line_now_and_then_when_stderr_is_a_log(monkeypatch, capsys):
+    import time
+
+    from qtool import report
+
+    monkeypatch.setattr(report, "HEARTBEAT_SECONDS", 0.2)
+    with report.progress_bar(12, "verify", True) as bar:
+        for _ in range(12):
+            time.sleep(0.05)
+            bar.update(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("verify: ") and "/12 samples" in line and "left" in line
+                         for line in lines), lines
+    assert "\r" not in "".join(lines) and len(lines) <= 4  # whole lines, about one per 0.2 s
+    with report.progress_bar(12, "verify", False) as bar:  # --quiet
+        for _ in range(12):
+            time.sleep(0.05)
+            bar.update(1)
+    assert capsys.readouterr().err == ""

@@ -18,7 +18,7 @@ from ..calibrate import activation_sizes, batch_is_chosen, default_batch
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
-from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, fixed_bytes
+from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes
 from ..ops import blas, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes
 from ..pixels import feeds_for, pixel_inputs
@@ -183,6 +183,21 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     ``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
     ``shard``: samples [first, stop) only; ``on_batch(outputs, tensors, parts, ort_checks,
     (correct_float, correct_int))`` after each batch (qtool/cluster.py takes each batch's figures)."""
+    args = (float_path, qmodel_path, data_path, tolerance, labels, num_samples)
+    rest = dict(progress=progress, preprocess=preprocess, run_ort=run_ort, run_analyze=run_analyze,
+                analyze_samples=analyze_samples, arithmetic=arithmetic, ort_config=ort_config,
+                memory_mb=memory_mb, log=log, shard=shard, on_batch=on_batch)
+    try:
+        return _verify(*args, batch_size, **rest)
+    except OneAtATime as retry:  # the batch size verify chose failed on its first batch
+        if log is not None:
+            log(retry.note)
+        return _verify(*args, 1, **rest)
+
+
+def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, batch_size, progress,
+            preprocess, run_ort, run_analyze, analyze_samples, arithmetic, ort_config, memory_mb, log,
+            shard, on_batch) -> VerifyReport:
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
@@ -223,6 +238,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     # the float model on one thread, beside the executor on the other (two intra-op threads
     # spinning for work took the executor's core: rec 58 ms a line instead of 37)
     runner = FloatRunner(model, extra, threads=1, arena=False)
+    chosen = batch_is_chosen(model, batch_size) and shard is None
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
                                      held=fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path)),
                                      runner=runner, sizes=sizes)
@@ -247,7 +263,12 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
             parallel.serial(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
         start, batches = begin, 0
         for feeds in data.batches(batch_size, total, begin):
-            reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
+            try:
+                reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
+            except QtoolError as e:
+                if chosen and batches == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
+                    raise OneAtATime(batch_size, e) from None
+                raise
             for c in outputs:
                 if c.name not in reference:
                     raise QtoolError(f"the float model has no output '{c.name}'")
