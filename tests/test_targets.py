@@ -9,6 +9,7 @@ part is not run.
 
 from __future__ import annotations
 
+import json
 import platform
 import shutil
 import subprocess
@@ -181,6 +182,20 @@ def test_exec_target_x86_avx2_differs_only_where_saturation_does(tmp_path, demo_
     x = {"input": np.load(demo_heldout)["input"][:64]}
     a = IntegerExecutor(portable, "exact").run(x).outputs["logits"]
     assert np.array_equal(a, IntegerExecutor(portable, "x86-avx2").run(x).outputs["logits"])
+
+
+def test_verify_target_x86_avx2_on_a_vnni_model(tmp_path, demo_model, demo_table, demo_heldout):
+    # the saturating stand-in for Conv/Gemm used to lack an op's attributes: exit 3
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(target="x86-vnni"))
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    figures = {}
+    for target in ("exact", "x86-avx2"):
+        result = invoke("verify", demo_model, tmp_path / "q.onnx", "-d", demo_heldout, "--target", target, "--json",
+                        "-q")
+        assert_no_crash(result)
+        assert result.exit_code in (0, 1), result.output
+        figures[target] = json.loads(result.stdout)["outputs"][0]["sqnr_db"]
+    assert figures["x86-avx2"] != figures["exact"]  # the saturation shows in the figures
 
 
 def test_verify_ort_names_the_host(tmp_path, demo_model, demo_table, demo_heldout):

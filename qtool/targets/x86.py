@@ -113,6 +113,7 @@ class PairSaturating:
     offset: int
     risk: list
     takes_table = False
+    clamps_below_zero = False  # as the Conv / Gemm / MatMul it stands in for (IntegerOp's attributes)
     op_type = "PairSaturating"
 
     def elementwise(self, params) -> bool:
