@@ -108,6 +108,7 @@ class Statistics:
     samples: int
     input_shapes: dict[str, list]
     calibrators: dict = field(default_factory=dict)  # tensor name -> calibrator
+    preprocess: dict = field(default_factory=dict)  # Preprocess.to_dict() when DATA was images
 
     def table(self) -> Table:
         tensors = {}
@@ -117,13 +118,14 @@ class Statistics:
                 raise QtoolError(f"tensor '{name}' has NaN or Inf values on the calibration data")
             tensors[name] = TensorEntry(float(r.min), float(r.max), float(r.threshold), self.method)
         return Table(self.model, self.model_sha256, self.method, self.samples, __version__, tensors,
-                     params=dict(sorted(self.params.items())), input_shapes=self.input_shapes)
+                     params=dict(sorted(self.params.items())), input_shapes=self.input_shapes,
+                     preprocess=self.preprocess)
 
     def header(self) -> dict:
         return {"qtool_stats": STATS_VERSION, "model": self.model, "model_sha256": self.model_sha256,
                 "method": self.method, "params": self.params, "samples": self.samples,
                 "input_shapes": self.input_shapes, "qtool_version": __version__,
-                "tensors": list(self.calibrators)}
+                "tensors": list(self.calibrators), "preprocess": self.preprocess}
 
     def save(self, path: str | Path) -> None:
         if any(not hasattr(c, "state") for c in self.calibrators.values()):
@@ -155,7 +157,8 @@ class Statistics:
                 raise QtoolError(f"statistics file '{path}' is damaged: header key '{key}' is "
                                  f"missing or not a {kind.__name__}")
         stats = cls(header["model"], header["model_sha256"], header["method"], header["params"],
-                    header["samples"], header["input_shapes"])
+                    header["samples"], header["input_shapes"],
+                    preprocess=header["preprocess"] if isinstance(header.get("preprocess"), dict) else {})
         new_calibrator = calibrator_factory(stats.method, stats.params)
         for i, name in enumerate(header["tensors"]):
             calibrator = new_calibrator()
@@ -170,7 +173,7 @@ class Statistics:
         return stats
 
     def merge(self, other: "Statistics", other_name: str = "shard") -> None:
-        for key in ("model_sha256", "method", "params"):
+        for key in ("model_sha256", "method", "params", "preprocess"):
             if getattr(self, key) != getattr(other, key):
                 raise QtoolError(f"cannot merge {other_name}: its {key} {getattr(other, key)!r} "
                                  f"differs from {getattr(self, key)!r}")
@@ -365,7 +368,8 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     names = needed_tensors(model, float_tensors(typed))
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
-                       0, shapes, {name: new_calibrator() for name in names})
+                       0, shapes, {name: new_calibrator() for name in names},
+                       data.preprocess.to_dict() if data.preprocess is not None else {})
     update = _updater(model, typed, names, stats.calibrators, histogram_samples)
     with progress_bar(total - first, "calibrate", progress) as bar:
         try:

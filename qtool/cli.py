@@ -3,6 +3,7 @@ stderr and an exit code; data goes to stdout, progress and logs to stderr."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -77,25 +78,78 @@ def _one_stdout_writer(as_json: bool, output) -> None:
         raise QtoolError("--json and -o - would both write to standard output; choose one")
 
 
-def _preprocess(resize, mean, std, scale, channels, layout, input_name):
-    """Image preprocessing from command-line flags (used only when DATA is a folder of images)."""
-    from .data import Preprocess
+# image preprocessing, the same options for every command that reads DATA (a folder of images);
+# unset ones come from what calibrate recorded in the table or the quantized model
+_RESIZE = typer.Option(None, "--resize", metavar="HxW", help="Images: HEIGHTxWIDTH (default: "
+                       "recorded by calibrate, else the model input's).")
+_FIT = typer.Option(None, "--fit", help="Images: stretch, letterbox (keep the aspect, pad) or crop "
+                    "(keep it, cut the centre). Default: recorded, else stretch.")
+_PAD = typer.Option(None, "--pad", help="Images: letterbox padding pixel value, 0-255 (default 114).")
+_MEAN = typer.Option(None, "--mean", help="Images: per-channel mean after scaling, e.g. 0.5,0.5,0.5 "
+                     "(default: recorded, else 0).")
+_STD = typer.Option(None, "--std", help="Images: per-channel std, e.g. 0.5,0.5,0.5 (default: "
+                    "recorded, else 1).")
+_SCALE = typer.Option(None, "--scale", help="Images: pixel multiplier before mean/std (default: "
+                      "recorded, else 1/255).")
+_CHANNELS = typer.Option(None, "--channels", help="Images: rgb, bgr or gray (default: recorded, else rgb).")
+_LAYOUT = typer.Option(None, "--layout", help="Images: nchw or nhwc (default: recorded, else nchw).")
 
+
+def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input) -> dict:
+    """The image preprocessing fields set on the command line (qtool.data.Preprocess's names)."""
     def floats(text, what):
         try:
             return tuple(float(v) for v in text.split(","))
         except ValueError:
             raise QtoolError(f"--{what} takes comma-separated numbers, got '{text}'") from None
 
-    size = None
+    given = {}
     if resize:
         try:
             height, width = (int(v) for v in resize.lower().split("x"))
-            size = (height, width)
+            given["resize"] = (height, width)
         except ValueError:
             raise QtoolError(f"--resize takes HEIGHTxWIDTH, e.g. 48x320, got '{resize}'") from None
-    return Preprocess(size, floats(mean, "mean"), floats(std, "std"), scale, channels, layout,
-                      input_name)
+    for key, value in (("fit", fit), ("pad", pad), ("scale", scale), ("channels", channels), ("layout", layout),
+                       ("input", image_input)):
+        if value is not None:
+            given[key] = value
+    for key, value in (("mean", mean), ("std", std)):
+        if value is not None:
+            given[key] = floats(value, key)
+    return given
+
+
+def _recorded_images(qmodel: Path, data: Path, given: dict, loaded=None):
+    """verify's and exec's Preprocess for DATA: given over what QMODEL records (calibrate's)."""
+    from .data import recorded_preprocess
+
+    if not Path(data).is_dir():
+        if given:
+            raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
+        return None
+    import onnx
+
+    try:
+        model = loaded if loaded is not None else onnx.load(str(qmodel), load_external_data=False)
+    except Exception:  # the command's own loading says what is wrong with the file
+        return None
+    where = f"model file '{qmodel}'"
+    return _image_preprocess(data, given, recorded_preprocess(model, where), where)
+
+
+def _image_preprocess(data, given: dict, recorded, source: str):
+    """The Preprocess for DATA when it is a folder of images (else None), warnings logged."""
+    from .data import Preprocess, resolve_preprocess
+
+    if data is None or not Path(data).is_dir():
+        return None
+    pre, warnings = resolve_preprocess(given, recorded, source)
+    for w in warnings:
+        _log(f"warning: {w}")
+    if pre is not None:
+        Preprocess.check(pre)
+    return pre
 
 
 @app.command(epilog=EXIT_CODES)
@@ -124,14 +178,16 @@ def calibrate(
                                                         "qtool merge."),
     histogram_samples: int = typer.Option(4096, help="Histogram methods: values binned per sample "
                                                      "and tensor (every k-th); 0 bins them all."),
-    resize: Optional[str] = typer.Option(None, help="Images: HEIGHTxWIDTH (default: the model's)."),
-    mean: str = typer.Option("0", help="Images: per-channel mean after scaling, e.g. 0.5,0.5,0.5."),
-    std: str = typer.Option("1", help="Images: per-channel std, e.g. 0.5,0.5,0.5."),
-    scale: float = typer.Option(1 / 255, help="Images: pixel multiplier before mean/std."),
-    channels: str = typer.Option("rgb", help="Images: rgb, bgr or gray."),
-    layout: str = typer.Option("nchw", help="Images: nchw or nhwc."),
-    input_name: Optional[str] = typer.Option(None, "--input", help="Images: the model input they "
-                                                                   "feed."),
+    resize: Optional[str] = _RESIZE,
+    fit: Optional[str] = _FIT,
+    pad: Optional[float] = _PAD,
+    mean: Optional[str] = _MEAN,
+    std: Optional[str] = _STD,
+    scale: Optional[float] = _SCALE,
+    channels: Optional[str] = _CHANNELS,
+    layout: Optional[str] = _LAYOUT,
+    input_name: Optional[str] = typer.Option(None, "--input", "--image-input", help="Images: the "
+                                             "model input they feed."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary (tensors, samples, method, "
                                                        "outputs) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or log."),
@@ -163,7 +219,10 @@ def calibrate(
             check_table_target(output)
         if stats_out is not None:
             check_writable(stats_out)
-        pre = _preprocess(resize, mean, std, scale, channels, layout, input_name)
+        given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, input_name)
+        if given and not Path(data).is_dir():
+            raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
+        pre = _image_preprocess(data, given, None, "")
         if histogram_samples < 0:
             raise QtoolError(f"--histogram-samples must be >= 0, got {histogram_samples}")
         if cluster is not None:
@@ -300,10 +359,16 @@ def quantize(
                                       "raw uint8 pixels that --mean/--std/--scale normalize for the "
                                       "float model: the normalization moves into the Conv layers "
                                       "that read the input, and the input adds no rounding."),
-    mean: str = typer.Option("0", help="With --input-pixels: per-channel mean after scaling, in the "
-                             "model's channel order, e.g. 0.5,0.5,0.5."),
-    std: str = typer.Option("1", help="With --input-pixels: per-channel std, e.g. 0.5,0.5,0.5."),
-    scale: float = typer.Option(1 / 255, help="With --input-pixels: pixel multiplier before mean/std."),
+    resize: Optional[str] = _RESIZE,
+    fit: Optional[str] = _FIT,
+    pad: Optional[float] = _PAD,
+    mean: Optional[str] = _MEAN,
+    std: Optional[str] = _STD,
+    scale: Optional[float] = _SCALE,
+    channels: Optional[str] = _CHANNELS,
+    layout: Optional[str] = _LAYOUT,
+    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
+                                              "they feed."),
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
                                         "(or a folder of .npy/.npz): calibration samples for bias "
                                         "correction and the searches." + DATA_AXES),
@@ -385,23 +450,22 @@ def quantize(
     from .recipe import DataSteps, quantize_with_data
     from .params import model_params
     from .model import load_model, prepare
+    from .data import Preprocess, resolve_preprocess
     from .pixels import PixelInput
     from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
     from .table_formats import dumps_table, output_format, read_table
 
     try:
-        pixels = None
-        if input_pixels:
-            pre = _preprocess(None, mean, std, scale, "rgb", "nchw", None)
-            pixels = PixelInput(pre.mean, pre.std, pre.scale)
-        elif (mean, std, scale) != ("0", "1", 1 / 255):
-            raise QtoolError("--mean, --std and --scale describe the pixels of --input-pixels: add it")
+        given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input)
+        if given and not input_pixels and (data is None or not Path(data).is_dir()):
+            raise QtoolError("the image options describe the images of --data (a folder) or the pixels "
+                             "of --input-pixels: add one")
         precisions = Precisions()
         if precision_table is not None:
             precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                                  tuple(keep_float) + precisions.keep_float, format, strict, target, pixels,
+                                  tuple(keep_float) + precisions.keep_float, format, strict, target, None,
                                   precisions.int16)
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
@@ -456,9 +520,15 @@ def quantize(
         loaded = read_table(table, table_format)
         if table_out is not None:
             check_writable(table_out)
+        recorded = (Preprocess.from_dict(loaded.preprocess, f"table file '{table}'") if loaded.preprocess
+                    else None)
+        if input_pixels:  # the normalization given, else the one calibrate recorded, folded in
+            pre = resolve_preprocess(given, recorded, f"table file '{table}'")[0] or Preprocess()
+            options = dataclasses.replace(options, input_pixels=PixelInput(pre.mean, pre.std, pre.scale))
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
-                              target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout)
+                              target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout,
+                              _image_preprocess(data, given, recorded, f"table file '{table}'"))
             qmodel, report, loaded, _ = quantize_with_data(model, loaded, options, str(table), data, steps,
                                                            progress=not quiet)
         else:
@@ -561,7 +631,19 @@ def analyze(
 def verify(
     model: Path = typer.Argument(..., help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
-    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name." + DATA_AXES),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a folder "
+                              "of .npy/.npz or images (preprocessed as calibrate recorded in QMODEL, "
+                              "unless the image options say otherwise)." + DATA_AXES),
+    resize: Optional[str] = _RESIZE,
+    fit: Optional[str] = _FIT,
+    pad: Optional[float] = _PAD,
+    mean: Optional[str] = _MEAN,
+    std: Optional[str] = _STD,
+    scale: Optional[float] = _SCALE,
+    channels: Optional[str] = _CHANNELS,
+    layout: Optional[str] = _LAYOUT,
+    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
+                                              "they feed."),
     tolerance: str = typer.Option("0.99,20", help="COS or COS,SQNR: minimum output cosine and SQNR (dB), "
                                  "for every output and every part of an output that joins tensors "
                                  "(each input of its Concat, e.g. boxes and class scores). COS alone "
@@ -634,8 +716,10 @@ def verify(
             from .cluster import verify as verify_on
 
             run = functools.partial(verify_on, cluster)
+        pre = _recorded_images(qmodel, data, _image_given(resize, fit, pad, mean, std, scale, channels, layout,
+                                                          image_input))
         report = run(model, qmodel, data, parse_tolerance(tolerance), labels, num_samples, batch_size,
-                     progress=not quiet, run_ort=run_ort, run_analyze=run_analyze,
+                     progress=not quiet, preprocess=pre, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
                      arithmetic=target, ort_config=config, memory_mb=memory,
                      log=_log)
@@ -651,7 +735,19 @@ def verify(
 @app.command("exec", epilog=EXIT_CODES)
 def exec_(
     qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
-    inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name." + DATA_AXES),
+    inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name, or a "
+                                "folder of .npy/.npz or images (preprocessed as calibrate recorded in "
+                                "QMODEL, unless the image options say otherwise)." + DATA_AXES),
+    resize: Optional[str] = _RESIZE,
+    fit: Optional[str] = _FIT,
+    pad: Optional[float] = _PAD,
+    mean: Optional[str] = _MEAN,
+    std: Optional[str] = _STD,
+    scale: Optional[float] = _SCALE,
+    channels: Optional[str] = _CHANNELS,
+    layout: Optional[str] = _LAYOUT,
+    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
+                                              "they feed."),
     output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs; - for standard "
                                 "output."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
@@ -699,7 +795,9 @@ def exec_(
         check_writable(output)
         model = load_model(qmodel)
         executor = IntegerExecutor(model, arithmetic=target)
-        data = load_dataset(inputs, model)
+        pre = _recorded_images(qmodel, inputs, _image_given(resize, fit, pad, mean, std, scale, channels, layout,
+                                                            image_input), model)
+        data = load_dataset(inputs, model, pre)
         as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
         chosen = batch_is_chosen(model, batch_size)
         batch_size, note = ((1, "") if as_they_are else

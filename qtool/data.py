@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ class Dataset:
     path: Path
     extra: dict[str, np.ndarray]  # other arrays of an .npz (labels, ...)
     keys: list[str] = []  # every array name in the file, for messages
+    preprocess: "Preprocess | None" = None  # how a folder of images became tensors; None for arrays
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -131,14 +133,38 @@ class Preprocess:
     """Image to tensor: ``(pixel * scale - mean) / std`` per channel after resizing."""
 
     resize: tuple[int, int] | None = None  # (height, width); default: the model input's fixed dims
-    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
-    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+    mean: tuple[float, ...] = (0.0,)  # one value, or one per channel
+    std: tuple[float, ...] = (1.0,)
     scale: float = 1 / 255
     channels: str = "rgb"  # rgb, bgr or gray
     layout: str = "nchw"  # nchw or nhwc
     input: str | None = None  # the model input the images feed; default: the only one
+    fit: str = "stretch"  # stretch, letterbox (keep the aspect, pad) or crop (keep it, cut the centre)
+    pad: float = 114.0  # letterbox: the pixel value (0-255) of the padding, as YOLO exporters use
+
+    def to_dict(self) -> dict:
+        """The record a table and a quantized model keep (``qtool.preprocess``)."""
+        return {"resize": list(self.resize) if self.resize else None, "fit": self.fit, "pad": self.pad,
+                "mean": list(self.mean), "std": list(self.std), "scale": self.scale, "channels": self.channels,
+                "layout": self.layout, "input": self.input}
+
+    @classmethod
+    def from_dict(cls, record: dict, where: str) -> "Preprocess":
+        """``to_dict``'s record read back; ``where`` names it in errors."""
+        try:
+            pre = cls(tuple(int(v) for v in record["resize"]) if record.get("resize") else None,
+                      tuple(float(v) for v in record["mean"]), tuple(float(v) for v in record["std"]),
+                      float(record["scale"]), str(record["channels"]), str(record["layout"]),
+                      None if record.get("input") is None else str(record["input"]),
+                      str(record.get("fit", "stretch")), float(record.get("pad", 114.0)))
+        except (KeyError, TypeError, ValueError):
+            raise QtoolError(f"{where}: the recorded image preprocessing is not readable") from None
+        pre.check()
+        return pre
 
     def check(self) -> None:
+        if self.fit not in FITS:
+            raise QtoolError(f"unknown resize fit '{self.fit}'; choose one of {', '.join(FITS)}")
         if self.channels not in CHANNEL_ORDERS:
             raise QtoolError(f"unknown channel order '{self.channels}'; choose one of "
                              f"{', '.join(CHANNEL_ORDERS)}")
@@ -153,7 +179,49 @@ class Preprocess:
             raise QtoolError("preprocess std must not be 0")
 
 
+PREPROCESS_KEY = "qtool.preprocess"  # a quantized model's metadata entry: Preprocess.to_dict() as JSON
+
+
+def recorded_preprocess(model: onnx.ModelProto, where: str) -> "Preprocess | None":
+    """The image preprocessing a quantized model records (its table's, from calibrate), if any."""
+    import json
+
+    for prop in model.metadata_props:
+        if prop.key == PREPROCESS_KEY:
+            try:
+                record = json.loads(prop.value)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                raise QtoolError(f"{where}: the recorded image preprocessing is not readable")
+            return Preprocess.from_dict(record, where)
+    return None
+
+
+def resolve_preprocess(given: dict, recorded: "Preprocess | None", source: str
+                       ) -> tuple["Preprocess | None", list[str]]:
+    """The preprocessing a command applies to a folder of images: the fields the user ``given``
+    over the ones ``recorded`` in ``source`` (a table or a quantized model: calibration's), over
+    the defaults; and a warning for each given field that differs from the recorded one. None
+    when nothing is given or recorded (the defaults then apply to images)."""
+    if recorded is None:
+        return (Preprocess(**given) if given else None), []
+    warnings = []
+    for key, value in given.items():
+        if value != getattr(recorded, key):
+            warnings.append(f"image preprocessing: {key} {_shown(value)} given, {_shown(getattr(recorded, key))} "
+                            f"recorded in {source} (calibration's); the given one is used")
+    return dataclasses.replace(recorded, **given), warnings
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 CHANNEL_ORDERS = ("rgb", "bgr", "gray")
+FITS = ("stretch", "letterbox", "crop")
 LAYOUTS = ("nchw", "nhwc")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 
@@ -181,8 +249,7 @@ def _image_reader(model: onnx.ModelProto, pre: Preprocess):
     def read(path: Path) -> dict[str, np.ndarray]:
         try:
             with Image.open(path) as img:
-                img = img.convert("L" if pre.channels == "gray" else "RGB")
-                img = img.resize((size[1], size[0]), Image.BILINEAR)
+                img = fitted(img.convert("L" if pre.channels == "gray" else "RGB"), size, pre.fit, pre.pad)
                 pixels = np.asarray(img, dtype=np.float32)
         except OSError as e:
             raise QtoolError(f"image '{path}' cannot be read ({e})") from None
@@ -193,6 +260,27 @@ def _image_reader(model: onnx.ModelProto, pre: Preprocess):
         return {name: np.ascontiguousarray(x.transpose(2, 0, 1) if pre.layout == "nchw" else x)}
 
     return read
+
+
+def fitted(img, size: tuple[int, int], fit: str, pad: float):
+    """A PIL image brought to ``size`` (height, width), bilinear: ``stretch`` resizes to it;
+    ``letterbox`` scales it to fit inside, keeping its aspect, centred on a ``pad``-valued canvas;
+    ``crop`` scales it to cover the size, keeping its aspect, and cuts out the centre."""
+    from PIL import Image
+
+    height, width = size
+    if fit == "stretch":
+        return img.resize((width, height), Image.BILINEAR)
+    ratio = (min if fit == "letterbox" else max)(width / img.width, height / img.height)
+    inner = (max(1, round(img.width * ratio)), max(1, round(img.height * ratio)))
+    img = img.resize(inner, Image.BILINEAR)
+    if fit == "crop":
+        left, top = (inner[0] - width) // 2, (inner[1] - height) // 2
+        return img.crop((left, top, left + width, top + height))
+    fill = int(round(pad)) if img.mode == "L" else (int(round(pad)),) * 3
+    canvas = Image.new(img.mode, (width, height), fill)
+    canvas.paste(img, ((width - inner[0]) // 2, (height - inner[1]) // 2))
+    return canvas
 
 
 def _array_reader(model: onnx.ModelProto):
@@ -364,7 +452,10 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
         if arrays and images:
             raise QtoolError(f"data folder '{path}' mixes arrays and images; keep one kind")
         if images:
-            return FileDataset(path, images, _image_reader(model, preprocess or Preprocess()), model)
+            pre = preprocess or Preprocess()
+            dataset = FileDataset(path, images, _image_reader(model, pre), model)
+            dataset.preprocess = pre
+            return dataset
         if arrays:
             return FileDataset(path, arrays, _array_reader(model), model)
         raise QtoolError(f"data folder '{path}' holds no .npy, .npz or image files")

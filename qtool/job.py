@@ -21,7 +21,7 @@ import calibrators
 from . import __version__
 from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
-from .data import CHANNEL_ORDERS, LAYOUTS, Preprocess, read_npz
+from .data import CHANNEL_ORDERS, FITS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
 from .fileio import atomic_write, check_writable, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
@@ -58,6 +58,8 @@ SCHEMA = {
             "channels": (("choice", CHANNEL_ORDERS), False),
             "layout": (("choice", LAYOUTS), False),
             "input": (str, False),
+            "fit": (("choice", FITS), False),
+            "pad": (float, False),
         }, False),
     }, True),
     "quantize": ({
@@ -242,8 +244,15 @@ class JobPlan:
         files = [self.model, self.calibrate_data, self.verify_data] + [self.precision_table] * bool(
             self.precision_table)
         inputs = {"qtool": __version__, "settings": self.settings,
-                  "files": {str(p): file_digest(p) for p in files}}
+                  "files": {str(p): _digest(p) for p in files}}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _digest(path: Path) -> str | dict:
+    """A file's digest; for a folder of samples, each file's by name (the files a dataset reads)."""
+    if not path.is_dir():
+        return file_digest(path)
+    return {p.name: file_digest(p) for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".")}
 
 
 def resolve_path(base: Path, value: str) -> Path:
@@ -279,6 +288,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     files = {"model": model, "calibrate.data": resolve("calibrate.data", cal["data"]),
              "verify.data": resolve("verify.data", ver.get("data", cal["data"]))}
     for key, file in files.items():
+        if file.is_dir() and key != "model":  # a folder of samples (.npy/.npz or images)
+            continue
         if file.is_dir():
             raise fail(key, f"'{file}' is a directory, not a file")
         if not file.is_file():
@@ -287,6 +298,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         tolerance = parse_tolerance(ver.get("tolerance", list(DEFAULT_TOLERANCE)))
     except QtoolError as e:
         raise fail("verify.tolerance", str(e)) from None
+    if "labels" in ver and files["verify.data"].is_dir():
+        raise fail("verify.labels", f"needs an .npz holding the labels; '{files['verify.data']}' is a folder")
     if "labels" in ver:
         arrays = read_npz(files["verify.data"])
         if ver["labels"] not in arrays:

@@ -25,6 +25,7 @@ from .joins import find_joins
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
                     names_read, prepare, subgraph_reason)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
+from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .pixels import PixelInput, fold, metadata as pixel_metadata
 from .qoperator import to_qoperator
@@ -179,6 +180,8 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
             TARGET_KEY: options.target}
+    if table.preprocess:  # how the calibration images became tensors: verify and exec reuse it
+        meta[PREPROCESS_KEY] = json.dumps(table.preprocess, sort_keys=True)
     for key, value in meta.items():
         rewritten.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     if pixels is not None:

@@ -44,9 +44,10 @@ class Table:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     params: dict = field(default_factory=dict)  # the method's parameters
     input_shapes: dict = field(default_factory=dict)  # input name -> ["N", dims...] seen in the data
+    preprocess: dict = field(default_factory=dict)  # how images became tensors (qtool.data.Preprocess)
 
     def to_dict(self) -> dict:
-        header = {k: v for k, v in asdict(self).items() if k != "tensors"}
+        header = {k: v for k, v in asdict(self).items() if k != "tensors" and (k != "preprocess" or v)}
         return {"qtool_table": FORMAT_VERSION, **header,
                 "tensors": {name: asdict(e) for name, e in self.tensors.items()}}
 
@@ -93,7 +94,7 @@ def parse_table(path: Path, text: str) -> Table:
             header[key] = kind(data[key])
         except (TypeError, ValueError):
             raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
-    extra = {key: data[key] for key in ("params", "input_shapes") if isinstance(data.get(key), dict)}
+    extra = {key: data[key] for key in ("params", "input_shapes", "preprocess") if isinstance(data.get(key), dict)}
     return Table(**header, tensors=tensors, **extra)
 
 

@@ -136,7 +136,8 @@ def test_input_read_by_another_op_is_one_line(files, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--mean", "0.5"], "--mean, --std and --scale describe the pixels of --input-pixels: add it"),
+    (["--mean", "0.5"], "the image options describe the images of --data (a folder) or the pixels of "
+                        "--input-pixels: add one"),
     (["--input-pixels", "--mean", "0.5,0.5"], "--input-pixels: --mean needs 1 or 3 values"),
     (["--input-pixels", "--std", "0"], "--input-pixels: --std must not be 0"),
     (["--input-pixels", "--mean", "a"], "--mean takes comma-separated numbers, got 'a'"),
