@@ -154,7 +154,7 @@ def _image_preprocess(data, given: dict, recorded, source: str):
 
 @app.command(epilog=EXIT_CODES)
 def calibrate(
-    model: Path = typer.Argument(..., help="Float ONNX model."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a "
                                                         "folder of .npy/.npz or images." + DATA_AXES),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml, "
@@ -252,7 +252,7 @@ def calibrate(
 
 @app.command(epilog=EXIT_CODES)
 def merge(
-    stats: List[Path] = typer.Argument(..., help="Statistics files from calibrate --stats-out."),
+    stats: List[Path] = typer.Argument(..., metavar="STATS...", help="Statistics files from calibrate --stats-out."),
     output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml, .json, "
                                 "*cali_table, .cache); - for standard output (YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON on stdout."),
@@ -286,7 +286,7 @@ def merge(
 
 @app.command("convert-table", epilog=EXIT_CODES)
 def convert_table(
-    table: Path = typer.Argument(..., help="Calibration table in any format qtool reads; - for "
+    table: Path = typer.Argument(..., metavar="TABLE", help="Calibration table in any format qtool reads; - for "
                                             "standard input."),
     output: Path = typer.Option(..., "--output", "-o", help="The converted table; - for standard "
                                                             "output."),
@@ -322,7 +322,7 @@ def convert_table(
 
 @app.command(epilog=EXIT_CODES)
 def quantize(
-    model: Path = typer.Argument(..., help="Float ONNX model (the one the table was made for)."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model (the one the table was made for)."),
     table: Path = typer.Option(..., "--table", "-t", help="Calibration table: qtool's (YAML/JSON), "
                                "TPU-MLIR cali_table, TensorRT cache or onnxruntime calibration.json; "
                                "- for standard input."),
@@ -580,7 +580,7 @@ def quantize(
 
 @app.command(epilog=EXIT_CODES)
 def analyze(
-    model: Path = typer.Argument(..., help="Float ONNX model."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name: the samples "
                                                         "every variant is scored on." + DATA_AXES),
     table: Optional[Path] = typer.Option(None, "--table", "-t", help="Calibration table (any format "
@@ -629,8 +629,8 @@ def analyze(
 
 @app.command(epilog=EXIT_CODES)
 def verify(
-    model: Path = typer.Argument(..., help="Float ONNX model."),
-    qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
+    qmodel: Path = typer.Argument(..., metavar="QMODEL", help="Quantized model from qtool quantize."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a folder "
                               "of .npy/.npz or images (preprocessed as calibrate recorded in QMODEL, "
                               "unless the image options say otherwise)." + DATA_AXES),
@@ -734,7 +734,7 @@ def verify(
 
 @app.command("exec", epilog=EXIT_CODES)
 def exec_(
-    qmodel: Path = typer.Argument(..., help="Quantized model from qtool quantize."),
+    qmodel: Path = typer.Argument(..., metavar="QMODEL", help="Quantized model from qtool quantize."),
     inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name, or a "
                                 "folder of .npy/.npz or images (preprocessed as calibrate recorded in "
                                 "QMODEL, unless the image options say otherwise)." + DATA_AXES),
@@ -850,7 +850,7 @@ def exec_(
 # ignore_unknown_options: so that "-1" is a value
 @app.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES)
 def scale(
-    value: str = typer.Argument(..., help="A positive float scale, e.g. 0.1234."),
+    value: str = typer.Argument(..., metavar="SCALE", help="A positive float scale, e.g. 0.1234."),
     bits: int = typer.Option(32, help="Multiplier width: 32 or 8."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -882,7 +882,7 @@ def scale(
 
 @app.command(epilog=EXIT_CODES)
 def run(
-    job: Path = typer.Argument(..., help="YAML job file: one job (see configs/demo.yaml) or a batch "
+    job: Path = typer.Argument(..., metavar="JOB", help="YAML job file: one job (see configs/demo.yaml) or a batch "
                                          "with defaults and jobs (see configs/ppocr.yaml)."),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Run up to N jobs at once, each in its "
                                                            "own process."),
@@ -996,7 +996,8 @@ def main() -> None:
             e.show()
             raise SystemExit(e.exit_code) from None
         message = " ".join(e.format_message().split())
-        typer.echo(f"error: {message} (see qtool --help)", err=True)
+        where = getattr(getattr(e, "ctx", None), "command_path", None) or "qtool"
+        typer.echo(f"error: {message} (see {where} --help)", err=True)
         raise SystemExit(e.exit_code) from None
     except (KeyboardInterrupt, Interrupted):
         typer.echo("error: interrupted", err=True)

@@ -454,8 +454,11 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
                       qz.get("placement"), qz.get("weight_rounding"), qz.get("bias_correction", True),
                       qz.get("target_sqnr"), qz.get("max_float_layers"), qz.get("allow_float", False),
                       samples, batch, qz.get("holdout"), plan.preprocess, cal.get("batch_size"))
-    qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
-                                                         plan.calibrate_data, steps, progress)
+    try:
+        qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
+                                                             plan.calibrate_data, steps, progress)
+    except QtoolError as e:  # the command line's advice, in the job's words
+        raise QtoolError(str(e).replace("add --batch-size 1", "set calibrate.batch_size: 1")) from None
     if changed:
         write_table(table, table_path)  # the table the model is quantized from
     written.append(qmodel_path)

@@ -54,6 +54,10 @@ _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int16": onnx.TensorProto.INT16, "int32": onnx.TensorProto.INT32}
 
 
+ACTIVATION_KEY = "qtool.activation_type"  # metadata: the options' activation type (int8, int16, ...)
+DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     per_channel: bool = True
@@ -179,7 +183,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     report.guarded = guard_float_ops(rewritten)
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
-            TARGET_KEY: options.target}
+            TARGET_KEY: options.target, ACTIVATION_KEY: options.activation_type}
     if table.preprocess:  # how the calibration images became tensors: verify and exec reuse it
         meta[PREPROCESS_KEY] = json.dumps(table.preprocess, sort_keys=True)
     for key, value in meta.items():

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import onnx
+
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .placement import place
-from .quantize import quantize
+from .quantize import DATA_STEPS_KEY, quantize
 from .rounding import fit as fit_rounding
 from .search import choose_method, choose_methods, search
 from .table import Table
@@ -78,4 +80,8 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
                           ("rounding", rounding)):
         if summary is not None:
             setattr(report, name, summary.to_dict())
+    ran = [name for name, done in (("method", choice or pick), ("placement", placed), ("rounding", rounding),
+                                   ("search", steps.searching),
+                                   ("bias_correction", steps.bias_correction is not False)) if done]
+    qmodel.metadata_props.append(onnx.StringStringEntryProto(key=DATA_STEPS_KEY, value=",".join(ran)))
     return qmodel, report, table, changed

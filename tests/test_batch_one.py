@@ -61,3 +61,16 @@ def test_a_batch_size_the_user_chose_fails_with_the_way_out(one_at_a_time):
                       "Reshape node 'reshape' cannot take inputs of shapes [4, 4, 8]", HINT)
     assert_user_error(invoke("exec", folder / "q.onnx", "--input", data, "-o", folder / "y.npz", "--batch-size", 2),
                       "Reshape node 'reshape'", "on a batch of 2 samples", HINT)
+
+
+def test_a_job_says_which_key_to_set(one_at_a_time):
+    folder = one_at_a_time
+    job = folder / "job.yaml"
+    job.write_text(f"model: {folder / 'm.onnx'}\noutput_dir: {folder / 'out'}\ncalibrate: {{data: {folder / 'd.npz'}}}\n")
+    failed = invoke("run", job, "-q")
+    assert failed.exit_code == 2, failed.output
+    assert "if the model runs one sample at a time, set calibrate.batch_size: 1" in failed.output
+    job.write_text(job.read_text().replace("d.npz'}", "d.npz', batch_size: 1}").replace(
+        f"{{data: {folder / 'd.npz'}}}", f"{{data: {folder / 'd.npz'}, batch_size: 1}}"))
+    passed = invoke("run", job, "-q")
+    assert passed.exit_code == 0, passed.output

@@ -534,9 +534,9 @@ def test_verify_fails_a_strict_tolerance(demo_model, pipeline, demo_heldout):
                     "--tolerance", "1.0,200", "--num-samples", "64", "-q")
     assert_no_crash(result)
     assert result.exit_code == 1
-    last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("FAIL"), result.stdout
-    assert "SQNR" in last and "< 200.0 dB" in last
+    verdict, rest = result.stdout.split("\nFAIL", 1)[1].split("\n", 1)
+    assert "SQNR" in verdict and "< 200.0 dB" in verdict
+    assert rest.startswith("next steps:\n  - ")  # what to try, after the verdict
     assert "PASS" not in result.stdout
 
 
@@ -727,7 +727,7 @@ def _console(*args):
 
 @pytest.mark.parametrize("args, fragment", [
     (["calibrate", "m.onnx", "--batch-size", "abc"], "Invalid value for '--batch-size'"),
-    (["calibrate"], "Missing argument 'model'"),
+    (["calibrate"], "Missing argument 'MODEL'. (see qtool calibrate --help)"),
     (["nosuch"], "No such command 'nosuch'"),
     (["calibrate", "m.onnx", "-d", "x.npz", "--no-such-flag"], "No such option: --no-such-flag"),
 ])

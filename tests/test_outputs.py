@@ -198,3 +198,18 @@ def test_long_steps_print_a_line_now_and_then_when_stderr_is_a_log(monkeypatch, 
             time.sleep(0.05)
             bar.update(1)
     assert capsys.readouterr().err == ""
+
+
+def test_usage_errors_point_to_the_command_s_help_and_version_prints():
+    import subprocess
+    import sys
+
+    def qtool(*args):
+        return subprocess.run([sys.executable, "-c", "from qtool.cli import main; main()", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    bad = qtool("quantize", "--bogus")
+    assert (bad.returncode, bad.stderr) == (2, "error: No such option: --bogus (see qtool quantize --help)\n")
+    from qtool import __version__
+    version = qtool("--version")
+    assert (version.returncode, version.stdout) == (0, f"{__version__}\n")

@@ -105,3 +105,38 @@ def test_verify_of_a_float_model_is_a_one_line_error(demo_model, demo_heldout):
 
     assert_user_error(invoke("verify", demo_model, demo_model, "--data", demo_heldout),
                       "digits_cnn.onnx' has no integer op", "nothing to verify: give the model qtool quantize wrote")
+
+
+def test_a_fail_says_what_to_try_next(tmp_path, demo_model, demo_calib, demo_heldout, demo_table):
+    from qtool.table_formats import write_table
+
+    write_table(demo_table, tmp_path / "t.yaml")
+    for extra, name in (((), "plain"), (("--data", demo_calib), "data")):
+        assert invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / f"{name}.onnx",
+                      *extra).exit_code == 0
+    strict = ("--tolerance", "0.99999,60", "-q")
+    plain = invoke("verify", demo_model, tmp_path / "plain.onnx", "-d", demo_heldout, *strict)
+    assert plain.exit_code == 1
+    steps = plain.stdout.split("next steps:\n")[1]
+    assert "quantize with samples" in steps and "--activation-type int16" in steps and "qtool analyze" in steps
+    data = invoke("verify", demo_model, tmp_path / "data.onnx", "-d", demo_heldout, *strict, "--json")
+    assert data.exit_code == 1
+    steps = json.loads(data.stdout)["next_steps"]
+    assert not any("quantize with samples" in s for s in steps) and any("int16" in s for s in steps)
+    passed = invoke("verify", demo_model, tmp_path / "data.onnx", "-d", demo_heldout, "-q")
+    assert passed.exit_code == 0 and "next steps" not in passed.stdout
+
+
+def test_an_output_of_probabilities_names_its_logits():
+    from qtool.verify.core import _probabilities
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="mm"),
+         helper.make_node("Softmax", ["logits"], ["p"], name="sm"),
+         helper.make_node("Sigmoid", ["logits"], ["s"], name="sg"),
+         helper.make_node("Relu", ["logits"], ["r"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("p", "s", "r")],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")])
+    assert _probabilities(helper.make_model(graph), ["p", "s", "r"]) == {"p": ("Softmax", "logits"),
+                                                                          "s": ("Sigmoid", "logits")}

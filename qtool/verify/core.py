@@ -99,6 +99,8 @@ class VerifyReport:
     ort_notes: list[str] = field(default_factory=list)  # the host, onnxruntime's rewrites, causes
     analysis: Analysis | None = None  # with verify(..., run_analyze=True)
     parts: dict[str, PartComparisons] = field(default_factory=dict)  # output -> its joined parts
+    made: dict = field(default_factory=dict)  # the quantized model's qtool.* metadata: how it was made
+    probabilities: dict = field(default_factory=dict)  # output -> (Softmax or Sigmoid, the logits it reads)
 
     @property
     def passed(self) -> bool:
@@ -136,6 +138,8 @@ class VerifyReport:
              "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
              "arithmetic": self.arithmetic,
              "failures": self.failures}
+        if not self.passed:
+            d["next_steps"] = next_steps(self)
         if self.ort is not None:
             d["ort_notes"] = self.ort_notes
         if self.analysis is not None:
@@ -295,13 +299,47 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         log(note)
     report = VerifyReport(total - begin, tolerance, outputs, tensors, executor.float_nodes(),
                           ort=ort_checks if run_ort else None, analysis=analysis,
-                          arithmetic=executor.arithmetic, parts=parts)
+                          arithmetic=executor.arithmetic, parts=parts,
+                          made={p.key: p.value for p in qmodel.metadata_props
+                                if p.key in ("qtool.activation_type", "qtool.data_steps")},
+                          probabilities=_probabilities(model, executor.output_names))
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
     if labels is not None:
         report.accuracy = accuracy(labels, correct_float, correct_int, report.samples)
     judge(report, batches)
     return report
+
+
+def _probabilities(model, outputs: list[str]) -> dict:
+    """The outputs a Softmax or Sigmoid makes: (its op type, the logits it reads)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found = {}
+    for name in outputs:
+        node = producer.get(name)
+        while node is not None and node.op_type in ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze"):
+            node = producer.get(node.input[0])  # a Softmax of opset < 13 comes back as Flatten, Softmax, Reshape
+        if node is not None and node.op_type in ("Softmax", "Sigmoid"):
+            found[name] = (node.op_type, node.input[0])
+    return found
+
+
+def next_steps(report: VerifyReport) -> list[str]:
+    """What to try after a FAIL, from how the model was made and where the loss is."""
+    steps = []
+    made = report.made
+    if "qtool.data_steps" not in made:
+        steps.append("quantize with samples: qtool quantize MODEL -t TABLE -o QMODEL --data CALIB.npz "
+                     "(chooses the calibration method, corrects biases, places int16 in transformers; each "
+                     "step kept only where held-out samples score better)")
+    if made.get("qtool.activation_type", "int8") in ("int8", "uint8"):
+        steps.append("16-bit activations: --activation-type int16 for all, or --data CALIB.npz --target-sqnr DB "
+                     "for the fewest ops that reach DB dB (the model stays integer)")
+    start = report.loss_start()
+    where = f"; the loss starts at {start[0].name} ({start[0].op_type})" if start is not None else ""
+    steps.append(f"find the costly ops: qtool analyze MODEL --data CALIB.npz --table TABLE, or verify "
+                 f"--analyze{where}; give them int16 (--precision-table) or keep them float (--keep-float)")
+    return steps
 
 
 def accuracy(labels: str, correct_float: int, correct_int: int, samples: int) -> dict:
@@ -474,9 +512,17 @@ def format_report(report: VerifyReport) -> str:
         lines += ["", "most sensitive ops (qtool analyze: onnxruntime on the QDQ model)",
                   format_analysis(report.analysis, ANALYSIS_TOP).replace("(--top 0 for all)",
                                                                          "(--json for all)")]
+    by_name = {c.name: c for c in report.tensors}
+    for output, (op_type, logits) in report.probabilities.items():
+        c = by_name.get(logits)
+        figure = f" (here {c.sqnr:.2f} dB)" if c is not None else ""
+        lines.append(f"(output '{output}' holds the probabilities of a {op_type}: quantize --data and analyze "
+                     f"score its input, the logits '{logits}'{figure})")
     rule = tolerance_rule(report.tolerance, bool(report.parts))
     lines.append("")
     lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))
+    if not report.passed:
+        lines += ["next steps:"] + [f"  - {step}" for step in next_steps(report)]
     return "\n".join(lines)
 
 

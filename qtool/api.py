@@ -1,0 +1,119 @@
+"""The Python API: ``qtool.calibrate``, ``qtool.quantize``, ``qtool.verify`` (docs/api.md).
+
+The commands' library functions take file paths (they hash, shard and stream them). These take
+what a Python user has: a model as a path or an ``onnx.ModelProto``, and data as a path (an
+``.npz``, a folder of samples or of images), a dict of arrays keyed by input name (samples on the
+first axis), or an iterable of feed dicts (one sample, or a batch on the first axis, each). Arrays
+and feed dicts are written to a temporary folder first, one sample per file, so that an iterable
+of any length is read in bounded memory, as a file would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .errors import QtoolError
+
+__all__ = ["calibrate", "quantize", "verify"]
+
+
+def calibrate(model, data, method: str = "minmax", params: dict | None = None, num_samples: int | None = None,
+              batch_size: int | None = None, preprocess=None, progress: bool = False):
+    """Run the float ``model`` over ``data`` and return its calibration ``Table`` (``method``:
+    minmax, kl, percentile, mse, aciq_gauss, aciq_laplace, or a plugin's; ``params`` its
+    parameters). ``preprocess``: a ``qtool.data.Preprocess`` for a folder of images."""
+    from .calibrate import collect
+
+    with _paths(model, data) as (model_path, data_path):
+        return collect(model_path, data_path, method, params, num_samples, batch_size, progress,
+                       preprocess).table()
+
+
+def quantize(model, table, data=None, progress: bool = False, steps=None, **options):
+    """Quantize ``model`` with ``table`` (a ``Table`` or a table file's path): returns the quantized
+    ``onnx.ModelProto`` and its report. ``options`` are ``qtool.quantize.QuantizeOptions``'s fields
+    (``activation_type="int16"``, ``per_channel``, ``format="qoperator"``, ``target``...). With
+    ``data``, the judged steps of ``quantize --data`` run (``steps``: a ``qtool.recipe.DataSteps``
+    to choose them; by default all that apply)."""
+    from .quantize import QuantizeOptions, quantize as run
+    from .recipe import DataSteps, quantize_with_data
+    from .table_formats import read_table
+
+    try:
+        opts = QuantizeOptions(**options)
+    except TypeError as e:
+        raise QtoolError(f"quantize: {e}") from None
+    name = str(table) if isinstance(table, (str, Path)) else "table"
+    if isinstance(table, (str, Path)):
+        table = read_table(table)
+    with _paths(model, data) as (model_path, data_path):
+        if data_path is None:
+            return run(model_path, table, opts, name)
+        qmodel, report, _, _ = quantize_with_data(model_path, table, opts, name, data_path, steps or DataSteps(),
+                                                  progress)
+        return qmodel, report
+
+
+def verify(model, qmodel, data, tolerance: tuple[float, float | None] = (0.99, 20.0), progress: bool = False,
+           **kwargs):
+    """Compare the float ``model`` with the quantized ``qmodel`` (a path or a ModelProto) on
+    ``data``, output by output and tensor by tensor: a ``VerifyReport`` (``.passed``,
+    ``.outputs``, ``.tensors``, ``.to_dict()``; ``qtool.verify.format_report`` prints it).
+    ``kwargs``: ``qtool.verify.verify``'s (``labels``, ``num_samples``, ``run_ort``...)."""
+    from .verify import verify as run
+
+    with _paths(model, data) as (model_path, data_path), _model_path(qmodel, "qmodel") as qmodel_path:
+        return run(model_path, qmodel_path, data_path, tolerance, progress=progress, **kwargs)
+
+
+@contextlib.contextmanager
+def _paths(model, data):
+    with _model_path(model, "model") as model_path, _data_path(data) as data_path:
+        yield model_path, data_path
+
+
+@contextlib.contextmanager
+def _model_path(model, name: str):
+    if isinstance(model, (str, Path)):
+        yield Path(model)
+        return
+    if not isinstance(model, onnx.ModelProto):
+        raise QtoolError(f"{name} must be a path or an onnx.ModelProto, not {type(model).__name__}")
+    with tempfile.TemporaryDirectory(prefix="qtool-api-") as folder:
+        path = Path(folder) / f"{name}.onnx"
+        onnx.save(model, str(path))
+        yield path
+
+
+@contextlib.contextmanager
+def _data_path(data):
+    if data is None or isinstance(data, (str, Path)):
+        yield None if data is None else Path(data)
+        return
+    if isinstance(data, Mapping):
+        data = [dict(data)]  # one feed dict holding every sample
+    elif not isinstance(data, Iterable):
+        raise QtoolError(f"data must be a path, a dict of arrays or an iterable of feed dicts, "
+                         f"not {type(data).__name__}")
+    with tempfile.TemporaryDirectory(prefix="qtool-api-") as folder:
+        count = 0
+        for feeds in data:
+            if not isinstance(feeds, Mapping) or not feeds:
+                raise QtoolError(f"data: item {count} is not a dict of arrays keyed by input name")
+            arrays = {k: np.asarray(v) for k, v in feeds.items()}
+            sizes = {a.shape[0] if a.ndim else None for a in arrays.values()}
+            if len(sizes) != 1 or None in sizes:
+                raise QtoolError(f"data: the arrays of item {count} need the same first (sample) axis, "
+                                 f"got shapes {[list(a.shape) for a in arrays.values()]}")
+            for i in range(sizes.pop()):
+                np.savez(Path(folder) / f"{count:09d}.npz", **{k: a[i:i + 1] for k, a in arrays.items()})
+                count += 1
+        if not count:
+            raise QtoolError("data holds no samples")
+        yield Path(folder)

@@ -1,0 +1,53 @@
+"""The Python API (qtool/api.py, docs/api.md): paths, arrays or feed dicts, models as paths or
+ModelProtos, the same results as the commands."""
+
+import numpy as np
+import onnx
+import pytest
+
+from qtool.api import calibrate, quantize, verify
+from qtool.errors import QtoolError
+
+
+@pytest.fixture(scope="module")
+def calib(demo_calib):
+    return np.load(demo_calib)["input"][:64]
+
+
+def test_arrays_feed_dicts_and_files_give_the_same_table(tmp_path, demo_model, calib):
+    np.savez(tmp_path / "c.npz", input=calib)
+    from_file = calibrate(demo_model, tmp_path / "c.npz")
+    from_arrays = calibrate(demo_model, {"input": calib})
+    # feed dicts of one sample and of batches of 8, from a generator (read once, in order)
+    singles = calibrate(demo_model, ({"input": x} for x in calib))
+    batches = calibrate(onnx.load(demo_model), ({"input": calib[i:i + 8]} for i in range(0, 64, 8)))
+    for table in (from_arrays, singles, batches):
+        assert table.samples == 64
+        assert table.tensors == from_file.tensors
+
+
+def test_quantize_and_verify_from_python(demo_model, demo_heldout, calib):
+    table = calibrate(demo_model, {"input": calib})
+    qmodel, report = quantize(demo_model, table)
+    assert isinstance(qmodel, onnx.ModelProto) and sum(report.quantized.values()) == 13
+    held = np.load(demo_heldout)["input"][:128]
+    checked = verify(demo_model, qmodel, {"input": held})
+    assert checked.passed and checked.samples == 128 and checked.outputs[0].sqnr > 30
+    # int16 activations and the judged steps of --data, from the same call
+    wide, wide_report = quantize(demo_model, table, data={"input": calib}, activation_type="int16")
+    assert wide_report.bias_correction is not None
+    assert verify(demo_model, wide, {"input": held}).outputs[0].sqnr > checked.outputs[0].sqnr
+
+
+def test_bad_arguments_are_qtool_errors(demo_model, calib):
+    with pytest.raises(QtoolError, match="data must be a path, a dict of arrays or an iterable of feed dicts"):
+        calibrate(demo_model, 3)
+    with pytest.raises(QtoolError, match="item 0 is not a dict of arrays"):
+        calibrate(demo_model, [calib])
+    with pytest.raises(QtoolError, match="model must be a path or an onnx.ModelProto"):
+        calibrate(b"bytes", {"input": calib})
+    with pytest.raises(QtoolError, match="data holds no samples"):
+        calibrate(demo_model, [])
+    table = calibrate(demo_model, {"input": calib})
+    with pytest.raises(QtoolError, match="quantize: .*unexpected keyword argument 'bits'"):
+        quantize(demo_model, table, bits=4)
