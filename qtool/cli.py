@@ -355,6 +355,10 @@ def quantize(
                                "with int32 accumulation). The same integers either way."),
     params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
                                               "parameters per op as JSON."),
+    params_metadata: bool = typer.Option(True, "--params-metadata/--no-params-metadata", help="Keep the "
+                                         "integer parameters per op in the model's metadata "
+                                         "(qtool.params); --no-params-metadata leaves them out (a "
+                                         "smaller file; qtool derives them again from the graph)."),
     input_pixels: bool = typer.Option(False, "--input-pixels", help="The quantized model takes the "
                                       "raw uint8 pixels that --mean/--std/--scale normalize for the "
                                       "float model: the normalization moves into the Conv layers "
@@ -448,7 +452,7 @@ def quantize(
     from .calibrate import make_calibrator
     from .placement import applies as placement_applies
     from .recipe import DataSteps, quantize_with_data
-    from .params import model_params
+    from .params import drop_params, model_params
     from .model import load_model, prepare
     from .data import Preprocess, resolve_preprocess
     from .pixels import PixelInput
@@ -533,11 +537,15 @@ def quantize(
                                                            progress=not quiet)
         else:
             qmodel, report = run(model, loaded, options, str(table))
-        outputs = [(output, qmodel.SerializeToString())]
+        extras = []
         if table_out is not None:
-            outputs.append((table_out, dumps_table(loaded, output_format(table_out)).encode()))
+            extras.append((table_out, dumps_table(loaded, output_format(table_out)).encode()))
         if params_out is not None:
-            outputs.append((params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode()))
+            extras.append((params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode()))
+        if not params_metadata:
+            drop_params(qmodel)
+        outputs = [(output, qmodel.SerializeToString()), *extras]
+        report.size_after = len(outputs[0][1])
         write_all(outputs)  # every output or none
     except QtoolError as e:
         raise _fail(e)

@@ -26,6 +26,7 @@ from .errors import QtoolError
 from .fileio import atomic_write, check_writable, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest, load_model, prepare
+from .params import drop_params
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
 from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions
@@ -82,6 +83,7 @@ SCHEMA = {
         "method_choice": (bool, False),
         "placement": (bool, False),
         "weight_rounding": (bool, False),
+        "params_metadata": (bool, False),
         "allow_float": (bool, False),
         "precision_table": (str, False),  # quantize --precision-table: a path, as data paths are
     }, False),
@@ -96,7 +98,7 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods", "method_choice", "placement", "weight_rounding", "allow_float")
+               "try_methods", "method_choice", "placement", "weight_rounding", "allow_float", "params_metadata")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -461,6 +463,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         raise QtoolError(str(e).replace("add --batch-size 1", "set calibrate.batch_size: 1")) from None
     if changed:
         write_table(table, table_path)  # the table the model is quantized from
+    if not qz.get("params_metadata", True):
+        drop_params(qmodel)
     written.append(qmodel_path)
     atomic_write(qmodel_path, qmodel.SerializeToString())
     seconds["quantize"] = time.perf_counter() - t0

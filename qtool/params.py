@@ -95,6 +95,14 @@ def lookup_tables(executor: IntegerExecutor) -> dict[str, dict[str, np.ndarray]]
     return luts
 
 
+def drop_params(qmodel: onnx.ModelProto) -> None:
+    """In place: the model without its ``qtool.params`` entry (a model's size can double with it;
+    ``model_params`` derives the same parameters again from the graph)."""
+    kept = [p for p in qmodel.metadata_props if p.key != PARAMS_KEY]
+    del qmodel.metadata_props[:]
+    qmodel.metadata_props.extend(kept)
+
+
 def model_params(qmodel: onnx.ModelProto) -> dict:
     """The parameters a quantized model carries (``qtool quantize`` embeds them), or, for a QDQ
     model without them, the executor's derivation."""

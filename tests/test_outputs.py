@@ -213,3 +213,21 @@ def test_usage_errors_point_to_the_command_s_help_and_version_prints():
     from qtool import __version__
     version = qtool("--version")
     assert (version.returncode, version.stdout) == (0, f"{__version__}\n")
+
+
+def test_the_params_metadata_can_be_left_out(tmp_path, demo_model, demo_table):
+    from qtool.params import model_params
+    from qtool.table_formats import write_table
+
+    write_table(demo_table, tmp_path / "t.yaml")
+    sizes = {}
+    for flag in ("--params-metadata", "--no-params-metadata"):
+        q = tmp_path / f"{flag}.onnx"
+        result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", q, flag)
+        assert result.exit_code == 0, result.output
+        sizes[flag] = q.stat().st_size
+        assert f"-> {q.stat().st_size} bytes" in result.stdout
+    kept, left = (onnx.load(tmp_path / f"{f}.onnx") for f in ("--params-metadata", "--no-params-metadata"))
+    assert "qtool.params" not in {p.key for p in left.metadata_props}
+    assert sizes["--no-params-metadata"] < sizes["--params-metadata"]
+    assert model_params(left) == model_params(kept)  # derived again from the graph
