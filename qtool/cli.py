@@ -72,6 +72,27 @@ def _log(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def _new_folders(*paths) -> list[Path]:
+    """For each output path, the outermost of its folders that does not exist yet (writing it
+    will make them): to say so afterwards (``_made``)."""
+    folders = []
+    for path in paths:
+        if path is None or str(path) == STDOUT:
+            continue
+        missing, folder = None, Path(path).parent
+        while str(folder) not in ("", ".") and not folder.exists() and folder != folder.parent:
+            missing, folder = folder, folder.parent
+        if missing is not None and missing not in folders:
+            folders.append(missing)
+    return folders
+
+
+def _made(folders: list[Path], quiet: bool) -> None:
+    for folder in folders:
+        if folder.is_dir() and not quiet:
+            _log(f"made folder '{folder}'")
+
+
 def _one_stdout_writer(as_json: bool, output) -> None:
     """A table piped to standard output leaves no room for a JSON report there."""
     if as_json and str(output) == "-":
@@ -233,10 +254,12 @@ def calibrate(
                         progress=not quiet, preprocess=pre, log=None if quiet else _log,
                         histogram_samples=histogram_samples, memory_mb=memory)
         table = stats.table()
+        folders = _new_folders(stats_out, output)
         if stats_out is not None:
             stats.save(stats_out)
         if output is not None:
             write_table(table, output, fmt)
+        _made(folders, quiet)
     except QtoolError as e:
         raise _fail(e)
     if as_json:
@@ -546,7 +569,9 @@ def quantize(
             drop_params(qmodel)
         outputs = [(output, qmodel.SerializeToString()), *extras]
         report.size_after = len(outputs[0][1])
+        folders = _new_folders(*(path for path, _ in outputs))
         write_all(outputs)  # every output or none
+        _made(folders, quiet)
     except QtoolError as e:
         raise _fail(e)
     say = _log if str(output) == STDOUT else typer.echo  # the model is on standard output
@@ -732,7 +757,9 @@ def verify(
                      arithmetic=target, ort_config=config, memory_mb=memory,
                      log=_log)
         if report_path is not None:
+            folders = _new_folders(report_path)
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
+            _made(folders, quiet)
     except QtoolError as e:
         raise _fail(e)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else format_report(report))
@@ -827,7 +854,9 @@ def exec_(
             writer = NpzWriter(output, None if whole else len(data))
             shapes = _exec_batches(executor, data, 1, writer, whole, not quiet, False)
         ragged = dict(writer.ragged)
+        folders = _new_folders(output)
         writer.close()
+        _made(folders, quiet)
         for name in ragged:
             shapes[name] = None
         if note and len(data) > 1 and not quiet and not as_json:

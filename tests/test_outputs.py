@@ -231,3 +231,14 @@ def test_the_params_metadata_can_be_left_out(tmp_path, demo_model, demo_table):
     assert "qtool.params" not in {p.key for p in left.metadata_props}
     assert sizes["--no-params-metadata"] < sizes["--params-metadata"]
     assert model_params(left) == model_params(kept)  # derived again from the graph
+
+
+def test_a_folder_made_for_an_output_is_said(tmp_path, demo_model, demo_calib):
+    out = tmp_path / "new" / "deeper" / "t.yaml"
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert f"made folder '{tmp_path / 'new'}'" in result.stderr and out.exists()
+    again = invoke("calibrate", demo_model, "-d", demo_calib, "-o", out)
+    assert "made folder" not in again.stderr  # it exists now
+    quiet = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "other" / "t.yaml", "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
