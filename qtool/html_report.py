@@ -1,7 +1,9 @@
 """``qtool verify --report``: the verify report as one self-contained HTML page.
 
-Inline CSS, no script, no external asset; the per-layer SQNR plot is a PNG in a data: URI, drawn
-with matplotlib when it is installed (the ``report`` extra) and replaced by a note when it is not.
+Inline CSS and a few lines of inline script (the tensor table sorts by a click on its header and
+filters by name or op type), no external asset; the per-layer SQNR plot is a PNG in a data: URI,
+drawn with matplotlib when it is installed (the ``report`` extra) and replaced by a note when it
+is not.
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ tr.worst td { background: #ffebe9; }
 ul.failures { color: #cf222e; margin: 6px 0 0; }
 img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
 footer { margin: 32px 0 8px; color: #59636e; font-size: 12px; }
+#tensors th { cursor: pointer; } #tensors th:hover { text-decoration: underline; }
+input.filter { font: inherit; padding: 2px 6px; margin: 0 0 6px; width: 320px; }
+"""
+
+# sort the tensor table by a click on a column's header (again: the other way), filter its rows by
+# the text typed (tensor name or op type); numbers sort as numbers
+_SCRIPT = """
+const table = document.getElementById("tensors");
+const rows = () => Array.from(table.tBodies[0].rows);
+table.tHead.addEventListener("click", (event) => {
+  const th = event.target.closest("th"); if (!th) return;
+  const col = th.cellIndex, up = th.dataset.up !== "1"; th.dataset.up = up ? "1" : "0";
+  const key = (r) => { const t = r.cells[col].textContent, v = parseFloat(t); return isNaN(v) ? t : v; };
+  const sorted = rows().sort((a, b) => { const x = key(a), y = key(b);
+    return (x < y ? -1 : x > y ? 1 : 0) * (up ? 1 : -1); });
+  sorted.forEach((r) => table.tBodies[0].appendChild(r));
+});
+document.getElementById("tensor-filter").addEventListener("input", (event) => {
+  const text = event.target.value.toLowerCase();
+  rows().forEach((r) => { r.hidden = !(r.cells[1].textContent + " " + r.cells[2].textContent)
+    .toLowerCase().includes(text); });
+});
 """
 
 # how the plot shows each kind of tensor: (label, colour, marker)
@@ -65,7 +89,7 @@ def render_html(report: VerifyReport, model: str, qmodel: str) -> str:
     parts += ["<h2>SQNR along the graph</h2>", _plot_block(report),
               "<h2>Tensors in graph order</h2>", _tensor_table(report),
               "<h2>Nodes that ran in float</h2>", _float_nodes(report.float_nodes),
-              f"<footer>qtool {escape(__version__)}</footer>\n</body>\n</html>\n"]
+              f"<footer>qtool {escape(__version__)}</footer>\n<script>{_SCRIPT}</script>\n</body>\n</html>\n"]
     return "\n".join(parts)
 
 
@@ -83,6 +107,8 @@ def _header(report: VerifyReport, model: str, qmodel: str) -> str:
     if worst:
         names = ", ".join(f"<span class=\"name\">{escape(n)}</span>" for n in worst)
         rows.append(("worst layers", names))
+    for key, value in sorted(report.made.items()):  # how the quantized model was made
+        rows.append((escape(key.removeprefix("qtool.").replace("_", " ")), f"<span class=\"name\">{escape(value)}</span>"))
     text = "<dl>\n" + "\n".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows) + "\n</dl>"
     if report.failures:
         items = "".join(f"<li>{escape(f)}</li>" for f in report.failures)
@@ -156,7 +182,9 @@ def _tensor_table(report: VerifyReport) -> str:
                     f"<td class=\"num\">{c.max_lsb:.2f}</td></tr>")
     head = [("#", "num"), "tensor", "op type", "ran", ("cosine", "num"), ("SQNR dB", "num"),
             ("max |diff| LSB", "num")]
-    text = _table(head, rows)
+    text = ("<input class=\"filter\" id=\"tensor-filter\" placeholder=\"filter by tensor or op type\">\n"
+            + _table(head, rows, "tensors")
+            + "\n<p class=\"note\">Click a column's header to sort by it.</p>")
     if any(c.clamped for c in report.tensors):
         text += ("\n<p class=\"note\">+Relu: quantized with the range of the Relu that reads it, "
                  "so compared after it.</p>")
@@ -171,11 +199,12 @@ def _float_nodes(nodes: list[tuple[str, str, str]]) -> str:
     return _table(["op type", "node", "reason"], rows)
 
 
-def _table(head: list, rows: list[str]) -> str:
+def _table(head: list, rows: list[str], table_id: str | None = None) -> str:
     cells = "".join(f"<th class=\"{h[1]}\">{escape(h[0])}</th>" if isinstance(h, tuple)
                     else f"<th>{escape(h)}</th>" for h in head)
     body = "\n".join(rows)
-    return f"<table>\n<thead><tr>{cells}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+    opening = f"<table id=\"{table_id}\">" if table_id else "<table>"
+    return f"{opening}\n<thead><tr>{cells}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
 
 
 def _db(x: float) -> str:

@@ -94,6 +94,7 @@ SCHEMA = {
         "num_samples": ("posint", False),
         "batch_size": ("posint", False),
         "max_accuracy_drop": (float, False),
+        "report": (bool, False),  # also write NAME.verify.html (qtool verify --report)
     }, False),
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
@@ -241,6 +242,15 @@ class JobPlan:
     settings: dict  # the job as written (merged over the defaults), for the digest
     precision_table: Path | None = None
 
+    @property
+    def html(self) -> Path | None:
+        """verify.report: the HTML page beside the JSON report."""
+        return self.report.with_name(f"{self.name}.verify.html") if self.verify.get("report") else None
+
+    def outputs(self) -> list[Path]:
+        """What the job writes, in the order the files take their places: the report last."""
+        return [self.table, self.qmodel] + ([self.html] if self.html else []) + [self.report]
+
     def digest(self) -> str:
         """What the outputs depend on: qtool's version, the settings and the input files' bytes."""
         files = [self.model, self.calibrate_data, self.verify_data] + [self.precision_table] * bool(
@@ -361,7 +371,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job, precision_table)
-    for target in (plan.table, plan.qmodel, plan.report):
+    for target in plan.outputs():
         try:
             check_writable(target)
             if target.exists() and not replaced(target).is_file():
@@ -419,7 +429,7 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
     written: list[Path] = []
     try:
         result = _run(plan, progress, log, written)
-        for final in (plan.table, plan.qmodel, plan.report):
+        for final in plan.outputs():
             os.replace(staged(final), replaced(final))
         return result
     except BaseException:
@@ -494,8 +504,13 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         if lost > drop:
             failures.append(f"accuracy drop {lost:.2f} points > max_accuracy_drop {drop}")
     # the job's digest and its outputs' digests let a later run skip it while nothing changed
+    if plan.html is not None:
+        from .html_report import render_html
+
+        written.append(staged(plan.html))
+        atomic_write(staged(plan.html), render_html(report, plan.model.name, plan.qmodel.name).encode())
     job = {"name": plan.name, "digest": plan.digest(),
-           "outputs": {str(p): file_digest(staged(p)) for p in (plan.table, plan.qmodel)}}
+           "outputs": {str(p): file_digest(staged(p)) for p in plan.outputs()[:-1]}}
     # no timings in the file: the same job gives the same bytes (they are in run's summary)
     summary = report.to_dict() | {"job_failures": failures, "job": job}
     written.append(report_path)
@@ -529,6 +544,8 @@ def _outcome(plan: JobPlan, summary: dict, status: str, seconds: dict | None = N
     if accuracy:
         figures |= {"top1_float": accuracy["float"], "top1_integer": accuracy["integer"]}
     outputs = {"table": str(plan.table), "qmodel": str(plan.qmodel), "report": str(plan.report)}
+    if plan.html is not None:
+        outputs["html"] = str(plan.html)
     failures = summary.get("job_failures") or []
     return JobOutcome(plan.name, status, seconds or {}, outputs, figures, "; ".join(failures))
 
@@ -624,7 +641,7 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
             f"  verify     {plan.verify_data}: tolerance {plan.tolerance[0]}"
             f"{', ' + str(plan.tolerance[1]) + ' dB' if plan.tolerance[1] is not None else ''}"
             f"{', labels ' + plan.verify['labels'] if 'labels' in plan.verify else ''}",
-            f"  outputs    {plan.table}, {plan.qmodel}, {plan.report}"]
+            f"  outputs    {', '.join(map(str, plan.outputs()))}"]
 
 
 def format_summary(outcomes: list[JobOutcome]) -> str:

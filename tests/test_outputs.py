@@ -2,6 +2,7 @@
 written through, ``-`` is standard output, and several outputs of one command land all or none."""
 
 import io
+import json
 import os
 import stat
 import threading
@@ -242,3 +243,22 @@ def test_a_folder_made_for_an_output_is_said(tmp_path, demo_model, demo_calib):
     assert "made folder" not in again.stderr  # it exists now
     quiet = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "other" / "t.yaml", "-q")
     assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_a_job_writes_the_html_report_when_asked(tmp_path, demo_model, demo_calib, demo_heldout):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {demo_model}\noutput_dir: {tmp_path / 'out'}\n"
+                   f"calibrate: {{data: {demo_calib}, batch_size: 64}}\n"
+                   f"verify: {{data: {demo_heldout}, num_samples: 64, report: true}}\n")
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["digits_cnn.q.onnx", "digits_cnn.table.yaml", "digits_cnn.verify.html", "digits_cnn.verify.json"]
+    html = (tmp_path / "out" / "digits_cnn.verify.html").read_text()
+    assert "digits_cnn.q.onnx" in html and ".partial" not in html
+    recorded = json.loads((tmp_path / "out" / "digits_cnn.verify.json").read_text())["job"]["outputs"]
+    assert str(tmp_path / "out" / "digits_cnn.verify.html") in recorded
+    # up to date: skipped; the page removed: run again
+    assert "skipped" in invoke("run", job, "--json", "-q").stdout
+    (tmp_path / "out" / "digits_cnn.verify.html").unlink()
+    assert '"ok"' in invoke("run", job, "--json", "-q").stdout

@@ -75,7 +75,9 @@ def test_page_is_written_whole_and_self_contained(run, demo_model, qmodel):
     assert [p.name for p in run["folder"].iterdir()] == ["report.html"]  # no temporary file left
     html = run["html"]
     assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
-    assert "<script" not in html.lower()
+    scripts = re.findall(r"<script[^>]*>(.*?)</script>", html, re.S)
+    assert len(scripts) == 1 and "<script>" in html  # one inline script: the table's sort and filter
+    assert "fetch" not in scripts[0] and "http" not in scripts[0] and "import" not in scripts[0]
     assert not re.search(r"""(src|href)=["'](?!data:)""", html)  # nothing fetched from elsewhere
     assert "<style>" in html
     header = html.split("<h2>")[0]
@@ -83,6 +85,11 @@ def test_page_is_written_whole_and_self_contained(run, demo_model, qmodel):
     assert re.search(rf"<dt>samples</dt><dd>{SAMPLES}</dd>", header)
     assert "output cosine &gt;= 0.99" in header
     assert "badge pass\">PASS<" in header
+    # how the quantized model was made, from its metadata
+    assert re.search(r"<dt>activation type</dt><dd><span class=\"name\">uint8</span></dd>", header) or \
+        re.search(r"<dt>activation type</dt><dd><span class=\"name\">int8</span></dd>", header), header
+    assert "<dt>rounding</dt>" in header and "<dt>target</dt>" in header
+    assert '<table id="tensors">' in html and 'id="tensor-filter"' in html
 
 
 def test_tensor_table_matches_the_json_report(run):

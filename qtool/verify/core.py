@@ -138,6 +138,7 @@ class VerifyReport:
              "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
              "arithmetic": self.arithmetic,
              "failures": self.failures}
+        d["quantized_with"] = self.made
         if not self.passed:
             d["next_steps"] = next_steps(self)
         if self.ort is not None:
@@ -301,7 +302,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic, parts=parts,
                           made={p.key: p.value for p in qmodel.metadata_props
-                                if p.key in ("qtool.activation_type", "qtool.data_steps")},
+                                if p.key.startswith("qtool.") and p.key != "qtool.params"},
                           probabilities=_probabilities(model, executor.output_names))
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
