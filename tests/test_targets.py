@@ -319,3 +319,25 @@ def test_x86_avx2_emulation_refuses_a_3d_conv(tmp_path, command):
                       "--target x86-avx2 cannot emulate 3-D Conv node 'conv3d'", "--target exact")
     assert not (tmp_path / "y.npz").exists()
     assert invoke(*args, "--target", "exact").exit_code == 0
+
+
+def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, demo_table, demo_heldout):
+    from qtool.targets.ortview import first_parting
+
+    qmodel, _ = quantize(demo_model, demo_table)
+    executor = IntegerExecutor(qmodel)
+    feeds = {"input": np.load(demo_heldout)["input"][:8]}
+    assert first_parting(qmodel, executor, feeds) is None  # the portable model: they agree
+
+    class Parted:  # the executor, with one tensor 5 steps off
+        steps, arithmetic = executor.steps, executor.arithmetic
+
+        @staticmethod
+        def run(feeds, keep_integer=False):
+            result = executor.run(feeds, keep_integer=keep_integer)
+            result.integer["block_bn2_out"] = result.integer["block_bn2_out"].astype(np.int64) + 5
+            return result
+
+    line = first_parting(qmodel, Parted, feeds)
+    assert line.startswith("first tensor where onnxruntime and the executor part: 'block_bn2_out' (Conv node")
+    assert "max diff 5 LSB, 0.00% equal, on the first batch" in line

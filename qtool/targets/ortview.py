@@ -110,3 +110,52 @@ def ort_notes(qmodel: onnx.ModelProto, optimized: onnx.ModelProto | None, execut
                          f"--target host reproduces what it computes; quantize with --target "
                          f"portable (or run onnxruntime with session.x64quantprecision=1) to avoid it")
     return notes
+
+
+def first_parting(qmodel: onnx.ModelProto, executor, feeds: dict, config: dict[str, str] | None = None
+                  ) -> str | None:
+    """Where onnxruntime and the integer executor first part, in graph order: onnxruntime runs
+    ``qmodel`` on ``feeds`` with every integer tensor (a QuantizeLinear's or fused group's output)
+    as an extra output, and each is compared with the executor's integers. A line naming the
+    first tensor that differs by more than 1 LSB, its op and how much, and why where that is
+    known; None when none does. Extra outputs keep onnxruntime from fusing the groups they leave,
+    so this is onnxruntime's unfused arithmetic there, as with session.disable_quant_qdq."""
+    import numpy as np
+
+    pairs = [(key, out, step) for step in executor.steps if step.kind in ("integer", "quantize")
+             for key, out in zip(step.keys, step.outputs) if key]
+    known = {o for node in qmodel.graph.node for o in node.output}
+    pairs = [(k, o, s) for k, o, s in pairs if o in known]
+    if not pairs:
+        return None
+    wide = onnx.ModelProto()
+    wide.CopyFrom(qmodel)
+    present = {o.name for o in wide.graph.output}
+    wide.graph.output.extend(onnx.ValueInfoProto(name=o) for _, o, _ in pairs if o not in present)
+    options = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(wide.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {n: feeds[n] for n in names})))
+    except Exception:  # onnxruntime cannot take the widened graph: nothing to say
+        return None
+    mine = executor.run(feeds, keep_integer=True).integer
+    for key, out, step in pairs:
+        a, b = mine.get(key), got.get(out)
+        if a is None or b is None or np.shape(a) != np.shape(b):
+            continue
+        diff = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
+        if diff.max(initial=0) > 1:
+            op = step.node.op_type if step.kind == "integer" else "QuantizeLinear"
+            why = (" (u8 x s8 saturation on this CPU: --target host reproduces it)"
+                   if op in ("Conv", "MatMul", "Gemm") and x86.ort_saturates() and executor.arithmetic == "exact"
+                   else " (onnxruntime computes this op in float between DequantizeLinear and QuantizeLinear; "
+                        "the executor in integers: a rounding rule)" if step.kind == "integer" else "")
+            return (f"first tensor where onnxruntime and the executor part: '{key}' ({op} node "
+                    f"'{step.node.name}'), max diff {int(diff.max())} LSB, {100 * np.mean(diff == 0):.2f}% "
+                    f"equal, on the first batch{why}")
+    return None
+

@@ -24,7 +24,7 @@ from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, 
 from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
-from ..targets.ortview import deployed_session, ort_notes
+from ..targets.ortview import AGREEMENT, deployed_session, first_parting, ort_notes
 from .compare import Comparison
 from ..joins import find_joins
 from .parts import PartComparisons
@@ -259,6 +259,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         analysis = analyze(float_path, qmodel, data_path, samples, batch_size,
                            progress)
     correct_float = correct_int = 0
+    first_feeds = None  # onnxruntime's first batch: where it parts from the executor is found on it
     tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (Comparison.update_integer)
     by_name = {c.name: c for c in tensors}
     # the comparisons' dot products on one BLAS thread, as the executor's (qtool/ops/blas.py): with
@@ -282,6 +283,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                     parts[c.name].update(reference[c.name], result.outputs[c.name],
                                          {n: np.shape(reference[n]) for n in joins[c.name].tensors()})
             if ort_session is not None:
+                first_feeds = first_feeds if batches else feeds
                 got = _ort_run(ort_session, feeds_for(pixels, feeds), qmodel_path)
                 for c in ort_checks:
                     c.update(reference[c.name], got[c.name], result.outputs[c.name])
@@ -306,6 +308,10 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                           probabilities=_probabilities(model, executor.output_names))
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
+        if any(c.equal_fraction < AGREEMENT or (c.unit == "lsb" and c.max_diff > 1) for c in ort_checks):
+            parting = first_parting(qmodel, executor, feeds_for(pixels, first_feeds), ort_config)
+            if parting is not None:
+                report.ort_notes.append(parting)
     if labels is not None:
         report.accuracy = accuracy(labels, correct_float, correct_int, report.samples)
     judge(report, batches)
