@@ -597,7 +597,12 @@ class IntegerExecutor:
     def float_nodes(self) -> list[tuple[str, str, str]]:
         """Nodes that run in float: (op_type, name, why); not the identities that keep onnxruntime
         from quantizing a float op's weights (targets.form.guard_float_ops)."""
-        return [(s.node.op_type, s.node.name, s.reason) for s in self.steps
+        index = {tuple(node.output): i for i, node in enumerate(self.model.graph.node)}
+
+        def name(node) -> str:  # an unnamed node by its op type and place in the graph
+            return node.name or f"{node.op_type} #{index.get(tuple(node.output), '?')} (unnamed)"
+
+        return [(s.node.op_type, name(s.node), s.reason) for s in self.steps
                 if s.kind == "float" and not is_guard(s.node)]
 
     def integer_tensors(self) -> dict[str, "TensorInfo"]:

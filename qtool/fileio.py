@@ -28,9 +28,9 @@ STDOUT = "-"
 
 def _streamed(path: Path) -> bool:
     """Whether ``path`` is written through rather than replaced: ``-``, or something that exists
-    and is neither a regular file nor a directory (a device, a fifo, a socket), or a path that
-    resolves through /proc or /dev/fd (``/dev/stdout``: the shell's redirection, not a file to
-    replace)."""
+    and is neither a regular file nor a directory (a device, a fifo, a socket), or a link under
+    /dev or /proc to a regular file (``/dev/stdout`` redirected to a file by the shell: the file
+    the shell holds open, not one to replace)."""
     if str(path) == STDOUT:
         return True
     try:
@@ -39,7 +39,7 @@ def _streamed(path: Path) -> bool:
         return False
     if not stat.S_ISREG(mode):
         return not stat.S_ISDIR(mode)
-    return os.path.abspath(path).startswith(("/proc/", "/dev/"))
+    return os.path.islink(path) and os.path.abspath(path).startswith(("/proc/", "/dev/"))
 
 
 def replaced(path: Path) -> Path:

@@ -262,3 +262,29 @@ def test_a_job_writes_the_html_report_when_asked(tmp_path, demo_model, demo_cali
     assert "skipped" in invoke("run", job, "--json", "-q").stdout
     (tmp_path / "out" / "digits_cnn.verify.html").unlink()
     assert '"ok"' in invoke("run", job, "--json", "-q").stdout
+
+
+def test_unnamed_nodes_are_listed_by_op_type_and_place():
+    from onnx import TensorProto, helper
+
+    from qtool.executor import IntegerExecutor
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Erf", ["r"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    names = [name for _, name, _ in IntegerExecutor(helper.make_model(graph)).float_nodes()]
+    assert names == ["Relu #0 (unnamed)", "Erf #1 (unnamed)"]
+
+
+def test_dev_stdout_redirected_to_a_file_is_written_through(tmp_path, demo_model, demo_calib):
+    import subprocess
+    import sys
+
+    target = tmp_path / "table.yaml"
+    with open(target, "wb") as out:
+        inode = os.fstat(out.fileno()).st_ino
+        done = subprocess.run([sys.executable, "-c", "from qtool.cli import main; main()", "calibrate", str(demo_model),
+                               "-d", str(demo_calib), "-o", "/dev/stdout", "-q"], stdout=out, timeout=120)
+    assert done.returncode == 0
+    assert os.stat(target).st_ino == inode  # the shell's file, written into, not replaced
+    assert target.read_text().startswith("qtool_table: 1")
