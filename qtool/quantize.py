@@ -55,6 +55,7 @@ _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
 
 
 ACTIVATION_KEY = "qtool.activation_type"  # metadata: the options' activation type (int8, int16, ...)
+FLOAT_NODES_KEY = "qtool.float_nodes"  # metadata: node name -> why it runs float, as quantize reported it
 DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
 
 
@@ -194,6 +195,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
+    record_float_nodes(rewritten, report.kept_float)
     _list_hazards(report, executor, options.target)
     if options.strict:
         _enforce_strict(report, options)
@@ -245,14 +247,28 @@ def _check(model: onnx.ModelProto) -> None:
         raise RuntimeError(f"quantized model fails the ONNX checker: {e}") from e
 
 
+def record_float_nodes(model: onnx.ModelProto, kept_float: list[tuple[str, str, str]]) -> None:
+    """In place: the float list quantize reports, with its reasons, in the model's metadata
+    (``qtool.float_nodes``), for verify to show the same; replaces an earlier record."""
+    kept = [p for p in model.metadata_props if p.key != FLOAT_NODES_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.append(onnx.StringStringEntryProto(
+        key=FLOAT_NODES_KEY, value=json.dumps({n: r for _, n, r in kept_float}, separators=(",", ":"))))
+
+
 def _reconcile(report: QuantizeReport, executor: IntegerExecutor) -> None:
-    """Nodes the rewriter quantized but whose kernel refused the derived parameters run float:
-    count and report them as such."""
-    for op_type, name, reason in executor.float_nodes():
-        if op_type in report.quantized and (op_type, name) not in {(t, n) for t, n, _ in report.kept_float}:
-            report.kept_float.append((op_type, name, reason))
+    """The float list is what the executor runs in float, the one verify shows: nodes the rewriter
+    quantized but whose kernel refused the derived parameters are counted float, and nodes the
+    rewriter left float that no longer run (shape arithmetic on fixed shapes, folded) are not
+    listed. A node keeps the rewriter's reason where it gave one."""
+    mine = {(t, n): r for t, n, r in report.kept_float}
+    running = executor.float_nodes()
+    for op_type, name, reason in running:
+        if op_type in report.quantized and (op_type, name) not in mine:
             report.quantized[op_type] -= 1
     report.quantized = {t: n for t, n in report.quantized.items() if n}
+    report.kept_float = [(t, n, mine.get((t, n), r)) for t, n, r in running]
 
 
 def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str) -> None:

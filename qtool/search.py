@@ -33,7 +33,7 @@ from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
 from .calibrate import calibrate, collect
 from .errors import QtoolError
 from .model import load_model, prepare
-from .quantize import quantize
+from .quantize import quantize, record_float_nodes
 from .report import finite, progress_bar
 from .table import Table
 from .targets import DEFAULT_TARGET
@@ -146,6 +146,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     names = {op.node for op in chosen} - set(options.keep_float)
     report.kept_float = [(t, n, "kept float by the search" if n in names and t not in options.keep_float
                           else r) for t, n, r in report.kept_float]
+    record_float_nodes(final, report.kept_float)
     check = final if options.format == "qdq" else build(tuple(op.node for op in chosen), "qdq")[0]
     result.final_db = evaluator.sqnr(check)
     result.evaluations += 1

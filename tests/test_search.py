@@ -234,3 +234,16 @@ def test_bad_method_choice_settings(demo_model, table_file, demo_calib, tmp_path
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx", *args)
     assert_user_error(result, message)
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_verify_lists_the_float_ops_quantize_listed(demo_model, table_file, demo_calib, demo_heldout, tmp_path):
+    # one list: the search's reason travels in the model, and verify shows it
+    q = tmp_path / "q.onnx"
+    result = invoke("quantize", demo_model, "-t", table_file, "-o", q, "--data", demo_calib,
+                    "--max-float-layers", "1", "--allow-float", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    listed = [(k["op_type"], k["node"], k["reason"]) for k in json.loads(result.stdout)["kept_float"]]
+    assert any(r == "kept float by the search" for _, _, r in listed)
+    shown = invoke("verify", demo_model, q, "-d", demo_heldout, "--json", "-q", "--num-samples", "32")
+    assert shown.exit_code in (0, 1), shown.output
+    assert [(f["op_type"], f["node"], f["reason"]) for f in json.loads(shown.stdout)["float_nodes"]] == listed

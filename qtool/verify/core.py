@@ -300,11 +300,11 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                 on_batch(outputs, tensors, parts, ort_checks, (correct_float, correct_int))
     if log is not None and note and total > 1:
         log(note)
-    report = VerifyReport(total - begin, tolerance, outputs, tensors, executor.float_nodes(),
+    report = VerifyReport(total - begin, tolerance, outputs, tensors, _float_nodes(executor, qmodel),
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic, parts=parts,
                           made={p.key: p.value for p in qmodel.metadata_props
-                                if p.key.startswith("qtool.") and p.key != "qtool.params"},
+                                if p.key.startswith("qtool.") and p.key not in ("qtool.params", "qtool.float_nodes")},
                           probabilities=_probabilities(model, executor.output_names))
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
@@ -316,6 +316,20 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         report.accuracy = accuracy(labels, correct_float, correct_int, report.samples)
     judge(report, batches)
     return report
+
+
+def _float_nodes(executor: IntegerExecutor, qmodel) -> list[tuple[str, str, str]]:
+    """What runs float, with the reasons quantize gave (its qtool.float_nodes record) where it did:
+    the list quantize printed."""
+    import json
+
+    said = next((p.value for p in qmodel.metadata_props if p.key == "qtool.float_nodes"), None)
+    try:
+        reasons = json.loads(said) if said else {}
+    except ValueError:
+        reasons = {}
+    reasons = reasons if isinstance(reasons, dict) else {}
+    return [(t, n, str(reasons.get(n, r))) for t, n, r in executor.float_nodes()]
 
 
 def _probabilities(model, outputs: list[str]) -> dict:
