@@ -72,6 +72,17 @@ class OneAtATime(Exception):
         self.note = str(self)
 
 
+def run_or_one_at_a_time(run, batch_size: int | None, log=None):
+    """``run(batch_size)``; when its first batch asks for it (``OneAtATime``), said to ``log`` and
+    ``run(1)``: a whole command started again one sample at a time."""
+    try:
+        return run(batch_size)
+    except OneAtATime as retry:
+        if log is not None:
+            log(retry.note)
+        return run(1)
+
+
 def check_memory(memory_mb: int) -> None:
     if memory_mb < 1:
         raise QtoolError(f"--memory must be at least 1 MB, got {memory_mb}")

@@ -29,7 +29,7 @@ import calibrators
 
 from . import __version__, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
-    choose_batch, release_freed
+    choose_batch, release_freed, run_or_one_at_a_time
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
@@ -341,12 +341,7 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     args = (model_path, data_path, method, params, num_samples)
     rest = dict(progress=progress, preprocess=preprocess, log=log, histogram_samples=histogram_samples,
                 memory_mb=memory_mb, feeds=feeds, shard=shard)
-    try:
-        return _collect(*args, batch_size, **rest)
-    except OneAtATime as retry:
-        if log is not None:
-            log(retry.note)
-        return _collect(*args, 1, **rest)
+    return run_or_one_at_a_time(lambda size: _collect(*args, size, **rest), batch_size, log)
 
 
 def _collect(model_path, data_path, method, params, num_samples, batch_size, progress, preprocess, log,

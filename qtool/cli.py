@@ -114,6 +114,7 @@ _SCALE = typer.Option(None, "--scale", help="Images: pixel multiplier before mea
                       "recorded, else 1/255).")
 _CHANNELS = typer.Option(None, "--channels", help="Images: rgb, bgr or gray (default: recorded, else rgb).")
 _LAYOUT = typer.Option(None, "--layout", help="Images: nchw or nhwc (default: recorded, else nchw).")
+_IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.")
 
 
 def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input) -> dict:
@@ -394,8 +395,7 @@ def quantize(
     scale: Optional[float] = _SCALE,
     channels: Optional[str] = _CHANNELS,
     layout: Optional[str] = _LAYOUT,
-    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
-                                              "they feed."),
+    image_input: Optional[str] = _IMAGE_INPUT,
     data: Optional[Path] = typer.Option(None, "--data", "-d", help=".npz keyed by model input name "
                                         "(or a folder of .npy/.npz): calibration samples for bias "
                                         "correction and the searches." + DATA_AXES),
@@ -675,8 +675,7 @@ def verify(
     scale: Optional[float] = _SCALE,
     channels: Optional[str] = _CHANNELS,
     layout: Optional[str] = _LAYOUT,
-    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
-                                              "they feed."),
+    image_input: Optional[str] = _IMAGE_INPUT,
     tolerance: str = typer.Option("0.99,20", help="COS or COS,SQNR: minimum output cosine and SQNR (dB), "
                                  "for every output and every part of an output that joins tensors "
                                  "(each input of its Concat, e.g. boxes and class scores). COS alone "
@@ -781,8 +780,7 @@ def exec_(
     scale: Optional[float] = _SCALE,
     channels: Optional[str] = _CHANNELS,
     layout: Optional[str] = _LAYOUT,
-    image_input: Optional[str] = typer.Option(None, "--image-input", help="Images: the model input "
-                                              "they feed."),
+    image_input: Optional[str] = _IMAGE_INPUT,
     output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs; - for standard "
                                 "output."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "

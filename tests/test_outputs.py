@@ -162,11 +162,17 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, demo_model, demo_calib):
     assert not (tmp_path / "t.yaml").exists() and _leftovers(tmp_path) == []
 
 
-def test_interrupted_job_keeps_the_previous_outputs(tmp_path, demo_model, demo_calib, demo_heldout):
+def _demo_job(tmp_path, demo_model, demo_calib, demo_heldout, verify_extra: str = ""):
+    """A one-job file on the demo, its outputs in tmp_path/out."""
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {demo_model}\noutput_dir: {tmp_path / 'out'}\n"
                    f"calibrate: {{data: {demo_calib}, batch_size: 64}}\n"
-                   f"verify: {{data: {demo_heldout}, num_samples: 64}}\n")
+                   f"verify: {{data: {demo_heldout}, num_samples: 64{verify_extra}}}\n")
+    return job
+
+
+def test_interrupted_job_keeps_the_previous_outputs(tmp_path, demo_model, demo_calib, demo_heldout):
+    job = _demo_job(tmp_path, demo_model, demo_calib, demo_heldout)
     first = invoke("run", job, "-q")
     assert first.exit_code == 0, first.output
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
@@ -249,10 +255,7 @@ def test_a_folder_made_for_an_output_is_said(tmp_path, demo_model, demo_calib):
 
 
 def test_a_job_writes_the_html_report_when_asked(tmp_path, demo_model, demo_calib, demo_heldout):
-    job = tmp_path / "job.yaml"
-    job.write_text(f"model: {demo_model}\noutput_dir: {tmp_path / 'out'}\n"
-                   f"calibrate: {{data: {demo_calib}, batch_size: 64}}\n"
-                   f"verify: {{data: {demo_heldout}, num_samples: 64, report: true}}\n")
+    job = _demo_job(tmp_path, demo_model, demo_calib, demo_heldout, ", report: true")
     result = invoke("run", job, "-q")
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in (tmp_path / "out").iterdir())

@@ -18,7 +18,8 @@ from ..calibrate import activation_sizes, batch_is_chosen, default_batch
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
-from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes
+from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
+    run_or_one_at_a_time
 from ..ops import blas, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes
 from ..pixels import feeds_for, pixel_inputs
@@ -192,12 +193,7 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     rest = dict(progress=progress, preprocess=preprocess, run_ort=run_ort, run_analyze=run_analyze,
                 analyze_samples=analyze_samples, arithmetic=arithmetic, ort_config=ort_config,
                 memory_mb=memory_mb, log=log, shard=shard, on_batch=on_batch)
-    try:
-        return _verify(*args, batch_size, **rest)
-    except OneAtATime as retry:  # the batch size verify chose failed on its first batch
-        if log is not None:
-            log(retry.note)
-        return _verify(*args, 1, **rest)
+    return run_or_one_at_a_time(lambda size: _verify(*args, size, **rest), batch_size, log)
 
 
 def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, batch_size, progress,
