@@ -434,11 +434,14 @@ class Batches(list):
 
 
 def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Path,
-            num_samples: int | None = 16, batch_size: int = 8, progress: bool = True) -> Analysis:
-    """Per-op sensitivity of ``qmodel`` (qtool's QDQ model of ``model_path``) on DATA."""
+            num_samples: int | None = 16, batch_size: int = 8, progress: bool = True,
+            preprocess=None) -> Analysis:
+    """Per-op sensitivity of ``qmodel`` (qtool's QDQ model of ``model_path``) on DATA
+    (``preprocess``: a ``qtool.data.Preprocess`` for a folder of images)."""
     start = time.perf_counter()
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
-    evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size))
+    evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
+                                                          preprocess))
     qdq = QdqModel(qmodel, float_model)
     if not qdq.ops:
         raise QtoolError("the quantized model has no QuantizeLinear/DequantizeLinear fences to analyze "

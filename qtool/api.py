@@ -20,7 +20,7 @@ import onnx
 
 from .errors import QtoolError
 
-__all__ = ["calibrate", "quantize", "verify"]
+__all__ = ["calibrate", "execute", "quantize", "verify"]
 
 
 def calibrate(model, data, method: str = "minmax", params: dict | None = None, num_samples: int | None = None,
@@ -70,6 +70,17 @@ def verify(model, qmodel, data, tolerance: tuple[float, float | None] = (0.99, 2
 
     with _paths(model, data) as (model_path, data_path), _model_path(qmodel, "qmodel") as qmodel_path:
         return run(model_path, qmodel_path, data_path, tolerance, progress=progress, **kwargs)
+
+
+def execute(qmodel, data, output, progress: bool = False, **kwargs):
+    """Run the quantized ``qmodel`` on the integer-only executor over ``data`` and write its
+    outputs to the ``.npz`` at ``output`` as they come: an ``ExecResult`` (``.outputs``: the shapes
+    written, ``.float_nodes``...). ``kwargs``: ``qtool.execute.execute``'s (``batch_size``,
+    ``target``, ``images``)."""
+    from .execute import execute as run
+
+    with _model_path(qmodel, "qmodel") as qmodel_path, _data_path(data) as data_path:
+        return run(qmodel_path, data_path, output, progress=progress, **kwargs)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,46 @@ app = typer.Typer(
 )
 
 
+class _GroupedCommand(typer.core.TyperCommand):
+    """Plain-text help with the options under headings (each option's ``rich_help_panel``, without
+    rich's boxes, so that help reads the same in a terminal, a pipe or a log)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        # typer writes a required argument as {MODEL}; a usage line reads MODEL, optional ones [X]
+        return [piece.replace("{", "").replace("}", "") for piece in super().collect_usage_pieces(ctx)]
+
+    def format_options(self, ctx, formatter) -> None:
+        arguments, groups = [], {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                groups.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        if arguments:
+            with formatter.section("Arguments"):
+                formatter.write_dl(arguments)
+        for heading, records in groups.items():
+            with formatter.section(heading):
+                formatter.write_dl(records)
+
+
+def _panels(**headings: str):
+    """Put a command's options under headings in its help: ``heading="param param ..."``
+    (underscores in a heading read as spaces)."""
+    def apply(function):
+        import inspect
+
+        defaults = inspect.signature(function).parameters
+        for heading, names in headings.items():
+            for name in names.split():
+                defaults[name].default.rich_help_panel = heading.replace("_", " ")
+        return function
+    return apply
+
+
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(__version__)
@@ -115,6 +155,8 @@ _SCALE = typer.Option(None, "--scale", help="Images: pixel multiplier before mea
 _CHANNELS = typer.Option(None, "--channels", help="Images: rgb, bgr or gray (default: recorded, else rgb).")
 _LAYOUT = typer.Option(None, "--layout", help="Images: nchw or nhwc (default: recorded, else nchw).")
 _IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.")
+for _option in (_RESIZE, _FIT, _PAD, _MEAN, _STD, _SCALE, _CHANNELS, _LAYOUT, _IMAGE_INPUT):
+    _option.rich_help_panel = "Images (a folder as DATA)"
 
 
 def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input) -> dict:
@@ -142,29 +184,29 @@ def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_inp
     return given
 
 
-def _recorded_images(qmodel: Path, data: Path, given: dict, loaded=None):
-    """verify's and exec's Preprocess for DATA: given over what QMODEL records (calibrate's)."""
-    from .data import recorded_preprocess
+def _recorded_images(qmodel: Path, data: Path, given: dict):
+    """verify's Preprocess for DATA: given over what QMODEL records (calibrate's)."""
+    from .data import holds_images, images_for
 
-    if not Path(data).is_dir():
-        if given:
-            raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
-        return None
+    if not holds_images(data):
+        return images_for(None, data, given, "")[0]  # the image options need a folder of images
     import onnx
 
     try:
-        model = loaded if loaded is not None else onnx.load(str(qmodel), load_external_data=False)
-    except Exception:  # the command's own loading says what is wrong with the file
+        model = onnx.load(str(qmodel), load_external_data=False)
+    except Exception:  # verify's own loading says what is wrong with the file
         return None
-    where = f"model file '{qmodel}'"
-    return _image_preprocess(data, given, recorded_preprocess(model, where), where)
+    pre, warnings = images_for(model, data, given, f"model file '{qmodel}'")
+    for w in warnings:
+        _log(f"warning: {w}")
+    return pre
 
 
 def _image_preprocess(data, given: dict, recorded, source: str):
     """The Preprocess for DATA when it is a folder of images (else None), warnings logged."""
-    from .data import Preprocess, resolve_preprocess
+    from .data import Preprocess, holds_images, resolve_preprocess
 
-    if data is None or not Path(data).is_dir():
+    if data is None or not holds_images(data):
         return None
     pre, warnings = resolve_preprocess(given, recorded, source)
     for w in warnings:
@@ -174,7 +216,7 @@ def _image_preprocess(data, given: dict, recorded, source: str):
     return pre
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def calibrate(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a "
@@ -230,6 +272,7 @@ def calibrate(
       qtool calibrate model.onnx -d calib.npz -o table.yaml --cluster tcp://scheduler:8786
     """
     from .calibrate import collect, parse_params
+    from .data import holds_images
     from .table_formats import STDIO, check_table_target, output_format, write_table
 
     try:
@@ -242,7 +285,7 @@ def calibrate(
         if stats_out is not None:
             check_writable(stats_out)
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, input_name)
-        if given and not Path(data).is_dir():
+        if given and not holds_images(data):
             raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
         pre = _image_preprocess(data, given, None, "")
         if histogram_samples < 0:
@@ -274,9 +317,9 @@ def calibrate(
         _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples ({method}) -> {written}")
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def merge(
-    stats: List[Path] = typer.Argument(..., metavar="STATS...", help="Statistics files from calibrate --stats-out."),
+    stats: List[Path] = typer.Argument(..., metavar="STATS", help="Statistics files from calibrate --stats-out."),
     output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml, .json, "
                                 "*cali_table, .cache); - for standard output (YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON on stdout."),
@@ -308,7 +351,7 @@ def merge(
     _log(f"merged {len(stats)} files: {len(table.tensors)} tensors on {table.samples} samples -> {output}")
 
 
-@app.command("convert-table", epilog=EXIT_CODES)
+@app.command("convert-table", epilog=EXIT_CODES, cls=_GroupedCommand)
 def convert_table(
     table: Path = typer.Argument(..., metavar="TABLE", help="Calibration table in any format qtool reads; - for "
                                             "standard input."),
@@ -344,7 +387,14 @@ def convert_table(
          f"-> {output}")
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
+@_panels(Input_and_output="table table_format output params_out params_metadata quiet as_json",
+         Number_formats="format per_channel symmetric activation_type multiplier_bits rounding target",
+         Ops_left_float_or_int16="keep_float precision_table strict",
+         Steps_fitted_on_DATA="data num_samples holdout batch_size method_choice try_methods table_out "
+                              "bias_correction placement weight_rounding target_sqnr max_float_layers "
+                              "allow_float",
+         Images_as_input="input_pixels")
 def quantize(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model (the one the table was made for)."),
     table: Path = typer.Option(..., "--table", "-t", help="Calibration table: qtool's (YAML/JSON), "
@@ -477,7 +527,7 @@ def quantize(
     from .recipe import DataSteps, quantize_with_data
     from .params import drop_params, model_params
     from .model import load_model, prepare
-    from .data import Preprocess, resolve_preprocess
+    from .data import Preprocess, holds_images, resolve_preprocess
     from .pixels import PixelInput
     from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
@@ -485,7 +535,7 @@ def quantize(
 
     try:
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input)
-        if given and not input_pixels and (data is None or not Path(data).is_dir()):
+        if given and not input_pixels and (data is None or not holds_images(data)):
             raise QtoolError("the image options describe the images of --data (a folder) or the pixels "
                              "of --input-pixels: add one")
         precisions = Precisions()
@@ -611,7 +661,7 @@ def quantize(
         f"-> {output}")
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def analyze(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name: the samples "
@@ -629,6 +679,15 @@ def analyze(
     top: int = typer.Option(20, help="Ops to list (0: all)."),
     as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    resize: Optional[str] = _RESIZE,
+    fit: Optional[str] = _FIT,
+    pad: Optional[float] = _PAD,
+    mean: Optional[str] = _MEAN,
+    std: Optional[str] = _STD,
+    scale: Optional[float] = _SCALE,
+    channels: Optional[str] = _CHANNELS,
+    layout: Optional[str] = _LAYOUT,
+    image_input: Optional[str] = _IMAGE_INPUT,
 ):
     """Rank the quantized ops by what they cost: the output SQNR against float with only that op
     quantized, and with only that op left float.
@@ -640,27 +699,35 @@ def analyze(
     Examples:
       qtool analyze model.onnx --data calib.npz
       qtool analyze model.onnx --data heldout.npz --table table.yaml --top 10 --json
+      qtool analyze rec.onnx --data lines/ --table table.yaml   # images, as calibrate read them
     """
     from .analyze import analyze as run, format_analysis
     from .calibrate import calibrate as calibrate_table
-    from .data import check_sampling
+    from .data import Preprocess, check_sampling, holds_images
     from .quantize import QuantizeOptions, quantize as quantize_model
     from .table_formats import read_table
 
     options = QuantizeOptions(per_channel, symmetric, activation_type, keep_float=tuple(keep_float))
     try:
         check_sampling(num_samples, batch_size)
-        table_ = (read_table(table) if table is not None
-                  else calibrate_table(model, data, method, progress=not quiet))
+        given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input)
+        if given and not holds_images(data):
+            raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
+        table_ = read_table(table) if table is not None else None
+        recorded = (Preprocess.from_dict(table_.preprocess, f"table file '{table}'")
+                    if table_ is not None and table_.preprocess else None)
+        pre = _image_preprocess(data, given, recorded, f"table file '{table}'")
+        if table_ is None:
+            table_ = calibrate_table(model, data, method, progress=not quiet, preprocess=pre)
         qmodel, _ = quantize_model(model, table_, options, str(table or "calibration"))
-        result = run(model, qmodel, data, num_samples, batch_size, progress=not quiet)
+        result = run(model, qmodel, data, num_samples, batch_size, progress=not quiet, preprocess=pre)
     except QtoolError as e:
         raise _fail(e)
     typer.echo(json.dumps(result.to_dict(), indent=1) if as_json
                else format_analysis(result, top or None))
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def verify(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     qmodel: Path = typer.Argument(..., metavar="QMODEL", help="Quantized model from qtool quantize."),
@@ -766,7 +833,7 @@ def verify(
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
-@app.command("exec", epilog=EXIT_CODES)
+@app.command("exec", epilog=EXIT_CODES, cls=_GroupedCommand)
 def exec_(
     qmodel: Path = typer.Argument(..., metavar="QMODEL", help="Quantized model from qtool quantize."),
     inputs: Path = typer.Option(..., "--input", "-i", help=".npz keyed by model input name, or a "
@@ -814,76 +881,42 @@ def exec_(
       qtool exec model.q.onnx --input images/ -o y.npz --batch-size 1
       qtool exec model.q.onnx --input x.npz -o y.npz --target x86-avx2   # what an AVX2 host computes
     """
-    from .batching import EXEC_FACTOR, OneAtATime, fixed_bytes
-    from .calibrate import batch_is_chosen, default_batch
-    from .data import check_sampling, load_dataset, output_sample_axes
-    from .executor import IntegerExecutor
-    from .fileio import NpzWriter
-    from .model import load_model
+    from .execute import execute
 
-    writer = None
     try:
-        check_sampling(None, batch_size)
         _one_stdout_writer(as_json, output)
         check_writable(output)
-        model = load_model(qmodel)
-        executor = IntegerExecutor(model, arithmetic=target)
-        pre = _recorded_images(qmodel, inputs, _image_given(resize, fit, pad, mean, std, scale, channels, layout,
-                                                            image_input), model)
-        data = load_dataset(inputs, model, pre)
-        as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
-        chosen = batch_is_chosen(model, batch_size)
-        batch_size, note = ((1, "") if as_they_are else
-                            default_batch(model, data, batch_size, EXEC_FACTOR, memory, EXEC_BATCH_CAP,
-                                          held=fixed_bytes(0, os.path.getsize(qmodel))))
-        # states in and out with their samples on another axis: one batch, written as it is
-        one_batch = any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
-            and any(axis != 0 for axis in output_sample_axes(model).values())
-        if one_batch:
-            batch_size, note = len(data), ""
-        whole = as_they_are or one_batch
-        chosen = chosen and not whole
-        try:
-            writer = NpzWriter(output, None if whole else len(data))
-            shapes = _exec_batches(executor, data, batch_size, writer, whole, not quiet, chosen)
-        except OneAtATime as retry:  # the batch size exec chose failed on its first batch
-            writer.discard()
-            batch_size, note = 1, retry.note
-            writer = NpzWriter(output, None if whole else len(data))
-            shapes = _exec_batches(executor, data, 1, writer, whole, not quiet, False)
-        ragged = dict(writer.ragged)
         folders = _new_folders(output)
-        writer.close()
+        result = execute(qmodel, inputs, output, batch_size, memory, target,
+                         _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input),
+                         progress=not quiet)
         _made(folders, quiet)
-        for name in ragged:
-            shapes[name] = None
-        if note and len(data) > 1 and not quiet and not as_json:
-            _log(note)
-        if not quiet and not as_json:
-            for name, count in ragged.items():
-                _log(f"output '{name}' changes shape from sample to sample: written per sample, as "
-                     f"'{name}/0' ... '{name}/{count - 1}'")
     except QtoolError as e:
-        if writer is not None:
-            writer.discard()
         raise _fail(e)
-    if not any(step.kind == "integer" for step in executor.steps):
+    for w in result.warnings:
+        _log(f"warning: {w}")
+    if result.note and not quiet and not as_json:
+        _log(result.note)
+    if not quiet and not as_json:
+        for name, count in result.per_sample.items():
+            _log(f"output '{name}' changes shape from sample to sample: written per sample, as "
+                 f"'{name}/0' ... '{name}/{count - 1}'")
+    if not result.integer_steps:
         _log(f"warning: no op of '{qmodel}' ran integer; is it a float model? (see qtool quantize)")
-    floats = executor.float_nodes()
     if as_json:
         typer.echo(json.dumps({
-            "steps": len(executor.steps), "integer_steps": sum(s.kind == "integer" for s in executor.steps),
-            "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in floats],
-            "outputs": shapes, "per_sample_outputs": list(ragged),
+            "steps": result.steps, "integer_steps": result.integer_steps,
+            "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in result.float_nodes],
+            "outputs": result.outputs, "per_sample_outputs": list(result.per_sample),
             "output": str(output)}, indent=1))
     elif not quiet:
-        _log(f"ran {len(executor.steps)} steps, {len(floats)} in float -> {output}")
-        for line in float_node_lines(floats):
+        _log(f"ran {result.steps} steps, {len(result.float_nodes)} in float -> {output}")
+        for line in float_node_lines(result.float_nodes):
             _log(line)
 
 
 # ignore_unknown_options: so that "-1" is a value
-@app.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES)
+@app.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES, cls=_GroupedCommand)
 def scale(
     value: str = typer.Argument(..., metavar="SCALE", help="A positive float scale, e.g. 0.1234."),
     bits: int = typer.Option(32, help="Multiplier width: 32 or 8."),
@@ -915,7 +948,7 @@ def scale(
                f"approx          {approx!r}\nrelative_error  {info['relative_error']:.3g}")
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def run(
     job: Path = typer.Argument(..., metavar="JOB", help="YAML job file: one job (see configs/demo.yaml) or a batch "
                                          "with defaults and jobs (see configs/ppocr.yaml)."),
@@ -1038,47 +1071,6 @@ def main() -> None:
         typer.echo("error: interrupted", err=True)
         raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)
-
-
-def _exec_batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
-    """exec's runs, each batch's outputs to ``writer``: the outputs' shapes. A first batch of a
-    ``chosen`` size above 1 that fails raises ``OneAtATime``."""
-    from .batching import OneAtATime
-    from .report import progress_bar
-
-    shapes = {}
-    with progress_bar(len(data), "exec", progress) as bar:
-        for feeds in data.batches(batch_size):
-            try:
-                outputs = executor.run(feeds).outputs
-            except QtoolError as e:
-                if chosen and bar.n == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
-                    raise OneAtATime(batch_size, e) from None
-                raise
-            if not whole:
-                outputs = _per_sample(outputs, data.samples_in(feeds))
-            shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
-                      for name, value in outputs.items()}
-            writer.append(outputs)
-            bar.update(min(batch_size, len(data) - bar.n))
-    return shapes
-
-
-def _per_sample(outputs: dict, n: int) -> dict:
-    """A batch's outputs with the samples on the first axis: one sample's output whose first axis
-    is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample; an output
-    of a larger batch that does not lead with it cannot be split, a one-line error."""
-    shaped = {}
-    for name, value in outputs.items():
-        if value.ndim and value.shape[0] == n:
-            shaped[name] = value
-        elif n == 1:
-            shaped[name] = value[None]
-        else:
-            raise QtoolError(f"output '{name}' has shape {list(value.shape)} for a batch of {n} "
-                             f"samples, so exec cannot tell which part is whose; with --batch-size 1 "
-                             f"each sample's output is written whole, one per sample")
-    return shaped
 
 
 def _internal_error(e: Exception) -> None:

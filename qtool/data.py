@@ -214,6 +214,25 @@ def resolve_preprocess(given: dict, recorded: "Preprocess | None", source: str
     return dataclasses.replace(recorded, **given), warnings
 
 
+def holds_images(path) -> bool:
+    """Whether ``path`` is a folder with image files (what the image options describe)."""
+    folder = Path(path)
+    return folder.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir())
+
+
+def images_for(model: onnx.ModelProto, data_path, given: dict, where: str) -> tuple["Preprocess | None", list[str]]:
+    """The image preprocessing for DATA: None unless it is a folder; the ``given`` fields over the
+    ones ``model`` records (calibration's), and the warnings where they differ."""
+    if not holds_images(data_path):
+        if given:
+            raise QtoolError(f"the image options describe a folder of images; '{data_path}' is not one")
+        return None, []
+    pre, warnings = resolve_preprocess(given, recorded_preprocess(model, where), where)
+    if pre is not None:
+        pre.check()
+    return pre, warnings
+
+
 def _shown(value) -> str:
     if isinstance(value, tuple):
         return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)

@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import pytest
 
-from qtool.api import calibrate, quantize, verify
+from qtool.api import calibrate, execute, quantize, verify
 from qtool.errors import QtoolError
 
 
@@ -37,6 +37,23 @@ def test_quantize_and_verify_from_python(demo_model, demo_heldout, calib):
     wide, wide_report = quantize(demo_model, table, data={"input": calib}, activation_type="int16")
     assert wide_report.bias_correction is not None
     assert verify(demo_model, wide, {"input": held}).outputs[0].sqnr > checked.outputs[0].sqnr
+
+
+def test_execute_writes_what_qtool_exec_writes(tmp_path, demo_model, demo_heldout, calib):
+    from test_cli import invoke
+
+    qmodel, _ = quantize(demo_model, calibrate(demo_model, {"input": calib}))
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    held = np.load(demo_heldout)["input"][:20]
+    np.savez(tmp_path / "held.npz", input=held)
+    result = execute(qmodel, ({"input": x} for x in held), tmp_path / "api.npz", batch_size=8)
+    assert result.outputs == {"logits": [20, 10]} and result.integer_steps > 0 and not result.float_nodes
+    assert invoke("exec", tmp_path / "q.onnx", "-i", tmp_path / "held.npz", "-o", tmp_path / "cli.npz",
+                  "-q").exit_code == 0
+    assert np.array_equal(np.load(tmp_path / "api.npz")["logits"], np.load(tmp_path / "cli.npz")["logits"])
+    with pytest.raises(QtoolError, match="the image options describe a folder of images"):
+        execute(qmodel, {"input": held}, tmp_path / "x.npz", images={"fit": "crop"})
+    assert not (tmp_path / "x.npz").exists()
 
 
 def test_bad_arguments_are_qtool_errors(demo_model, calib):

@@ -147,6 +147,20 @@ def test_command_help(command):
     assert "Usage:" in result.stdout
     if command != "version":
         assert "Examples" in result.stdout
+    usage = result.stdout.splitlines()[0]
+    assert "{" not in usage and "}" not in usage, usage  # MODEL, not typer's {MODEL}
+
+
+def test_quantize_help_groups_its_options():
+    text = invoke("quantize", "--help").stdout
+    headings = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings[:3] == ["Arguments:", "Input and output:", "Number formats:"]
+    assert "Steps fitted on DATA:" in headings and "Images (a folder as DATA):" in headings
+    steps = text.split("Steps fitted on DATA:")[1]
+    for option in ("--data", "--target-sqnr", "--holdout", "--weight-rounding"):
+        assert option in steps
+    assert "--activation-type" not in steps  # under Number formats
+    assert "\u2500" not in text and "\u256d" not in text  # plain text, no rich boxes
 
 
 # -- scale -------------------------------------------------------------------------------------------

@@ -85,7 +85,28 @@ def test_a_job_takes_image_folders(tmp_path, images, demo_model):
     assert report["samples"] == 40 and report["outputs"][0]["sqnr_db"] > 20
 
 
-@pytest.mark.parametrize("command", ["calibrate", "quantize", "verify", "exec"])
+def test_analyze_reads_images_as_the_table_recorded(tmp_path, images, demo_model):
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", demo_model, "-d", images, "-o", table, *SETTINGS, "-q").exit_code == 0
+    common = ("analyze", demo_model, "-d", images, "--num-samples", "8", "--top", "3", "--json", "-q")
+    recorded = _report(invoke(*common, "-t", table))
+    explicit = _report(invoke(*common, "-t", table, *SETTINGS))
+    calibrated = _report(invoke(*common, *SETTINGS))  # no table: calibrates on the folder itself
+    assert recorded["samples"] == 8
+    assert recorded["ops"] == explicit["ops"] and recorded["quantized_db"] == explicit["quantized_db"]
+    assert calibrated["quantized_db"] == recorded["quantized_db"]  # the same table, made in the same way
+    stretched = invoke(*common, "-t", table, "--fit", "stretch")
+    assert _report(stretched)["quantized_db"] != recorded["quantized_db"]
+    assert "warning: image preprocessing: fit stretch given, letterbox recorded" in stretched.stderr
+    # verify --analyze ranks the same ops on the folder, read as the model records
+    qmodel = tmp_path / "q.onnx"
+    assert invoke("quantize", demo_model, "-t", table, "-o", qmodel, "-q").exit_code == 0
+    verified = _report(invoke("verify", demo_model, qmodel, "-d", images, "--analyze", "--analyze-samples", "8",
+                              "--json", "-q"))
+    assert verified["analysis"]["ops"] == recorded["ops"]
+
+
+@pytest.mark.parametrize("command", ["calibrate", "quantize", "verify", "exec", "analyze"])
 def test_image_options_need_a_folder_of_images(tmp_path, demo_model, demo_calib, qmodel, demo_table, command):
     from qtool.table_formats import write_table
 
@@ -93,10 +114,24 @@ def test_image_options_need_a_folder_of_images(tmp_path, demo_model, demo_calib,
     args = {"calibrate": ("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "x.yaml"),
             "quantize": ("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "x.onnx"),
             "verify": ("verify", demo_model, qmodel, "-d", demo_calib),
-            "exec": ("exec", qmodel, "-i", demo_calib, "-o", tmp_path / "y.npz")}[command]
+            "exec": ("exec", qmodel, "-i", demo_calib, "-o", tmp_path / "y.npz"),
+            "analyze": ("analyze", demo_model, "-d", demo_calib)}[command]
     message = ("the image options describe the images of --data (a folder) or the pixels of --input-pixels"
                if command == "quantize" else "the image options describe a folder of images")
     assert_user_error(invoke(*args, "--fit", "letterbox"), message)
+
+
+@pytest.mark.parametrize("command", ["calibrate", "verify", "exec", "analyze"])
+def test_image_options_on_a_folder_of_arrays_are_refused(tmp_path, demo_model, demo_heldout, qmodel, command):
+    folder = tmp_path / "arrays"
+    folder.mkdir()
+    for i, a in enumerate(np.load(demo_heldout)["input"][:4]):
+        np.save(folder / f"{i}.npy", a[None])
+    args = {"calibrate": ("calibrate", demo_model, "-d", folder, "-o", tmp_path / "x.yaml"),
+            "verify": ("verify", demo_model, qmodel, "-d", folder),
+            "exec": ("exec", qmodel, "-i", folder, "-o", tmp_path / "y.npz"),
+            "analyze": ("analyze", demo_model, "-d", folder)}[command]
+    assert_user_error(invoke(*args, "--fit", "crop"), "the image options describe a folder of images")
 
 
 def test_unknown_fit_is_a_one_line_error(tmp_path, images, demo_model):

@@ -202,9 +202,6 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     check_sampling(num_samples, batch_size)
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
-        if preprocess is not None:
-            raise QtoolError("the sensitivity analysis reads DATA as it is, without image "
-                             "preprocessing; verify without it")
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel, arithmetic=arithmetic)
@@ -252,8 +249,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     analysis = None
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
         samples = total if analyze_samples is None else min(analyze_samples, total)
-        analysis = analyze(float_path, qmodel, data_path, samples, batch_size,
-                           progress)
+        analysis = analyze(float_path, qmodel, data_path, samples, batch_size, progress, preprocess)
     correct_float = correct_int = 0
     first_feeds = None  # onnxruntime's first batch: where it parts from the executor is found on it
     tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (Comparison.update_integer)

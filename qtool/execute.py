@@ -1,0 +1,116 @@
+"""``qtool exec`` as a library call: run a quantized model on the integer-only executor over a
+dataset and write its outputs to an ``.npz`` as they come (memory does not grow with the samples).
+
+How samples are batched: on each array's first axis, ``batch_size`` at a time (chosen from the
+memory budget when None, started again one at a time when a chosen size fails on its first batch).
+Inputs that carry no sample axis (every array shaped exactly as its input) run once as they are;
+states in and out whose samples lie on another axis run in one batch, written as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, OneAtATime, fixed_bytes
+from .calibrate import batch_is_chosen, default_batch
+from .data import check_sampling, images_for, load_dataset, output_sample_axes
+from .errors import QtoolError
+from .executor import IntegerExecutor
+from .fileio import NpzWriter
+from .model import load_model
+from .report import progress_bar
+
+
+@dataclass
+class ExecResult:
+    steps: int  # executor steps
+    integer_steps: int
+    float_nodes: list  # (op type, node, reason) of what ran in float
+    outputs: dict  # output name -> shape written ([samples, ...]); None for one written per sample
+    per_sample: dict  # output name -> samples, for the outputs written as NAME/0, NAME/1, ...
+    note: str = ""  # how the batch size was chosen, or why it fell to 1
+    warnings: list = field(default_factory=list)  # image preprocessing given against recorded
+
+
+def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, batch_size: int | None = None,
+            memory_mb: int = DEFAULT_MEMORY_MB, target: str = "exact", images: dict | None = None,
+            progress: bool = True) -> ExecResult:
+    """Run ``qmodel_path`` over ``inputs`` (an .npz, a folder of samples or of images, preprocessed
+    as the model records unless ``images``, Preprocess fields, say otherwise) and write its outputs
+    to ``output`` (a path, or ``-`` for standard output); nothing is left at ``output`` on failure."""
+    check_sampling(None, batch_size)
+    model = load_model(qmodel_path)
+    executor = IntegerExecutor(model, arithmetic=target)
+    pre, warnings = images_for(model, inputs, images or {}, f"model file '{qmodel_path}'")
+    data = load_dataset(inputs, model, pre)
+    as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
+    chosen = batch_is_chosen(model, batch_size)
+    batch_size, note = ((1, "") if as_they_are else
+                        default_batch(model, data, batch_size, EXEC_FACTOR, memory_mb, EXEC_BATCH_CAP,
+                                      held=fixed_bytes(0, os.path.getsize(qmodel_path))))
+    # states in and out with their samples on another axis: one batch, written as it is
+    one_batch = any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \
+        and any(axis != 0 for axis in output_sample_axes(model).values())
+    if one_batch:
+        batch_size, note = len(data), ""
+    whole = as_they_are or one_batch
+    chosen = chosen and not whole
+    writer = NpzWriter(output, None if whole else len(data))
+    try:
+        try:
+            shapes = _batches(executor, data, batch_size, writer, whole, progress, chosen)
+        except OneAtATime as retry:  # the batch size exec chose failed on its first batch
+            writer.discard()
+            batch_size, note = 1, retry.note
+            writer = NpzWriter(output, None if whole else len(data))
+            shapes = _batches(executor, data, 1, writer, whole, progress, False)
+        per_sample = dict(writer.ragged)
+        writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    for name in per_sample:
+        shapes[name] = None
+    return ExecResult(len(executor.steps), sum(s.kind == "integer" for s in executor.steps),
+                      executor.float_nodes(), shapes, per_sample, note if len(data) > 1 else "", warnings)
+
+
+def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
+    """Each batch's outputs to ``writer``: the outputs' shapes. A first batch of a ``chosen``
+    size above 1 that fails raises ``OneAtATime``."""
+    shapes = {}
+    with progress_bar(len(data), "exec", progress) as bar:
+        for feeds in data.batches(batch_size):
+            try:
+                outputs = executor.run(feeds).outputs
+            except QtoolError as e:
+                if chosen and bar.n == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
+                    raise OneAtATime(batch_size, e) from None
+                raise
+            if not whole:
+                outputs = per_sample(outputs, data.samples_in(feeds))
+            shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
+                      for name, value in outputs.items()}
+            writer.append(outputs)
+            bar.update(min(batch_size, len(data) - bar.n))
+    return shapes
+
+
+def per_sample(outputs: dict, n: int) -> dict:
+    """A batch's outputs with the samples on the first axis: one sample's output whose first axis
+    is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample; an output
+    of a larger batch that does not lead with it cannot be split, a one-line error."""
+    shaped = {}
+    for name, value in outputs.items():
+        if value.ndim and value.shape[0] == n:
+            shaped[name] = value
+        elif n == 1:
+            shaped[name] = value[None]
+        else:
+            raise QtoolError(f"output '{name}' has shape {list(value.shape)} for a batch of {n} "
+                             f"samples, so exec cannot tell which part is whose; with --batch-size 1 "
+                             f"each sample's output is written whole, one per sample")
+    return shaped
+
