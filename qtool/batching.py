@@ -34,6 +34,9 @@ EXEC_BATCH_CAP = 8
 VERIFY_BATCH_CAP = 8
 CALIBRATE_BATCH_CAP = 8
 # bytes a command holds per byte of one sample's float activations (see above)
+# the samples whose tensors verify compares by default, in whole batches spread over the data
+# (the outputs are compared on every sample): a per-tensor figure settles within a few batches
+DEFAULT_LAYERS = 16
 CALIBRATE_FACTOR, EXEC_FACTOR, VERIFY_FACTOR = 0.5, 1.5, 4.0
 PROCESS_BYTES = 150 << 20  # python, numpy, onnx, onnxruntime and qtool imported
 FLOAT_MODEL_COPIES, INTEGER_MODEL_COPIES = 4, 5

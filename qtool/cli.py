@@ -19,7 +19,7 @@ from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import STDOUT, atomic_write, check_writable, write_all
 from .report import bias_summary, float_node_lines, methods_summary, pick_summary, placement_summary, \
     rounding_summary, search_summary
-from .batching import CALIBRATE_BATCH_CAP, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
+from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
 DATA_AXES = (" Samples lie on each array's first axis, except: a scalar input takes a 0-d array, fed "
@@ -131,6 +131,16 @@ def _made(folders: list[Path], quiet: bool) -> None:
     for folder in folders:
         if folder.is_dir() and not quiet:
             _log(f"made folder '{folder}'")
+
+
+def _layers(text: str) -> int | None:
+    """verify --layers: N samples, or all (None)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise QtoolError(f"--layers takes a number of samples or all, got '{text}'") from None
 
 
 def _one_stdout_writer(as_json: bool, output) -> None:
@@ -750,6 +760,9 @@ def verify(
     labels: Optional[str] = typer.Option(None, help="Array in DATA with class labels: adds top-1 "
                                                     "accuracy of both models."),
     num_samples: Optional[int] = typer.Option(None, help="Use only the first N samples."),
+    layers: str = typer.Option(str(DEFAULT_LAYERS), "--layers", metavar="N|all", help="Samples the "
+                               "tensors are compared on, in whole batches spread over the data (the "
+                               "outputs are compared on every sample); all: every sample."),
     batch_size: Optional[int] = typer.Option(None, help="Samples per run (every compared tensor "
                                              "of a batch is held in memory). Default: chosen "
                                              "from --memory (at most "
@@ -821,7 +834,7 @@ def verify(
                      progress=not quiet, preprocess=pre, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
                      arithmetic=target, ort_config=config, memory_mb=memory,
-                     log=_log)
+                     log=_log, layers=_layers(layers))
         if report_path is not None:
             folders = _new_folders(report_path)
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())

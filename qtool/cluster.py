@@ -32,6 +32,7 @@ import os
 import uuid
 from pathlib import Path
 
+from .batching import DEFAULT_LAYERS
 from .errors import QtoolError
 from .model import first_line
 from .report import progress_bar
@@ -175,7 +176,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
            batch_size: int | None = None, progress: bool = True, preprocess=None,
            run_ort: bool = False, run_analyze: bool = False, analyze_samples: int | None = 16,
            arithmetic: str = "exact", ort_config: dict | None = None, memory_mb: int | None = None,
-           log=None):
+           log=None, layers: int | None = DEFAULT_LAYERS):
     """``qtool.verify.verify`` with the samples shared out among the workers of ADDRESS: the same
     report, figure for figure (each batch's sums are added on the client in batch order).
     ``run_ort`` and ``run_analyze`` are refused, so ``analyze_samples`` and ``ort_config`` unused."""
@@ -183,7 +184,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
     from .calibrate import default_batch
     from .data import check_sampling, load_dataset
     from .model import load_model, prepare, weight_bytes
-    from .verify.core import accuracy, judge
+    from .verify.core import accuracy, judge, layer_batches
 
     if run_ort or run_analyze:
         raise QtoolError("--ort and --analyze run on one machine; verify with them without --cluster")
@@ -200,7 +201,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
             log(f"cluster: {len(shards)} shards of {total} samples on {_workers(client)} workers")
         parts = _run_shards(client, _verify_shard, shards, "verify", progress, str(float_path),
                             str(qmodel_path), str(data_path), tolerance, labels, batch_size,
-                            preprocess, arithmetic, memory_mb)
+                            preprocess, arithmetic, memory_mb, layer_batches(total, batch_size, layers))
     report, batches = parts[0][0], [batch for _, shard_batches in parts for batch in shard_batches]
     outputs, tensors, joined, _, _ = batches[0]
     for more_outputs, more_tensors, more_joined, _, _ in batches[1:]:
@@ -209,6 +210,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
         for name, part in joined.items():
             part.merge(more_joined[name])
     report.samples, report.outputs, report.tensors, report.parts = total, outputs, tensors, joined
+    report.layer_samples = sum(shard_report.layer_samples for shard_report, _ in parts)
     report.failures = []
     if labels is not None:
         correct_float, correct_int = (sum(batch[4][i] for batch in batches) for i in range(2))
@@ -220,7 +222,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
 
 
 def _verify_shard(float_path, qmodel_path, data_path, tolerance, labels, batch_size, preprocess,
-                  arithmetic, memory_mb, shard):
+                  arithmetic, memory_mb, picked, shard):
     """The shard's report (its float nodes, arithmetic) and each of its batches' figures alone:
     (outputs, tensors, parts, ort checks, (correct float, correct integer))."""
     from .verify import verify as run
@@ -235,7 +237,7 @@ def _verify_shard(float_path, qmodel_path, data_path, tolerance, labels, batch_s
 
     report = run(float_path, qmodel_path, data_path, tolerance, labels, batch_size=batch_size,
                  progress=False, preprocess=preprocess, arithmetic=arithmetic, memory_mb=memory_mb,
-                 shard=shard, on_batch=take)
+                 shard=shard, on_batch=take, layers=picked)
     return report, batches
 
 

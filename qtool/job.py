@@ -19,6 +19,7 @@ import yaml
 import calibrators
 
 from . import __version__
+from .batching import DEFAULT_LAYERS
 from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, FITS, LAYOUTS, Preprocess, read_npz
@@ -95,6 +96,7 @@ SCHEMA = {
         "batch_size": ("posint", False),
         "max_accuracy_drop": (float, False),
         "report": (bool, False),  # also write NAME.verify.html (qtool verify --report)
+        "layers": ("layers", False),  # verify --layers: samples the tensors are compared on, or "all"
     }, False),
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
@@ -128,6 +130,9 @@ def _check(value, schema: dict, path: str, required: bool = True) -> None:
             _type(v, int, where)
             if v < 1:
                 raise QtoolError(f"{where}: must be >= 1, got {v}")
+        elif kind == "layers":
+            if v != "all" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise QtoolError(f"{where}: expected a number of samples >= 1 or all, got {v!r}")
         elif kind == "count":
             _type(v, int, where)
             if v < 0:
@@ -495,7 +500,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     report = verify(plan.model, qmodel_path, plan.verify_data, plan.tolerance, ver.get("labels"),
-                    ver.get("num_samples"), ver.get("batch_size"), progress, plan.preprocess)
+                    ver.get("num_samples"), ver.get("batch_size"), progress, plan.preprocess,
+                    layers=None if ver.get("layers") == "all" else ver.get("layers", DEFAULT_LAYERS))
     seconds["verify"] = time.perf_counter() - t0
     failures = list(report.failures)
     drop = ver.get("max_accuracy_drop")

@@ -471,12 +471,14 @@ class FloatRunner:
         self.session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """The outputs (``names`` of them only: onnxruntime then keeps no other tensor)."""
+        names = names or self.output_names
         try:
-            values = self.session.run(None, feeds)
+            values = self.session.run(names, feeds)
         except Exception as e:
             raise QtoolError(f"onnxruntime failed on the float model: {first_line(e)}{batch_hint(feeds)}") from None
-        return dict(zip(self.output_names, values))
+        return dict(zip(names, values))
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:

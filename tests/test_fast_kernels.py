@@ -3,12 +3,13 @@ float32 Conv as the summing engine, and the garbage collector paused during a ru
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
 import pytest
 
-from qtool.fixedpoint import Requant, offset_requant
+from qtool.fixedpoint import Requant, narrowed, offset_requant
 from qtool.ops import REGISTRY, compiled, ortconv
 from qtool.ops.conv import ConvParams, ConvPlan, run_scanned
 
@@ -104,6 +105,63 @@ def test_onnxruntime_engine_restores_the_zero_point_padding(shape, c_out, kernel
     x = rng.integers(-128, 128, size=shape).astype(np.int8)
     assert (REGISTRY["Conv"].run(plan, x) == run_scanned(p, x)).all()
     assert np.array_equal(plan.engine(np.dtype(np.int8))(x), plan.numpy_sums(x))
+
+
+def _int16_params(weight, pads, strides, dilations, group):
+    """An int16-activation Conv (zero point 0, int16 output) whose sums leave int32: the
+    multipliers are narrowed for a 64-bit accumulator, as quantize writes them."""
+    c_out = weight.shape[0]
+    l1 = np.abs(weight.astype(np.int64)).reshape(c_out, -1).sum(axis=1)
+    requant = narrowed(Requant(np.full(c_out, 2**31 - 1, np.int64), np.full(c_out, 44, np.int64)), l1 * 32768 + 10**6)
+    return ConvParams(weight=weight, bias=np.arange(c_out, dtype=np.int64) * 99991 - 7, requant=requant,
+                      zero_in=0, zero_out=0, pads=pads, strides=strides, dilations=dilations, group=group,
+                      rounding="half_up", dtype="int16")
+
+
+@pytest.mark.parametrize("engine", [True, False])
+@pytest.mark.parametrize("shape, c_out, kernel, pads, strides, dilations, group", [
+    ((2, 8, 7, 9), 6, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), 1),  # im2col
+    ((1, 16, 6, 6), 16, (3, 3), (1, 0, 2, 1), (2, 2), (1, 1), 16),  # depthwise, strided, one-sided pads
+    ((2, 12, 5, 4), 4, (1, 1), (0, 0, 0, 0), (1, 1), (1, 1), 1),  # pointwise
+    ((1, 6, 9, 9), 3, (3, 3), (0, 0, 0, 0), (1, 1), (2, 2), 1),  # taps (fewer outputs), dilated
+])
+def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, shape, c_out, kernel, pads, strides,
+                                                              dilations, group, monkeypatch):
+    monkeypatch.setattr(ortconv, "ENABLED", engine)
+    rng = np.random.default_rng(sum(shape) + c_out)
+    weight = rng.integers(-127, 128, size=(c_out, shape[1] // group, *kernel)).astype(np.int8)
+    p = _int16_params(weight, pads, strides, dilations, group)
+    plan = REGISTRY["Conv"].specialize(p, [shape])
+    assert plan.split16 is not None
+    # the extremes of int16 (whose high byte is -128 or 127, low byte 0 or 255) and random values
+    x = rng.choice(np.array([-32768, -32767, -256, -255, -1, 0, 1, 255, 256, 32767], np.int16), size=shape)
+    x[0, 0] = rng.integers(-32768, 32768, size=shape[2:])
+    got = REGISTRY["Conv"].run(plan, x)
+    assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
+    assert (plan.engines[("split16", np.dtype(np.int8))] is not None) == engine
+
+
+def test_int16_split_raises_where_the_exact_path_does():
+    # sums past int32 with a multiplier not narrowed for them: both paths refuse, neither wraps
+    weight = np.full((2, 56, 3, 3), 127, np.int8)
+    p = dataclasses.replace(_int16_params(weight, (0, 0, 0, 0), (1, 1), (1, 1), 1),
+                            bias=np.array([2**32 + 2**30, 0], np.int64),
+                            requant=Requant(np.full(2, 2**30 + 1, np.int64), np.full(2, 44, np.int64)))
+    plan = ConvPlan.of(p, (1, 56, 3, 3))
+    assert plan.split16 is not None and plan.split16.unproven.tolist() == [0]  # its bias takes it past
+    x = np.full((1, 56, 3, 3), 32767, np.int16)
+    for run in (lambda: REGISTRY["Conv"].run(plan, x), lambda: run_scanned(p, x)):
+        with pytest.raises(OverflowError):
+            run()
+
+
+def test_int16_split_needs_zero_point_zero_and_bounded_weights():
+    weight = np.full((2, 2, 3, 3), 127, np.int8)
+    p = _int16_params(weight, (0, 0, 0, 0), (1, 1), (1, 1), 1)
+    assert ConvPlan.of(p, (1, 2, 5, 5)).split16 is not None
+    assert ConvPlan.of(dataclasses.replace(p, zero_in=5), (1, 2, 5, 5)).split16 is None
+    heavy = _int16_params(np.full((2, 600, 3, 3), 127, np.int8), (0, 0, 0, 0), (1, 1), (1, 1), 1)
+    assert ConvPlan.of(heavy, (1, 600, 5, 5)).split16 is None  # 600*9*127*255 >= 2**24
 
 
 def test_onnxruntime_engine_that_disagrees_or_fails_is_not_used(monkeypatch):

@@ -163,6 +163,8 @@ class Conv(IntegerOp):
     def _run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None) -> np.ndarray:
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
+        if tail is None and plan.split16 is not None and x.dtype == np.int16:
+            return _mapped(_run_split16(plan, x), table)
         if tail is None:
             return _mapped(run_scanned(params, x), table)
         engine = plan.engine(x.dtype)
@@ -209,6 +211,20 @@ def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: 
 
     parallel.run_parts(channels, engine.part_ranges)
     return out
+
+
+def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
+    """An int16 input's exact int64 sums (``ConvPlan.split_sums``) through the plan's int16 tail
+    (an ``OffsetRequant`` proven for every int16 input); the channels whose sums may leave int32
+    go through ``requantize`` as well, which raises where their multiplier was not narrowed."""
+    params, tail = plan.params, plan.split16
+    acc = plan.split_sums(x)
+    if tail.unproven.size:
+        chosen = tail.unproven
+        requantize(acc[:, chosen] + params.bias[chosen].reshape(-1, 1, 1),
+                   params.requant.multiplier[chosen].reshape(-1, 1, 1),
+                   params.requant.rshift[chosen].reshape(-1, 1, 1), params.rounding)
+    return tail.requant(acc)
 
 
 def _mapped(q: np.ndarray, table: np.ndarray | None) -> np.ndarray:
@@ -295,6 +311,7 @@ class ConvPlan:
     tails: dict  # input np.dtype -> Tail
     row_parts: tuple[tuple[int, int], ...]  # output row ranges, one per thread
     engines: dict = field(default_factory=dict)  # input np.dtype -> ortconv.OrtConv or None
+    split16: "Tail | None" = None  # int16 inputs: two 8-bit halves (``split_sums``), then this tail
 
     @classmethod
     def of(cls, p: ConvParams, shape: tuple[int, ...]) -> "ConvPlan":
@@ -340,7 +357,15 @@ class ConvPlan:
             if fused is not None:
                 tails[dtype] = Tail.of(fused)
         row_parts = parallel.ranges(out_hw[0], shape[0] * c_out * out_hw[0] * out_hw[1])
-        return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts)
+        # an int16 input is 256 * hi + lo with hi int8 and lo uint8: each half's sums are exact
+        # in float32 when the weights bound them (|lo| <= 255), and padding 0 is 0 in both
+        split16 = None
+        if p.zero_in == 0 and int(l1.max(initial=0)) * 255 < FLOAT32_EXACT:
+            fused = offset_requant(p.bias.reshape(-1, 1, 1), Requant(p.requant.multiplier.reshape(-1, 1, 1),
+                                                                     p.requant.rshift.reshape(-1, 1, 1)),
+                                   p.zero_out, p.dtype, p.rounding, (l1 * 32768).reshape(-1, 1, 1))
+            split16 = None if fused is None else Tail.of(fused)
+        return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts, split16=split16)
 
     def engine(self, dtype: np.dtype) -> "ortconv.OrtConv | None":
         """onnxruntime's float32 Conv for inputs of ``dtype`` where float32 is proven exact for
@@ -349,6 +374,25 @@ class ConvPlan:
             self.engines[dtype] = None if dtype not in self.tails else \
                 ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_rows)
         return self.engines[dtype]
+
+    def split_sums(self, x: np.ndarray) -> np.ndarray:
+        """The exact int64 sums [n, C_out, out_h, out_w] of an int16 input (zero point 0): the sums
+        of its high bytes (int8) times 256 plus those of its low bytes (uint8), each a float32
+        Conv proven exact (``split16``), by onnxruntime where its engine checks out, else numpy."""
+        total = None
+        for half, factor in (((x >> 8).astype(np.int8), 256), ((x & 0xFF).astype(np.uint8), 1)):
+            key = ("split16", half.dtype)
+            if key not in self.engines:
+                self.engines[key] = ortconv.build(self.params, self.in_shape, self.out_hw, half.dtype,
+                                                  self.numpy_rows)
+            engine = self.engines[key]
+            sums = (engine(half) if engine is not None else self.numpy_sums(half)).astype(np.int64)
+            if total is None:
+                total = sums
+                total *= factor
+            else:
+                total += sums
+        return total
 
     def numpy_rows(self, x: np.ndarray):
         """``rows(start, stop)``: the float32 sums of output rows [start, stop) of input ``x`` by

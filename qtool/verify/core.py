@@ -18,7 +18,7 @@ from ..calibrate import activation_sizes, batch_is_chosen, default_batch
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
-from ..batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
+from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
     run_or_one_at_a_time
 from ..ops import blas, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes
@@ -102,6 +102,7 @@ class VerifyReport:
     parts: dict[str, PartComparisons] = field(default_factory=dict)  # output -> its joined parts
     made: dict = field(default_factory=dict)  # the quantized model's qtool.* metadata: how it was made
     probabilities: dict = field(default_factory=dict)  # output -> (Softmax or Sigmoid, the logits it reads)
+    layer_samples: int | None = None  # the samples the tensors were compared on (None: all)
 
     @property
     def passed(self) -> bool:
@@ -125,7 +126,7 @@ class VerifyReport:
         return None
 
     def to_dict(self) -> dict:
-        d = {"passed": self.passed, "samples": self.samples,
+        d = {"passed": self.passed, "samples": self.samples, "layer_samples": self.layer_samples,
              "tolerance": {"cosine": self.tolerance[0], "sqnr_db": self.tolerance[1]},
              "outputs": [c.to_dict() | ({"parts": self.parts[c.name].to_dict()} if c.name in self.parts
                                         else {}) for c in self.outputs],
@@ -179,7 +180,8 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
            preprocess=None, run_ort: bool = False, run_analyze: bool = False,
            analyze_samples: int | None = 16, arithmetic: str = "exact",
            ort_config: dict[str, str] | None = None, memory_mb: int = DEFAULT_MEMORY_MB,
-           log=None, shard: tuple[int, int] | None = None, on_batch=None) -> VerifyReport:
+           log=None, shard: tuple[int, int] | None = None, on_batch=None,
+           layers: int | frozenset | None = DEFAULT_LAYERS) -> VerifyReport:
     """Run the float model and the integer executor over DATA, comparing every output and every
     integer tensor; with ``run_ort``, also onnxruntime on the quantized model, output by output;
     with ``run_analyze``, also ``qtool analyze``'s per-op sensitivity ranking of the (QDQ) quantized
@@ -188,18 +190,33 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     onnxruntime's session (e.g. ``session.x64quantprecision``), as a user deploys it.
     ``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``.
     ``shard``: samples [first, stop) only; ``on_batch(outputs, tensors, parts, ort_checks,
-    (correct_float, correct_int))`` after each batch (qtool/cluster.py takes each batch's figures)."""
+    (correct_float, correct_int))`` after each batch (qtool/cluster.py takes each batch's figures).
+    ``layers``: the samples the tensors are compared on, in whole batches spread over the data
+    (``layer_batches``; the outputs on every sample); None: every sample; a set: those batches
+    (numbered from sample 0 in steps of the batch size, as a shard's are)."""
     args = (float_path, qmodel_path, data_path, tolerance, labels, num_samples)
     rest = dict(progress=progress, preprocess=preprocess, run_ort=run_ort, run_analyze=run_analyze,
                 analyze_samples=analyze_samples, arithmetic=arithmetic, ort_config=ort_config,
-                memory_mb=memory_mb, log=log, shard=shard, on_batch=on_batch)
+                memory_mb=memory_mb, log=log, shard=shard, on_batch=on_batch, layers=layers)
     return run_or_one_at_a_time(lambda size: _verify(*args, size, **rest), batch_size, log)
+
+
+def layer_batches(samples: int, batch_size: int, layers: int | None) -> frozenset | None:
+    """The batches (index = first sample // batch size) whose tensors verify compares: enough
+    whole batches for ``layers`` samples, spread evenly over the ``samples``; None: all of them."""
+    batches = math.ceil(samples / batch_size)
+    if layers is None:
+        return None
+    wanted = min(batches, math.ceil(layers / batch_size))
+    return None if wanted >= batches else frozenset(i * batches // wanted for i in range(wanted))
 
 
 def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, batch_size, progress,
             preprocess, run_ort, run_analyze, analyze_samples, arithmetic, ort_config, memory_mb, log,
-            shard, on_batch) -> VerifyReport:
+            shard, on_batch, layers) -> VerifyReport:
     check_sampling(num_samples, batch_size)
+    if isinstance(layers, int) and layers < 1:
+        raise QtoolError(f"--layers must be at least 1 (or all), got {layers}")
     if run_analyze:
         check_sampling(analyze_samples, batch_size)
     model = prepare(load_model(float_path), f"model file '{float_path}'")
@@ -246,6 +263,9 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     pixels = pixel_inputs(qmodel)  # quantize --input-pixels: onnxruntime gets the pixels
     ort_checks = [OrtCheck(Comparison(name), dequantized.get(name)) for name in executor.output_names]
     begin, total = shard or (0, len(data) if num_samples is None else min(num_samples, len(data)))
+    picked = layers if isinstance(layers, frozenset) else layer_batches(total - begin, batch_size, layers)
+    layer_samples = 0
+    outputs_only = list(executor.output_names) + sorted(placing - set(executor.output_names))
     analysis = None
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
         samples = total if analyze_samples is None else min(analyze_samples, total)
@@ -261,8 +281,16 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
             parallel.serial(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
         start, batches = begin, 0
         for feeds in data.batches(batch_size, total, begin):
+            full = picked is None or start // batch_size in picked
             try:
-                reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
+                if full:
+                    reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
+                else:  # the outputs alone: the float model asked for them only, the executor's fast run
+                    float_side = side.submit(runner.run, feeds, outputs_only)
+                    try:
+                        result = executor.run(feeds)
+                    finally:
+                        reference = float_side.result()
             except QtoolError as e:
                 if chosen and batches == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
                     raise OneAtATime(batch_size, e) from None
@@ -280,6 +308,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                 for c in ort_checks:
                     c.update(reference[c.name], got[c.name], result.outputs[c.name])
             n = data.samples_in(feeds)
+            layer_samples += n if full else 0
             if labels is not None:
                 truth = data.extra[labels][start:start + n]
                 first = executor.output_names[0]
@@ -293,6 +322,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     if log is not None and note and total > 1:
         log(note)
     report = VerifyReport(total - begin, tolerance, outputs, tensors, _float_nodes(executor, qmodel),
+                          layer_samples=layer_samples,
                           ort=ort_checks if run_ort else None, analysis=analysis,
                           arithmetic=executor.arithmetic, parts=parts,
                           made={p.key: p.value for p in qmodel.metadata_props
@@ -487,7 +517,11 @@ def format_report(report: VerifyReport) -> str:
     if report.parts:
         lines.append("(part: an input of the Concat the output joins, scored where its values land)")
     worst = set(report.worst())
-    lines += ["", f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
+    lines += [""]
+    if report.layer_samples is not None and report.layer_samples < report.samples:
+        lines.append(f"tensors compared on {report.layer_samples} of the {report.samples} samples, in batches "
+                     f"spread over them (--layers all: every sample)")
+    lines += [f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
     for c in report.tensors:
         mark = "  <- worst" if c.name in worst else ""
         op = c.op_type + ("+Relu" if c.clamped else "")
