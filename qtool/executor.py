@@ -8,9 +8,9 @@ qtool/qoperator_exec.py. At run time a kernel sees only integer arrays. Everythi
 what it is: QuantizeLinear and DequantizeLinear at the float boundaries, and fenced float ops one
 node at a time in onnxruntime.
 
-Unless the integer tensors are kept, a run of elementwise steps on an 8-bit tensor (HardSwish's
-table, then Mul and Add by constants) is one lookup: the steps themselves, evaluated once on all
-256 input values, give the composed table (``Chain``).
+Unless the integer tensors are kept, a run of elementwise steps on an 8- or 16-bit tensor
+(HardSwish's table, then Mul and Add by constants) is one lookup: the steps themselves, evaluated
+once on all 256 or 65536 input values, give the composed table (``Chain``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, parallel
 from .ops.softmax import MaskedSoftmax
-from .ops.bytetable import BYTE_TYPES, byte_mapped, byte_values, lookup
+from .ops.bytetable import BYTE_TYPES, byte_mapped, lookup, values_of
 from .qoperator_exec import QOperatorLowering, float_name
 from .targets import check_arithmetic, x86
 from .targets.form import is_guard
@@ -69,10 +69,14 @@ class Step:
     then: "Chain | None" = None
 
 
+# the input types whose every value a chain's table holds (256 or 65536 entries)
+TABLE_INPUTS = BYTE_TYPES | {np.dtype(np.int16)}
+
+
 @dataclass
 class Chain:
     """Integer steps each elementwise in one input, the next reading only the previous one's output,
-    run as one lookup: ``tables[dtype]`` is the steps' output on every value of an 8-bit input,
+    run as one lookup: ``tables[dtype]`` is the steps' output on every value of an 8- or 16-bit input,
     computed at the first run with that input type (None where the steps could not run on every
     value, e.g. an integer Add that would leave its type: the steps then run one by one)."""
 
@@ -393,7 +397,7 @@ class IntegerExecutor:
             source = step.inputs[0] if step.kind == "chain" else None
             producer = producers.get(source)
             if producer is None or readers.get(source) != 1 or step.params.ndim > 4 \
-                    or producer.qparams[0] is None or np.dtype(producer.qparams[0].dtype) not in BYTE_TYPES:
+                    or producer.qparams[0] is None or np.dtype(producer.qparams[0].dtype) not in TABLE_INPUTS:
                 continue
             fused[id(producer)] = dataclasses.replace(producer, outputs=list(step.outputs), then=step.params)
             folded.add(id(step))
@@ -536,7 +540,7 @@ class IntegerExecutor:
 
     def _table_of(self, chain: Chain, dtype: np.dtype) -> np.ndarray | None:
         if dtype not in chain.tables:
-            chain.tables[dtype] = self._chain_table(chain, dtype) if dtype in BYTE_TYPES else None
+            chain.tables[dtype] = self._chain_table(chain, dtype) if dtype in TABLE_INPUTS else None
         return chain.tables[dtype]
 
     def _run_chain(self, chain: Chain, x: np.ndarray) -> np.ndarray:
@@ -549,15 +553,17 @@ class IntegerExecutor:
         return x
 
     def _chain_table(self, chain: Chain, dtype: np.dtype) -> np.ndarray | None:
-        """The chain's steps run on every byte read as ``dtype``: its output for each input byte."""
-        values = byte_values(dtype)
+        """The chain's steps run on every value of ``dtype`` (8 or 16 bits): its output for each
+        input bit pattern."""
+        values = values_of(dtype)
+        count = values.size
         try:
             for step in chain.steps:
                 values = self._run_step(step, [values if name not in self.constants else self.constants[name]
                                                for name in step.inputs])[0]
         except (QtoolError, OverflowError, IndexError, ValueError):
             return None  # a value the data may never hold: run the steps themselves
-        return values if values.shape == (256,) else None
+        return values if values.shape == (count,) else None
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
         """A fenced float op, run alone in onnxruntime (session built once per input types)."""

@@ -118,16 +118,17 @@ def _int16_params(weight, pads, strides, dilations, group):
                       rounding="half_up", dtype="int16")
 
 
-@pytest.mark.parametrize("engine", [True, False])
+@pytest.mark.parametrize("engine, numba_on", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("shape, c_out, kernel, pads, strides, dilations, group", [
     ((2, 8, 7, 9), 6, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), 1),  # im2col
     ((1, 16, 6, 6), 16, (3, 3), (1, 0, 2, 1), (2, 2), (1, 1), 16),  # depthwise, strided, one-sided pads
     ((2, 12, 5, 4), 4, (1, 1), (0, 0, 0, 0), (1, 1), (1, 1), 1),  # pointwise
     ((1, 6, 9, 9), 3, (3, 3), (0, 0, 0, 0), (1, 1), (2, 2), 1),  # taps (fewer outputs), dilated
 ])
-def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, shape, c_out, kernel, pads, strides,
-                                                              dilations, group, monkeypatch):
+def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, shape, c_out, kernel, pads,
+                                                              strides, dilations, group, monkeypatch):
     monkeypatch.setattr(ortconv, "ENABLED", engine)
+    monkeypatch.setattr(compiled, "ENABLED", numba_on)
     rng = np.random.default_rng(sum(shape) + c_out)
     weight = rng.integers(-127, 128, size=(c_out, shape[1] // group, *kernel)).astype(np.int8)
     p = _int16_params(weight, pads, strides, dilations, group)
@@ -138,7 +139,7 @@ def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, shape, c_o
     x[0, 0] = rng.integers(-32768, 32768, size=shape[2:])
     got = REGISTRY["Conv"].run(plan, x)
     assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
-    assert (plan.engines[("split16", np.dtype(np.int8))] is not None) == engine
+    assert (plan.engines["split16"][0] is not None) == engine
 
 
 def test_int16_split_raises_where_the_exact_path_does():
@@ -380,3 +381,57 @@ def test_global_average_pool_sums_in_int64_when_int32_may_not_hold():
     fits = x[:, :, :100]  # 25,600 values: 1.68e9, inside int32
     p = AvgPoolParams(None, Requant(*quantize_multiplier(1 / fits.size)), 0, 0, "half_up", "uint16")
     assert GlobalAveragePool().run(p, np.ascontiguousarray(fits)).reshape(-1).tolist() == [65535]
+
+
+@needs_numba
+@pytest.mark.parametrize("types", [("int16", "int16"), ("int16", "int8"), ("uint8", "int16")])
+def test_compiled_int16_add_and_mul_equal_the_numpy_forms(types):
+    from qtool.ops.add import AddParams, _add
+    from qtool.ops.mul import MulParams, _mul
+
+    rng = np.random.default_rng(11)
+
+    def operand(dtype, shape):
+        info = np.iinfo(dtype)
+        x = rng.integers(info.min, int(info.max) + 1, size=shape).astype(dtype)
+        x.reshape(-1)[:2] = (info.min, info.max)  # the extremes
+        return x
+
+    a, b = operand(types[0], (2, 5, 4, 6)), operand(types[1], (2, 5, 1, 1))  # broadcast per channel
+    for zeros in ((0, 0, 0), (3, -2, 7)):
+        for multipliers, rshift in (((2**31 - 1, 1359), 31), ((3, 5), 1), ((2**30, 2**30 + 5), 45)):
+            add = AddParams(*multipliers, rshift, *zeros, "half_up", "int16")
+            got = compiled.add_levels(add, a, b)
+            assert got.dtype == np.int16 and np.array_equal(got, _add(add, a, b))
+            assert np.array_equal(compiled.add_levels(add, b, a), _add(add, b, a))
+            mul = MulParams(multipliers[0], rshift, *zeros, "half_up", "int16")
+            got = compiled.mul_levels(mul, a, b)
+            if zeros == (0, 0, 0):  # every product of these types lies inside int32: compiled
+                assert got is not None and got.dtype == np.int16
+            if got is not None:  # (with zero points, only where the products still fit)
+                assert np.array_equal(got, _mul(mul, a, b))
+    # other modes, output types and shifts keep the numpy forms
+    assert compiled.add_levels(AddParams(3, 5, 0, 0, 0, 0, "half_to_even", "int16"), a, b) is None
+    assert compiled.add_levels(AddParams(3, 5, 1, 0, 0, 0, "half_up", "int8"), a, b) is None
+    assert compiled.mul_levels(MulParams(3, 0, 0, 0, 0, "half_up", "int16"), a, b) is None
+
+
+@pytest.mark.parametrize("numba_on", [True, False])
+def test_int16_beside_a_constant_is_looked_up_by_its_65536_entry_table(numba_on, monkeypatch):
+    from qtool.ops.add import AddParams, _add
+    from qtool.ops.bytetable import lookup_with_scalar
+    from qtool.ops.mul import MulParams, _mul
+
+    monkeypatch.setattr(compiled, "ENABLED", numba_on)
+    rng = np.random.default_rng(12)
+    x = rng.integers(-32768, 32768, size=(2, 3, 5, 7)).astype(np.int16)
+    x.reshape(-1)[:2] = (-32768, 32767)
+    add = AddParams(2**30 + 7, 1234567, 33, 0, -5, 3, "half_up", "int16")
+    mul = MulParams(1518500250, 38, 0, 9, -2, "half_away_from_zero", "int16")
+    for kernel, p in ((_add, add), (_mul, mul)):
+        for c in (np.array([200], np.uint8), np.full((1, 1, 1, 1), -3, np.int16), np.array(-128, np.int8)):
+            assert np.array_equal(lookup_with_scalar(kernel, p, x, c), kernel(p, x, c))
+            assert np.array_equal(lookup_with_scalar(kernel, p, c, x), kernel(p, c, x))
+    # operands it does not take: two full tensors, a constant with more axes than the input
+    assert lookup_with_scalar(_add, add, x, x) is None
+    assert lookup_with_scalar(_add, add, x[0, 0, 0], np.zeros((1, 1, 1, 1), np.int16)) is None

@@ -57,6 +57,20 @@ def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, 
 
 
 @numba.njit(nogil=True, cache=True)
+def requantize_joined(high, low, extra, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
+    """[n, C, H, W] sums given as ``256 * high + low + extra[c]`` (an int16 Conv's two byte
+    halves, qtool/ops/conv.py) joined in int64 and requantized into ``out``."""
+    n, channels, rows, cols = high.shape
+    for b in range(n):
+        for c in range(channels):
+            m, o, r, e = multiplier[c], offset[c], rshift[c], extra[c]
+            for i in range(rows):
+                for j in range(cols):
+                    x = np.int64(high[b, c, i, j]) * 256 + np.int64(low[b, c, i, j]) + e
+                    out[b, c, i, j] = min(max(((x * m + o) >> r) + zero, lo), hi)
+
+
+@numba.njit(nogil=True, cache=True)
 def requantize_columns(acc, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
     """[rows, N] ``acc`` with one channel per column (a MatMul's) into ``out``."""
     rows, channels = acc.shape
@@ -91,3 +105,22 @@ def gather_pairs(table, a, b, out):  # pragma: no cover
     """``out[i] = table[a[i], b[i]]``: a [256, 256] pair table, flat ``a`` and ``b`` raw bytes."""
     for i in range(a.size):
         out[i] = table[a[i], b[i]]
+
+
+# 16-bit elementwise steps (no byte table: 65536 x 65536 pairs), as numpy ufuncs so that they
+# broadcast; each compiles on first use for the input types it meets. The arithmetic is that of
+# qtool/ops/add.py and mul.py for half_up with a shift of 1 to 63, on operands whose bounds the
+# caller proved (compiled.add_levels, compiled.mul_levels): no int64 step can overflow.
+
+@numba.vectorize(nopython=True, cache=True)
+def add_int16(a, b, zero_a, zero_b, multiplier_a, multiplier_b, rshift, zero_out):  # pragma: no cover
+    acc = (np.int64(a) - zero_a) * multiplier_a + (np.int64(b) - zero_b) * multiplier_b
+    y = ((acc + (np.int64(1) << (rshift - 1))) >> rshift) + zero_out
+    return np.int16(min(max(y, -32768), 32767))
+
+
+@numba.vectorize(nopython=True, cache=True)
+def mul_int16(a, b, zero_a, zero_b, multiplier, rshift, zero_out):  # pragma: no cover
+    acc = (np.int64(a) - zero_a) * (np.int64(b) - zero_b) * multiplier
+    y = ((acc + (np.int64(1) << (rshift - 1))) >> rshift) + zero_out
+    return np.int16(min(max(y, -32768), 32767))

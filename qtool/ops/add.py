@@ -16,7 +16,8 @@ import numpy as np
 
 from ..fixedpoint import quantize_multiplier, rounding_rshift, saturate
 from . import IntegerOp, NodeView, check_integer, per_tensor, register
-from .bytetable import has_pair_table, lookup_pair, pair_table
+from . import compiled
+from .bytetable import has_pair_table, lookup_pair, lookup_with_scalar, pair_table
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ class Add(IntegerOp):
         check_integer(a, b)
         if has_pair_table(a, b):
             return lookup_pair(pair_table(_add, p, a.dtype, b.dtype), a, b)
-        return _add(p, a, b)
+        fast = lookup_with_scalar(_add, p, a, b)
+        if fast is None:
+            fast = compiled.add_levels(p, a, b)
+        return _add(p, a, b) if fast is None else fast
 
 
 def _add(p: AddParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -5,6 +5,10 @@ kernel's own integer arithmetic once on every pair gives a table equal to it by 
 lookup (one gather) then replaces a dozen int64 passes over the data. Tables are indexed by raw
 bytes, ``a.view(uint8) * 256 + b.view(uint8)``, so int8 needs no offset. A one-element operand
 (Mul by a constant, Add of a constant) picks one row or column: a 256-entry table.
+
+A 16-bit input beside a one-element operand has 65536 values: ``scalar_table`` runs the kernel
+on each once (cached by the kernel's parameters and the operand's value), and the lookup by the
+input's 16-bit pattern replaces the int64 passes the same way.
 """
 
 from __future__ import annotations
@@ -25,8 +29,25 @@ def byte_values(dtype) -> np.ndarray:
 
 def lookup(table: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``table[x.view(uint8)]`` for an 8-bit ``x``, shaped like ``x`` (a large ``x`` in ranges on
-    the cores)."""
+    the cores); for a 16-bit ``x``, ``table[x.view(uint16)]`` (a 65536-entry table)."""
+    if x.itemsize == 2:
+        return _take16(table, x)
     return _take(table, x.view(np.uint8))
+
+
+def values_of(dtype) -> np.ndarray:
+    """Every value of an 8- or 16-bit ``dtype`` in the order of its bit patterns: the input each
+    entry of a ``lookup`` table stands for."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2:
+        return np.arange(65536, dtype=np.uint16).view(dtype)
+    return byte_values(dtype)
+
+
+def by_pattern(table: np.ndarray, dtype) -> np.ndarray:
+    """A table indexed by ``q - qmin`` of a 16-bit ``dtype`` reordered to be indexed by ``q``'s bit
+    pattern (for int16, patterns 0..32767 are q = 0..32767 and the rest q = -32768..-1)."""
+    return table if np.dtype(dtype).kind == "u" else np.roll(table, len(table) // 2)
 
 
 def byte_mapped(fn, x: np.ndarray, tables: dict) -> np.ndarray:
@@ -65,6 +86,33 @@ def pair_table(kernel, params, dtype_a: np.dtype, dtype_b: np.dtype) -> np.ndarr
     table = kernel(params, byte_values(dtype_a)[:, None], byte_values(dtype_b)[None, :])
     table.setflags(write=False)
     return table
+
+
+def lookup_with_scalar(kernel, params, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``kernel(params, a, b)`` where one operand is int16 and the other has one element, by
+    the int16 operand's 65536-entry table (``scalar_table``); None for other operands."""
+    if a.dtype == np.int16 and b.size == 1 and b.ndim <= a.ndim:
+        return _take16(scalar_table(kernel, params, b.dtype, b.reshape(-1)[0].item(), True), a)
+    if b.dtype == np.int16 and a.size == 1 and a.ndim <= b.ndim:
+        return _take16(scalar_table(kernel, params, a.dtype, a.reshape(-1)[0].item(), False), b)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def scalar_table(kernel, params, dtype, value, scalar_second: bool) -> np.ndarray:
+    """``kernel(params, x, c)`` (or ``kernel(params, c, x)``) for every int16 ``x``, indexed by
+    ``x``'s 16-bit pattern, with ``c`` the one-element operand of type ``dtype`` (read-only)."""
+    x = values_of(np.int16)
+    c = np.array([value], dtype=dtype)
+    table = kernel(params, x, c) if scalar_second else kernel(params, c, x)
+    table.setflags(write=False)
+    return table
+
+
+def _take16(table: np.ndarray, x: np.ndarray) -> np.ndarray:
+    index = x.view(np.uint16)
+    out = compiled.gather(table, index) if index.ndim else None
+    return np.take(table, index) if out is None else out
 
 
 def has_pair_table(a: np.ndarray, b: np.ndarray) -> bool:

@@ -85,6 +85,17 @@ class CompiledRequant:
             self.rows(x, out, 0, x.shape[2])
         return out
 
+    def joined(self, high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
+        """The levels of [n, C, H, W] sums given in parts, ``256 * high + low + extra`` (float32
+        integer-valued ``high`` and ``low``, int64 ``extra`` per channel): an int16 Conv's
+        (``conv.ConvPlan.split_sums``), joined in int64 inside the same pass."""
+        if self.layout != "rows":
+            raise ValueError("these requantization parameters are not one per channel of [n, C, H, W] sums")
+        out = np.empty(high.shape, dtype=self.exact.dtype)
+        _loops.requantize_joined(high, low, extra, self.multiplier, self.offset, self.rshift, self.exact.zero_out,
+                                 self.lo, self.hi, out)
+        return out
+
     def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,
              border: tuple | None = None, channels: tuple[int, int] | None = None) -> None:
         """Rows [start, stop) (axis 2) of [n, C, H, W] float32 ``acc`` into ``out``: the loop
@@ -122,9 +133,9 @@ def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
 
 
 def gather(table: np.ndarray, index: np.ndarray) -> np.ndarray | None:
-    """``table[index]`` for a 256-entry ``table`` and uint8 ``index`` of any shape, as one compiled
-    loop; None where numba is missing."""
-    if not available() or table.ndim != 1 or table.size != 256:
+    """``table[index]`` for a 256-entry ``table`` and uint8 ``index``, or a 65536-entry one and
+    uint16 ``index``, of any shape, as one compiled loop; None where numba is missing."""
+    if not available() or table.ndim != 1 or (table.size, index.dtype) not in ((256, np.uint8), (65536, np.uint16)):
         return None
     out = np.empty(index.size, dtype=table.dtype)
     _loops.gather(np.ascontiguousarray(table), np.ascontiguousarray(index).reshape(-1), out)
@@ -140,6 +151,39 @@ def gather_pairs(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray 
     _loops.gather_pairs(np.ascontiguousarray(table), np.ascontiguousarray(a).reshape(-1),
                         np.ascontiguousarray(b).reshape(-1), out)
     return out.reshape(a.shape)
+
+
+def _bound(array: np.ndarray, zero: int) -> int:
+    """The largest ``|q - Z|`` of an integer type: a bound that holds for every value of it."""
+    info = np.iinfo(array.dtype)
+    return max(abs(int(info.min) - zero), abs(int(info.max) - zero))
+
+
+_INT16_OPERANDS = (np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np.int16))
+
+
+def add_levels(p, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """qtool/ops/add.py's ``_add`` for an int16 output, half_up, shift 1 to 63, as one compiled
+    pass (numpy broadcasting); None where numba is missing or the case is another."""
+    if not available() or p.dtype != "int16" or p.rounding != "half_up" or not 1 <= p.rshift <= 63 \
+            or a.dtype not in _INT16_OPERANDS or b.dtype not in _INT16_OPERANDS:
+        return None
+    # |acc| <= 2**17 * 2**31 * 2: far inside int64, and adding half the shift keeps it there
+    if max(abs(p.multiplier_a), abs(p.multiplier_b)) >= 2**32:
+        return None
+    return _loops.add_int16(a, b, p.zero_a, p.zero_b, p.multiplier_a, p.multiplier_b, p.rshift, p.zero_out)
+
+
+def mul_levels(p, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """qtool/ops/mul.py's ``_mul`` for an int16 output, half_up, shift 1 to 63, as one compiled
+    pass, where every product of the operand types lies inside int32 (zero points 0, as int16
+    activations have), so that ``requantize`` takes its plain path; None otherwise."""
+    if not available() or p.dtype != "int16" or p.rounding != "half_up" or not 1 <= p.rshift <= 63 \
+            or a.dtype not in _INT16_OPERANDS or b.dtype not in _INT16_OPERANDS:
+        return None
+    if _bound(a, p.zero_a) * _bound(b, p.zero_b) > 2**31 - 1 or abs(p.multiplier) >= 2**31:
+        return None
+    return _loops.mul_int16(a, b, p.zero_a, p.zero_b, p.multiplier, p.rshift, p.zero_out)
 
 
 def requantizer(exact):

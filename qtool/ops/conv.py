@@ -13,6 +13,7 @@ from numpy; the requantization runs as a compiled loop where numba is installed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -161,6 +162,8 @@ class Conv(IntegerOp):
         return self._run(p, x, table)
 
     def _run(self, p: "ConvParams | ConvPlan", x: np.ndarray, table: np.ndarray | None) -> np.ndarray:
+        if table is not None and table.size != 256:  # a 16-bit output's table: looked up after
+            return _mapped(self._run(p, x, None), table)
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None and plan.split16 is not None and x.dtype == np.int16:
@@ -214,17 +217,29 @@ def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: 
 
 
 def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
-    """An int16 input's exact int64 sums (``ConvPlan.split_sums``) through the plan's int16 tail
-    (an ``OffsetRequant`` proven for every int16 input); the channels whose sums may leave int32
-    go through ``requantize`` as well, which raises where their multiplier was not narrowed."""
+    """An int16 input's sums in parts (``ConvPlan.split_sums``) through the plan's int16 tail
+    (an ``OffsetRequant`` proven for every int16 input), joined in the requantizing pass; the
+    channels whose sums may leave int32 go through ``requantize`` as well, which raises where
+    their multiplier was not narrowed."""
     params, tail = plan.params, plan.split16
-    acc = plan.split_sums(x)
+    high, low, extra = plan.split_sums(x)
     if tail.unproven.size:
         chosen = tail.unproven
-        requantize(acc[:, chosen] + params.bias[chosen].reshape(-1, 1, 1),
-                   params.requant.multiplier[chosen].reshape(-1, 1, 1),
+        acc = _joined(high[:, chosen], low[:, chosen], extra[chosen])
+        requantize(acc + params.bias[chosen].reshape(-1, 1, 1), params.requant.multiplier[chosen].reshape(-1, 1, 1),
                    params.requant.rshift[chosen].reshape(-1, 1, 1), params.rounding)
-    return tail.requant(acc)
+    if isinstance(tail.requant, compiled.CompiledRequant):
+        return tail.requant.joined(high, low, extra)
+    return tail.requant(_joined(high, low, extra))
+
+
+def _joined(high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """``256 * high + low + extra`` (per channel, axis 1) in int64."""
+    acc = high.astype(np.int64)
+    acc *= 256
+    acc += low.astype(np.int64)
+    acc += extra.reshape(-1, 1, 1)
+    return acc
 
 
 def _mapped(q: np.ndarray, table: np.ndarray | None) -> np.ndarray:
@@ -375,24 +390,23 @@ class ConvPlan:
                 ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_rows)
         return self.engines[dtype]
 
-    def split_sums(self, x: np.ndarray) -> np.ndarray:
-        """The exact int64 sums [n, C_out, out_h, out_w] of an int16 input (zero point 0): the sums
-        of its high bytes (int8) times 256 plus those of its low bytes (uint8), each a float32
-        Conv proven exact (``split16``), by onnxruntime where its engine checks out, else numpy."""
-        total = None
-        for half, factor in (((x >> 8).astype(np.int8), 256), ((x & 0xFF).astype(np.uint8), 1)):
-            key = ("split16", half.dtype)
-            if key not in self.engines:
-                self.engines[key] = ortconv.build(self.params, self.in_shape, self.out_hw, half.dtype,
-                                                  self.numpy_rows)
-            engine = self.engines[key]
-            sums = (engine(half) if engine is not None else self.numpy_sums(half)).astype(np.int64)
-            if total is None:
-                total = sums
-                total *= factor
-            else:
-                total += sums
-        return total
+    def split_sums(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sums of an int16 input (zero point 0) in three parts: ``x = 256 * hi + lo`` with
+        ``hi = x >> 8`` (int8) and ``lo`` its low byte, so its sums [n, C_out, out_h, out_w] are
+        ``256 * high + low + extra`` (``extra`` int64 [C_out]), ``high`` and ``low`` float32 Convs
+        proven exact (``split16``). onnxruntime's engine, where it checks out, runs both on one set
+        of int8 sessions: ``lo - 128`` (an int8) padded with -128, and ``extra = 128 * sum(w)``."""
+        if "split16" not in self.engines:
+            high = ortconv.build(self.params, self.in_shape, self.out_hw, np.dtype(np.int8), self.numpy_rows)
+            low = None if high is None else high.sharing(dataclasses.replace(self.params, zero_in=-128),
+                                                          self.in_shape, self.out_hw)
+            extra = 128 * self.params.weight.astype(np.int64).sum(axis=(1, 2, 3))
+            self.engines["split16"] = high, low, extra
+        high, low, extra = self.engines["split16"]
+        if high is None:
+            return (self.numpy_sums((x >> 8).astype(np.int8)), self.numpy_sums((x & 0xFF).astype(np.uint8)),
+                    np.zeros_like(extra))
+        return high((x >> 8).astype(np.int8)), low((x ^ 0x80).astype(np.int8)), extra  # low byte - 128
 
     def numpy_rows(self, x: np.ndarray):
         """``rows(start, stop)``: the float32 sums of output rows [start, stop) of input ``x`` by

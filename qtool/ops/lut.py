@@ -22,7 +22,7 @@ import onnx
 from ..fixedpoint import saturate
 from ..qparams import QParams, dequantize_array
 from . import NOT_DUMPED, IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
-from .bytetable import by_byte, lookup
+from .bytetable import by_byte, by_pattern, lookup
 
 
 def round_real(values, mode: str) -> np.ndarray:
@@ -84,6 +84,8 @@ class LookupTable(IntegerOp):
             raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
         if x.itemsize == 1:
             return lookup(by_byte(p.table, p.in_dtype), x)
+        if x.itemsize == 2:
+            return lookup(by_pattern(p.wide, x.dtype), x)
         return np.take(p.wide, x.astype(np.int32) - np.iinfo(x.dtype).min)
 
 

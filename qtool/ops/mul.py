@@ -27,7 +27,8 @@ import numpy as np
 from ..fixedpoint import Requant, divide_away, quantize_multiplier, requantize, rounding_rshift, saturate
 from ..qparams import dequantize_array
 from . import IntegerOp, NodeView, Unsupported, Weight, check_integer, per_tensor, register
-from .bytetable import has_pair_table, lookup_pair, pair_table
+from . import compiled
+from .bytetable import has_pair_table, lookup_pair, lookup_with_scalar, pair_table
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ class Mul(IntegerOp):
         check_integer(a, b)
         if has_pair_table(a, b):
             return lookup_pair(pair_table(_mul, p, a.dtype, b.dtype), a, b)
-        return _mul(p, a, b)
+        fast = lookup_with_scalar(_mul, p, a, b)
+        if fast is None:
+            fast = compiled.mul_levels(p, a, b)
+        return _mul(p, a, b) if fast is None else fast
 
 
 def _mul(p: MulParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -52,6 +52,11 @@ class OrtConv:
             ((everything, everything, slice(first, last), slice(0, lead)), left),
             ((everything, everything, slice(first, last), slice(tail, None)), right)) if band.size]
 
+    def sharing(self, params, in_shape: tuple[int, ...], out_hw: tuple[int, int]) -> "OrtConv":
+        """This engine's sessions with the padding correction of ``params`` (another ``Z_x``): an
+        input of the same type and shape padded with another value, with no session more."""
+        return OrtConv(self.parts, _border(params, in_shape, out_hw))
+
     def part(self, x: np.ndarray, k: int) -> tuple[int, int, np.ndarray]:
         """Output channels [lo, hi) of part ``k`` and their zero-padded sums."""
         in_lo, in_hi, out_lo, out_hi, session = self.parts[k]
