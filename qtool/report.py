@@ -155,4 +155,12 @@ def search_summary(sr: dict) -> str:
         text += (f"; held-out {sr['heldout_integer_sqnr_db']} -> {sr['heldout_final_sqnr_db']} dB on "
                  f"{sr['heldout_samples']} others" + (f": the ops {what} bought nothing there, all int8 "
                                                       "kept" if sr.get("reverted") else ""))
-    return text + f"; {sr['evaluations']} runs in {sr['seconds']:.1f} s"
+    whole = sr.get("whole_sqnr_db")
+    if whole is not None:
+        what_all = "int16" if int16 else "float"
+        text += (f"; every op {what_all} at once: {whole} dB"
+                 + (", below the target: no ranking" if sr["target_sqnr_db"] is not None
+                    and not whole >= sr["target_sqnr_db"] else ""))
+    phases = sr.get("phases") or {}
+    spent = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05)
+    return text + f"; {sr['evaluations']} runs in {sr['seconds']:.1f} s" + (f" ({spent})" if spent else "")

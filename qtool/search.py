@@ -5,6 +5,8 @@ to leave float) so that the output SQNR against the float model reaches a target
 1. Every integer op is scored by the output SQNR of the model with only that op quantized (one
    onnxruntime run each, graph surgery on the QDQ model, as ``qtool analyze`` does); the lowest
    scores are the ops whose quantization costs the most on their own.
+   With a target and no budget, every op picked at once is scored first: where even that misses
+   the target, the search gives every op int16 (or float) without ranking them.
 2. The candidates, most costly first, are picked in growing prefixes. A prefix is scored as
    quantize would build it: its ops' fences made int16 over the same ranges (or, float, an
    activation fenced only while an integer op reads or writes it). With a target, a binary search
@@ -58,6 +60,9 @@ class SearchResult:
     heldout_integer_db: float = 0.0
     heldout_final_db: float = 0.0
     reverted: bool = False  # the float ops lost there: the all-integer model was returned
+    # every op given int16 (or kept float) at once, scored before any ranking: None when not tried
+    whole_db: float | None = None
+    phases: dict = field(default_factory=dict)  # phase -> seconds (quantize, score, rank, narrow, judge)
 
     @property
     def reached(self) -> bool:
@@ -71,7 +76,9 @@ class SearchResult:
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
                 "samples": self.samples, "scored": self.scored, "seconds": round(self.seconds, 2),
                 "heldout_samples": self.heldout, "heldout_integer_sqnr_db": finite(self.heldout_integer_db),
-                "heldout_final_sqnr_db": finite(self.heldout_final_db), "reverted": self.reverted}
+                "heldout_final_sqnr_db": finite(self.heldout_final_db), "reverted": self.reverted,
+                "whole_sqnr_db": None if self.whole_db is None else finite(self.whole_db),
+                "phases": {k: round(v, 2) for k, v in self.phases.items()}}
 
 
 def realizable(qdq: QdqModel, float_ops: set[str]) -> onnx.ModelProto:
@@ -104,6 +111,12 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     start = time.perf_counter()
     result = SearchResult(target_db=target_db, max_float=max_float,
                           precision="float" if allow_float else "int16")
+    clock = [start]
+
+    def phase(name: str) -> None:  # the time since the last phase ended, added to ``name``
+        now = time.perf_counter()
+        result.phases[name] = result.phases.get(name, 0.0) + now - clock[0]
+        clock[0] = now
 
     def build(keep: tuple[str, ...], fmt: str | None = None):
         picked = {"keep_float": tuple(options.keep_float) + keep} if allow_float else \
@@ -120,29 +133,45 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     result.samples = evaluator.batches.samples
     result.scored = evaluator.scored
     qmodel, _ = build((), "qdq")
+    phase("quantize")
     qdq = QdqModel(qmodel, float_model)
     variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops))
     result.integer_db = evaluator.sqnr(qmodel)
     result.evaluations = 1
     chosen: list = []
-    if target_db is None or result.integer_db < target_db:
+    whole = max_float is None or max_float >= len(qdq.ops)
+    if target_db is not None and result.integer_db < target_db and whole:
+        # every op at once first: when even that misses the target, no ranking can do better
+        # (the search would end with every op picked); when it reaches it, the narrowing
+        # below need not score it again
+        result.whole_db = evaluator.sqnr(variant({op.node for op in qdq.ops}))
+        result.evaluations += 1
+        if not result.whole_db >= target_db:
+            chosen = list(qdq.ops)
+            result.candidates = len(chosen)
+    phase("score")
+    if (target_db is None or result.integer_db < target_db) and not chosen:
         ranked = _rank(qdq, evaluator, progress)
         result.candidates = len(ranked)
         result.evaluations += len(ranked)
+        phase("rank")
         limit = len(ranked) if max_float is None else min(max_float, len(ranked))
         if target_db is None:
             count, runs = _best_prefix(variant, evaluator, ranked, limit, result.integer_db)
             result.evaluations += runs
         else:
-            count, runs = _shortest_prefix(variant, evaluator, ranked, limit, target_db)
+            count, runs = _shortest_prefix(variant, evaluator, ranked, limit, target_db,
+                                           reached=result.whole_db is not None and limit == len(ranked))
             result.evaluations += runs
         chosen = ranked[:count]
+        phase("narrow")
     picked = [(op.op_type, op.node) for op in chosen]
     if allow_float:
         result.kept_float = picked
     else:
         result.int16 = picked
     final, report = build(tuple(op.node for op in chosen))
+    phase("quantize")
     names = {op.node for op in chosen} - set(options.keep_float)
     report.kept_float = [(t, n, "kept float by the search" if n in names and t not in options.keep_float
                           else r) for t, n, r in report.kept_float]
@@ -159,12 +188,14 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         # what the float ops buy must show on samples the search did not choose them on
         revert = revert or not result.heldout_final_db > result.heldout_integer_db
     result.reverted = revert
+    phase("judge")
     if revert:
         # re-quantized around the picked ops (bias correction redone), they bought nothing
         chosen, result.kept_float, result.int16 = [], [], []
         final, report = build(())
         result.final_db = result.integer_db
         result.heldout_final_db = result.heldout_integer_db
+        phase("quantize")
     result.seconds = time.perf_counter() - start
     report.search = result.to_dict()
     return final, report, result
@@ -211,9 +242,10 @@ def _best_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
 
 
 def _shortest_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
-                     target_db: float) -> tuple[int, int]:
+                     target_db: float, reached: bool = False) -> tuple[int, int]:
     """The smallest k <= limit whose first k ops picked reach ``target_db`` (binary search:
-    SQNR grows with k on the whole, not at every step), else ``limit``; and the runs it took."""
+    SQNR grows with k on the whole, not at every step), else ``limit``; and the runs it took.
+    ``reached``: the first ``limit`` ops are known to reach it (scored already)."""
     runs = 0
 
     def reaches(k: int) -> bool:
@@ -221,7 +253,7 @@ def _shortest_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
         runs += 1
         return evaluator.sqnr(variant({op.node for op in ranked[:k]})) >= target_db
 
-    if limit == 0 or not reaches(limit):
+    if limit == 0 or not (reached or reaches(limit)):
         return limit, runs
     lo, hi = 0, limit  # reaches(hi) holds; reaches(lo) does not (the all-integer model missed it)
     while hi - lo > 1:

@@ -14,6 +14,7 @@ from onnx import helper
 from qtool.analyze import Evaluator, QdqModel, evaluation_batches, scored_node
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
+from qtool.report import search_summary
 from qtool.search import choose_methods, realizable, search
 from qtool.table_formats import write_table
 from test_cli import assert_user_error, invoke
@@ -68,6 +69,33 @@ def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_
     assert result.heldout == 16 and not result.reverted
     assert judge.sqnr(qmodel) == pytest.approx(result.heldout_final_db, abs=1e-3)
     assert result.heldout_final_db > result.heldout_integer_db
+
+
+def test_a_target_every_op_at_once_misses_is_not_ranked_for(demo_model, demo_table, demo_calib):
+    # int16 everywhere scores first; 200 dB is beyond it, so every op is given int16 unranked
+    qmodel, report, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, target_db=200.0,
+                                    progress=False, bias_correction=False)
+    float_model = prepare(load_model(demo_model))
+    integer, _ = quantize(demo_model, demo_table, QuantizeOptions(), "t")
+    everything = QdqModel(integer, float_model)
+    widened_db = Evaluator(float_model, _searched(demo_calib)).sqnr(everything.widened(everything.all_tensors()))
+    assert result.whole_db == pytest.approx(widened_db, abs=1e-9) and result.whole_db < 200.0
+    assert {n for _, n in result.int16} == {op.node for op in everything.ops} and not result.reached
+    # all int8, every op at once, the final model, the held-out pair: no run per op
+    assert result.evaluations == 1 + 1 + 1 + 2
+    assert set(result.phases) == {"quantize", "score", "judge"} and all(v >= 0 for v in result.phases.values())
+    line = search_summary(report.search)
+    assert f"every op int16 at once: {round(result.whole_db, 3)} dB, below the target: no ranking" in line
+    assert "(quantize " in line
+
+
+def test_a_target_every_op_reaches_is_narrowed_without_scoring_them_all_again(demo_model, demo_table, demo_calib):
+    _, _, result = search(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, target_db=40.0,
+                          progress=False)
+    assert result.whole_db >= 40.0 and result.reached and 0 < len(result.int16) < result.candidates
+    assert "rank" in result.phases and "narrow" in result.phases
+    # all int8, every op at once, one per op, the binary search (without the bound again), final, held-out
+    assert result.evaluations <= 1 + 1 + 13 + 4 + 1 + 2
 
 
 def test_a_target_already_met_keeps_everything_integer(demo_model, demo_table, demo_calib):
