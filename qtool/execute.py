@@ -80,21 +80,23 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
 def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
     """Each batch's outputs to ``writer``: the outputs' shapes. A first batch of a ``chosen``
     size above 1 that fails raises ``OneAtATime``."""
-    shapes = {}
+    shapes, done = {}, 0  # (a disabled bar counts nothing)
     with progress_bar(len(data), "exec", progress) as bar:
         for feeds in data.batches(batch_size):
+            n = data.samples_in(feeds)
             try:
-                outputs = executor.run(feeds).outputs
+                outputs = executor.run(feeds, pace=(n, max(0, len(data) - done - n))).outputs
             except QtoolError as e:
-                if chosen and bar.n == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
+                if chosen and done == 0 and batch_size > 1 and n > 1:
                     raise OneAtATime(batch_size, e) from None
                 raise
             if not whole:
-                outputs = per_sample(outputs, data.samples_in(feeds))
+                outputs = per_sample(outputs, n)
             shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
                       for name, value in outputs.items()}
             writer.append(outputs)
-            bar.update(min(batch_size, len(data) - bar.n))
+            done += n
+            bar.update(n)
     return shapes
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +30,7 @@ from .errors import QtoolError
 from .model import batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
-from .ops import blas, parallel
+from .ops import blas, fast_paths, parallel
 from .ops.softmax import MaskedSoftmax
 from .ops.bytetable import BYTE_TYPES, byte_mapped, lookup, values_of
 from .qoperator_exec import QOperatorLowering, float_name
@@ -68,6 +69,14 @@ class Step:
     # chain's outputs, through its table where the op takes one (``IntegerOp.takes_table``)
     then: "Chain | None" = None
 
+
+# The fast paths (the compiled loops of numba, onnxruntime's float Conv as the summing engine)
+# give the same integers as the plain numpy ones, but take seconds to set up (numba's first call
+# about 1.2 s, an engine per Conv checked against numpy 2.4 s on PP-OCRv4 rec) for what they save,
+# about 40% of the plain time (rec: 88 -> 52 ms a line). A caller that says how many samples are
+# left (``run``'s ``pace``) gets them once the plain paths would still run this many seconds:
+# then they pay back their setup; a command on a few samples never sets them up.
+FAST_FROM = 8.0
 
 # the input types whose every value a chain's table holds (256 or 65536 entries)
 TABLE_INPUTS = BYTE_TYPES | {np.dtype(np.int16)}
@@ -120,6 +129,9 @@ class IntegerExecutor:
         """``arithmetic``: ``exact`` (the integer device), ``x86-avx2`` (onnxruntime's u8 x s8
         products on a CPU without VNNI, qtool/targets/x86.py) or ``host`` (whichever of the two this
         machine's onnxruntime computes)."""
+        self._fast = False  # the fast paths are on (``run``'s ``pace``)
+        self._per_sample = None  # seconds a sample took on the plain paths, the last batch
+        self._plain_runs = 0
         meta = _metadata(model)
         # a model qtool did not quantize follows ONNX, which rounds half to even everywhere
         # (QuantizeLinear, QLinearConv's reference); qtool's own models say which mode they use
@@ -416,12 +428,28 @@ class IntegerExecutor:
         return varying[0]
 
     # -- running -----------------------------------------------------------------------------------
-    def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False, on_integer=None) -> Result:
+    def run(self, feeds: dict[str, np.ndarray], keep_integer: bool = False, on_integer=None,
+            pace: tuple[int, int] | None = None) -> Result:
         """The model on ``feeds``. ``keep_integer``: every integer tensor in ``Result.integer`` (by
         the float tensor it stands for), or, with ``on_integer``, passed to ``on_integer(key,
-        value)`` as soon as it is computed and not kept (verify compares it while the run goes on)."""
-        with blas.single_threaded(), _collector_paused():  # see qtool/ops/blas.py: polling BLAS workers
-            return self._run(feeds, keep_integer or on_integer is not None, on_integer)
+        value)`` as soon as it is computed and not kept (verify compares it while the run goes on).
+        ``pace``: (samples in ``feeds``, samples the caller will run after them), when it knows:
+        the fast paths then start only once the plain ones would still run ``FAST_FROM`` seconds
+        (see there); without it they run from the first call."""
+        if not self._fast and (pace is None or (self._per_sample is not None
+                                                and self._per_sample * (pace[0] + pace[1]) >= FAST_FROM)):
+            self._fast = True
+            for step in self.steps:  # plans made for the plain paths: made again
+                if step.kind == "integer":
+                    step.specialized.clear()
+        start = time.perf_counter()
+        with blas.single_threaded(), _collector_paused(), fast_paths(self._fast):
+            result = self._run(feeds, keep_integer or on_integer is not None, on_integer)
+        if not self._fast:  # the first run also makes the plans and tables: the second one is timed
+            self._plain_runs += 1
+            if self._plain_runs > 1:
+                self._per_sample = (time.perf_counter() - start) / max(1, pace[0])
+        return result
 
     def _run(self, feeds: dict[str, np.ndarray], keep_integer: bool, on_integer=None) -> Result:
         env = dict(self.constants)

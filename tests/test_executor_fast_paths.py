@@ -264,3 +264,39 @@ def test_chain_folded_into_a_conv_equals_the_steps_one_by_one(extra_reader, summ
         monkeypatch.setattr(executor, "_table_of", lambda chain, dtype: None)
         again = executor.run({"x": x}).outputs
         assert all((again[name] == one_by_one[name]).all() for name in one_by_one)
+
+
+def test_fast_paths_start_only_when_the_plain_ones_would_run_long(monkeypatch, demo_calib, qmodel):
+    import onnx
+
+    import qtool.executor as executor_module
+    from qtool.ops import compiled, ortconv
+
+    model = onnx.load(qmodel)
+    x = np.load(demo_calib)["input"][:32]
+    batches = [{"input": x[i:i + 8]} for i in range(0, 32, 8)]
+    always = IntegerExecutor(model)
+    expected = [always.run(b).outputs["logits"] for b in batches]  # no pace: fast from the first run
+    assert always._fast
+
+    seen = []
+
+    def run_paced(executor, fast_from):
+        monkeypatch.setattr(executor_module, "FAST_FROM", fast_from)
+        got = []
+        for i, b in enumerate(batches):
+            got.append(executor.run(b, pace=(8, 32 - 8 * (i + 1))).outputs["logits"])
+            seen.append((compiled.ENABLED, ortconv.ENABLED))  # restored after each run
+            states.append(executor._fast)
+        return got
+
+    states = []
+
+    # a target the plain paths never reach: they run to the end, the same integers
+    plain = IntegerExecutor(model)
+    assert all(np.array_equal(a, b) for a, b in zip(run_paced(plain, 1e9), expected)) and not plain._fast
+    # a target of 0: the first run makes the plans, the second is timed, the third starts them
+    switched = IntegerExecutor(model)
+    got = run_paced(switched, 0.0)
+    assert states[4:] == [False, False, True, True] and all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert set(seen) == {(True, True)}

@@ -10,6 +10,7 @@ Each op class has three parts:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -206,3 +207,19 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+@contextlib.contextmanager
+def fast_paths(enabled: bool):
+    """The compiled loops (``compiled``) and onnxruntime's Conv engine (``ortconv``) as they are
+    (``enabled``) or off for the duration: the kernels then take their numpy forms, which give
+    the same integers. Plans made while they are off keep the numpy forms."""
+    from . import compiled, ortconv
+
+    saved = compiled.ENABLED, ortconv.ENABLED
+    if not enabled:
+        compiled.ENABLED = ortconv.ENABLED = False
+    try:
+        yield
+    finally:
+        compiled.ENABLED, ortconv.ENABLED = saved

@@ -282,13 +282,16 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         start, batches = begin, 0
         for feeds in data.batches(batch_size, total, begin):
             full = picked is None or start // batch_size in picked
+            n = data.samples_in(feeds)
+            pace = (n, max(0, total - start - n))
             try:
                 if full:
-                    reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing)
+                    reference, result = _side_by_side(executor, runner, feeds, by_name, tables, side, placing,
+                                                      pace)
                 else:  # the outputs alone: the float model asked for them only, the executor's fast run
                     float_side = side.submit(runner.run, feeds, outputs_only)
                     try:
-                        result = executor.run(feeds)
+                        result = executor.run(feeds, pace=pace)
                     finally:
                         reference = float_side.result()
             except QtoolError as e:
@@ -307,7 +310,6 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                 got = _ort_run(ort_session, feeds_for(pixels, feeds), qmodel_path)
                 for c in ort_checks:
                     c.update(reference[c.name], got[c.name], result.outputs[c.name])
-            n = data.samples_in(feeds)
             layer_samples += n if full else 0
             if labels is not None:
                 truth = data.extra[labels][start:start + n]
@@ -417,7 +419,7 @@ def judge(report: VerifyReport, batches: int) -> None:
 
 
 def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,
-                  tables: dict, side: concurrent.futures.Executor, keep: set[str] = frozenset()):
+                  tables: dict, side: concurrent.futures.Executor, keep: set[str] = frozenset(), pace=None):
     """One batch through the float model and the executor, every integer tensor compared as soon
     as the executor computes it: the float model runs on ``side`` (a second thread; onnxruntime and
     the compiled comparisons release the GIL) while the executor runs here, then both threads take
@@ -442,7 +444,7 @@ def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, c
     float_side = side.submit(runner.run, feeds)
     side_compares = side.submit(lambda: compare(float_side.result()))
     try:
-        result = executor.run(feeds, on_integer=lambda name, value: computed.put((name, value)))
+        result = executor.run(feeds, on_integer=lambda name, value: computed.put((name, value)), pace=pace)
     finally:
         computed.put(None)
     reference = float_side.result()
