@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from .calibrate import fixed_batch
+from .sizing import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map

@@ -12,7 +12,6 @@ float regions (LayerNorm's ReduceMean/Pow/Sqrt, Shape arithmetic) get no statist
 
 from __future__ import annotations
 
-import functools
 import inspect
 import io
 import json
@@ -29,23 +28,17 @@ import calibrators
 
 from . import __version__, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
-    choose_batch, release_freed, run_or_one_at_a_time
+    run_or_one_at_a_time
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
-                    load_model, prepare, without_weights)
+                    load_model, prepare)
 from .report import progress_bar
+from .sizing import _fix_dims, batch_is_chosen, default_batch, fixed_batch
 from .table import Table, TensorEntry
 
 STATS_VERSION = 1
-
-
-def fixed_batch(model) -> int | None:
-    """The batch size a model with a fixed first input dim demands, or None when it is free."""
-    dims = [input_shape(vi)[0] for vi in graph_inputs(model) if input_shape(vi)]
-    fixed = {d for d in dims if isinstance(d, int) and d > 0}
-    return fixed.pop() if len(fixed) == 1 else None
 
 
 def make_calibrator(method: str, params: dict | None = None):
@@ -185,97 +178,6 @@ class Statistics:
             except (TypeError, ValueError) as e:  # states that load but do not fit together
                 raise QtoolError(f"cannot merge {other_name}: tensor '{name}': {first_line(e)}") from None
         self.samples += other.samples
-
-
-def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
-              ) -> tuple[onnx.ModelProto, dict[str, list]]:
-    """A copy of ``model`` with every input dim but the batch fixed to the data's, shapes inferred;
-    with ``batch``, the batch dim fixed too and shape computations (Shape -> Reshape) followed, so
-    that most tensors get static sizes.
-
-    Only used to learn tensor types and shapes; the graph that runs keeps its dynamic dims.
-    """
-    fixed = onnx.ModelProto()
-    fixed.CopyFrom(model)
-    del fixed.graph.value_info[:]  # inferred again, from the fixed dims
-    shapes = {}
-    for vi in graph_inputs(fixed):
-        sample_shape, axis = data.sample_shape(vi.name), data.sample_axis(vi.name)
-        shape = list(sample_shape) if axis is None else [*sample_shape[:axis], "N", *sample_shape[axis:]]
-        dims = vi.type.tensor_type.shape.dim
-        for dim, size in zip(dims, shape):
-            if size != "N" or batch:
-                dim.Clear()
-                dim.dim_value = batch if size == "N" else size
-        shapes[vi.name] = shape
-    for data_prop in ((True, False) if batch else (False,)):
-        try:
-            infer = functools.partial(onnx.shape_inference.infer_shapes, data_prop=data_prop)
-            return without_weights(infer, fixed), shapes
-        except Exception:  # shape inference is a help here, not a requirement
-            pass
-    return (fixed if batch is None else model), shapes
-
-
-def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] | None = None) -> int:
-    """Bytes of one sample's float activations in ``typed`` (from ``_fix_dims`` with ``batch``):
-    the tensors whose sizes inference found, divided by the batch; the others are appended to
-    ``unsized`` when given."""
-    infos = {vi.name: vi for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
-    total = 0
-    for name in float_tensors(typed):
-        dims = input_shape(infos[name]) if name in infos else []
-        if dims and all(isinstance(d, int) and d > 0 for d in dims):
-            total += math.prod(dims) * 4
-        elif unsized is not None:
-            unsized.append(name)
-    return total // max(1, batch)
-
-
-def activation_sizes(model: onnx.ModelProto, data: Dataset,
-                     typed: tuple[onnx.ModelProto, int] | None = None) -> tuple[int, list[str]]:
-    """(bytes of one sample's float activations that shape inference sizes, the activations it
-    cannot size: a ViT's attention behind run-time reshapes)."""
-    shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
-    unsized: list[str] = []
-    total = activation_bytes(shaped, batch, unsized)
-    known = {o.name for o in model.graph.output} | {n for node in model.graph.node for n in node.output}
-    return total, [n for n in unsized if n in known]
-
-
-def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
-                 runner: FloatRunner | None = None, sizes: tuple[int, list[str]] | None = None) -> int:
-    """Bytes of one sample's float activations: ``activation_sizes`` (or ``sizes``, its result),
-    the unsized ones measured by running the first sample, on ``runner`` when it returns them
-    all (a command's own session: no second copy of the weights alive)."""
-    total, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
-    if unsized and len(data):
-        probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
-        values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1))
-        total += sum(np.asarray(values[n]).nbytes for n in unsized if n in values)
-        del values, probe
-        release_freed()  # a probe's session, before the command builds its own
-    return total
-
-
-def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
-    """Whether ``default_batch`` chooses the batch from the memory budget."""
-    return not (fixed_batch(model) or requested)
-
-
-def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
-                  memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None,
-                  held: int = 0, runner: FloatRunner | None = None,
-                  sizes: tuple[int, list[str]] | None = None) -> tuple[int, str]:
-    """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
-    from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
-    whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,
-    its batch) when the caller has one; ``runner`` and ``sizes``: see ``sample_bytes``."""
-    fixed = fixed_batch(model)
-    if fixed or requested:
-        return fixed or requested, ""
-    check_memory(memory_mb)
-    return choose_batch(sample_bytes(model, data, typed, runner, sizes), factor, memory_mb, cap, held)
 
 
 def needed_tensors(model: onnx.ModelProto, names: list[str]) -> list[str]:

@@ -181,7 +181,7 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
     report, figure for figure (each batch's sums are added on the client in batch order).
     ``run_ort`` and ``run_analyze`` are refused, so ``analyze_samples`` and ``ort_config`` unused."""
     from .batching import DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, fixed_bytes
-    from .calibrate import default_batch
+    from .sizing import default_batch
     from .data import check_sampling, load_dataset
     from .model import load_model, prepare, weight_bytes
     from .verify.core import accuracy, judge, layer_batches

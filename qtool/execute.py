@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, OneAtATime, fixed_bytes
-from .calibrate import batch_is_chosen, default_batch
+from .sizing import batch_is_chosen, default_batch
 from .data import check_sampling, images_for, load_dataset, output_sample_axes
 from .errors import QtoolError
 from .executor import IntegerExecutor

@@ -234,38 +234,39 @@ def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,
         return None
     arrays = [np.asarray(v, dtype=np.int64) for v in (bias, requant.multiplier, requant.rshift, x_bound)]
     shape = np.broadcast(*arrays).shape
-    channels = [np.broadcast_to(a, shape).reshape(-1).tolist() for a in arrays]
-    unproven = []
-    for c, (b, m, r, xb) in enumerate(zip(*channels)):
-        if b - xb < INT32_MIN or b + xb > INT32_MAX:
-            unproven.append(c)
-        if xb and not 1 <= r <= 63:
-            return None
+    # one entry per channel as Python integers (an object array: numpy runs the loops, the
+    # arithmetic is Python's, exact at any size, so no bound below can overflow while checked)
+    b, m, r, xb = (np.broadcast_to(a, shape).reshape(-1).astype(object) for a in arrays)
+    unproven = np.flatnonzero(((b - xb) < INT32_MIN) | ((b + xb) > INT32_MAX))
+    live = xb != 0  # a channel whose x is always 0 is a constant
+    if np.any(live & ((r < 1) | (r > 63))):
+        return None
+    shift = np.where(live, r, 1)
+    half, scale = np.left_shift(1, shift - 1), np.left_shift(1, shift)
 
-    def fits(b, m, r, xb, zero):
-        return xb == 0 or xb * abs(m) + abs(b * m + 2 ** (r - 1) + zero * 2**r) < 2**63
+    def fits(zero) -> bool:
+        return bool(np.all(~live | (xb * np.abs(m) + np.abs(b * m + half + zero * scale) < 2**63)))
 
-    fold = all(fits(*ch, zero_out) for ch in zip(*channels))
-    if not fold and not all(fits(*ch, 0) for ch in zip(*channels)):
+    fold = fits(zero_out)
+    if not fold and not fits(0):
         return None
     zero = zero_out if fold else 0
-    multiplier, offset, rshift = [], [], []
-    for b, m, r, xb in zip(*channels):
-        if xb == 0:  # x is 0: the channel's output is its bias requantized
-            constant = 0 if not INT32_MIN <= b <= INT32_MAX else int(requantize(np.array([b]), m, r, mode)[0])
-            multiplier.append(0), offset.append(constant + zero), rshift.append(0)
-        else:
-            multiplier.append(m), offset.append(b * m + 2 ** (r - 1) + zero * 2**r), rshift.append(r)
+    constants = np.zeros(len(b), dtype=object)
+    for c in np.flatnonzero(~live):  # x is 0: the channel's output is its bias requantized
+        if INT32_MIN <= b[c] <= INT32_MAX:
+            constants[c] = int(requantize(np.array([b[c]], dtype=np.int64), m[c], r[c], mode)[0])
+    multiplier = np.where(live, m, 0)
+    offset = np.where(live, b * m + half + zero * scale, constants + zero)
+    rshift = np.where(live, r, 0)
     # One shift for every channel where the int64 bound allows: floor(v / 2**r) equals
     # floor(v * 2**k / 2**(r + k)), and numpy shifts by a scalar about twice as fast.
     common = max(rshift)
-    scaled = [(m << (common - r), o << (common - r)) for m, o, r in zip(multiplier, offset, rshift)]
-    if all(xb * abs(m) + abs(o) < 2**63 for (m, o), xb in zip(scaled, channels[3])):
-        multiplier, offset = (list(v) for v in zip(*scaled))
-        rshift = common
-    fields = [np.array(v, dtype=np.int64).reshape(shape) for v in (multiplier, offset)]
+    scaled_m, scaled_o = np.left_shift(multiplier, common - rshift), np.left_shift(offset, common - rshift)
+    if np.all(xb * np.abs(scaled_m) + np.abs(scaled_o) < 2**63):
+        multiplier, offset, rshift = scaled_m, scaled_o, common
+    fields = [np.array(v.tolist(), dtype=np.int64).reshape(shape) for v in (multiplier, offset)]
     fields.append(np.int64(rshift) if np.ndim(rshift) == 0 else
-                  np.array(rshift, dtype=np.int64).reshape(shape))
+                  np.array(rshift.tolist(), dtype=np.int64).reshape(shape))
     return (OffsetRequant(*fields, zero_out=0 if fold else zero_out, dtype=str(np.dtype(dtype))),
             np.array(unproven, dtype=np.int64))
 

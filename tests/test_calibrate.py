@@ -299,7 +299,7 @@ def test_the_batch_estimate_counts_tensors_inference_cannot_size(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from qtool.calibrate import _fix_dims, activation_bytes, sample_bytes
+    from qtool.sizing import _fix_dims, activation_bytes, sample_bytes
     from qtool.data import load_dataset
 
     f = TensorProto.FLOAT

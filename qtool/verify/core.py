@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..analyze import Analysis, analyze, format_analysis
-from ..calibrate import activation_sizes, batch_is_chosen, default_batch
+from ..sizing import activation_sizes, batch_is_chosen, default_batch
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
