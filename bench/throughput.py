@@ -21,11 +21,12 @@ Commands (``--commands``), qtool's defaults otherwise:
 - calibrate-minmax  qtool calibrate MODEL --data data.npz -o t.yaml -q
 - calibrate-kl      the same with --method kl
 - exec              qtool exec q.onnx --input data.npz -o y.npz -q
+- exec-int16        the same on q16.onnx (quantize --activation-type int16: every op int16)
 - verify            qtool verify MODEL q.onnx --data data.npz -q --tolerance 0   (exit 1 accepted)
 - quantize-data     qtool quantize MODEL -t table.yaml -o q.onnx --data calib.npz
                     (bias correction; once per model, on the 64-sample calibration file, which
                     also has its own baseline pair)
-q.onnx and table.yaml are made once per model, untimed, from the calibration file (64 samples,
+q.onnx, q16.onnx and table.yaml are made once per model, untimed, from the calibration file (64 samples,
 seed 12; the timed data uses seed 11, the first k samples shared by every sample count).
 
 Data: PP-OCRv4 rec lines (3x48x320) and det crops (3xSxS, ``--det-size``, default 320) from
@@ -62,7 +63,7 @@ sys.path.insert(0, str(BENCH))
 # and the parent stays small (its resident set is every child's floor of peak RSS).
 
 MODELS = ("rec", "det")
-COMMANDS = ("calibrate-minmax", "calibrate-kl", "exec", "verify", "quantize-data")
+COMMANDS = ("calibrate-minmax", "calibrate-kl", "exec", "exec-int16", "verify", "quantize-data")
 ORT_BATCH = {"rec": 8, "det": 1}  # samples per onnxruntime run in the baseline
 INPUT = "x"  # the input name of both PP-OCRv4 models, and the array name in every .npz
 DATA_SEED, CALIB_SEED, CALIB_SAMPLES = 11, 12, 64
@@ -194,10 +195,13 @@ def make_data(work: Path, kind: str, samples: list[int], det_size: int) -> tuple
 
 
 def prepare(qtool: str, model: str, calib: Path, folder: Path) -> tuple[Path, Path, list[str]]:
-    """Untimed: the minmax table and the quantized model every timed command reads."""
+    """Untimed: the minmax table and the quantized models (int8, and int16 beside it as q16.onnx)
+    every timed command reads."""
     table, qmodel = folder / "table.yaml", folder / "q.onnx"
     argvs = [[qtool, "calibrate", model, "--data", str(calib), "-o", str(table), "-q"],
-             [qtool, "quantize", model, "-t", str(table), "-o", str(qmodel)]]
+             [qtool, "quantize", model, "-t", str(table), "-o", str(qmodel)],
+             [qtool, "quantize", model, "-t", str(table), "-o", str(qmodel.with_name("q16.onnx")),
+              "--activation-type", "int16"]]
     for i, argv in enumerate(argvs):
         run_process(argv, folder / "logs" / f"prepare{i}")
     return table, qmodel, [shlex.join(a) for a in argvs]
@@ -210,9 +214,10 @@ def command_argv(command: str, qtool: str, model: str, qmodel: Path, table: Path
         path = out / f"{command}.yaml"
         argv = [qtool, "calibrate", model, "--data", str(data), "-o", str(path), "-q"]
         return argv + (["--method", "kl"] if command == "calibrate-kl" else []), path
-    if command == "exec":
-        path = out / "exec.npz"
-        return [qtool, "exec", str(qmodel), "--input", str(data), "-o", str(path), "-q"], path
+    if command in ("exec", "exec-int16"):
+        path = out / f"{command}.npz"
+        source = qmodel if command == "exec" else qmodel.with_name("q16.onnx")
+        return [qtool, "exec", str(source), "--input", str(data), "-o", str(path), "-q"], path
     if command == "verify":
         return [qtool, "verify", model, str(qmodel), "--data", str(data), "-q", "--tolerance", "0"], out / "-"
     if command == "quantize-data":
@@ -260,7 +265,8 @@ def bench_group(kind: str, model: str, n: int, data_label: str, data: Path, comm
     for command, runs in done.items():
         seconds = [run.seconds for run in runs]
         ratios = [s / statistics.mean(base_seconds[r:r + 2]) for r, s in enumerate(seconds)]
-        notes = []
+        over = statistics.median(s - statistics.mean(base_seconds[r:r + 2]) for r, s in enumerate(seconds))
+        notes = [f"{over:+.2f} s against onnxruntime"]
         if len(runs) > 1:
             notes.append(f"runs {min(seconds):.2f}-{max(seconds):.2f} s")
         failed = sum(run.returncode == 1 for run in runs)
