@@ -687,6 +687,9 @@ def analyze(
                                                        "over them)."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
     top: int = typer.Option(20, help="Ops to list (0: all)."),
+    all_ops: bool = typer.Option(False, "--all-ops", help="Score every op one by one. By default a "
+                                 "model of more than 64 ops is first scored in groups of consecutive ops, "
+                                 "and only the ops of the groups that gain most are scored one by one."),
     as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     resize: Optional[str] = _RESIZE,
@@ -730,7 +733,8 @@ def analyze(
         if table_ is None:
             table_ = calibrate_table(model, data, method, progress=not quiet, preprocess=pre)
         qmodel, _ = quantize_model(model, table_, options, str(table or "calibration"))
-        result = run(model, qmodel, data, num_samples, batch_size, progress=not quiet, preprocess=pre)
+        result = run(model, qmodel, data, num_samples, batch_size, progress=not quiet, preprocess=pre,
+                     every_op=all_ops)
     except QtoolError as e:
         raise _fail(e)
     typer.echo(json.dumps(result.to_dict(), indent=1) if as_json

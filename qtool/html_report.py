@@ -164,6 +164,10 @@ def _analysis_block(analysis: Analysis) -> str:
     more = len(analysis.ops) - ANALYSIS_TOP
     if more > 0:
         note += f" {more} more ops in the --json report."
+    if analysis.skipped:
+        expanded = sum(g.count for g in analysis.groups if g.expanded)
+        note += (f" Scored one by one: the {expanded} ops of the groups of consecutive ops that gained most "
+                 f"left float together; {analysis.skipped} other ops were not (qtool analyze --all-ops).")
     return f"{summary}\n{_table(head, rows)}\n<p class=\"note\">{escape(note)}</p>"
 
 

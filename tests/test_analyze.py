@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qtool.analyze import Evaluator, QdqModel, analyze, sqnr_db
+from qtool.analyze import Evaluator, QdqModel, analyze, format_analysis, sqnr_db
 from qtool.model import load_model, prepare
 from qtool.quantize import quantize
 from test_cli import assert_no_crash, assert_user_error, invoke
@@ -91,3 +91,37 @@ def test_cli_analyze_errors(tmp_path, demo_model, demo_heldout):
     assert_user_error(invoke("analyze", demo_model, "-d", demo_heldout, "--batch-size", "0"), "batch")
     assert_user_error(invoke("analyze", demo_model, "-d", demo_heldout, "-t", tmp_path / "t.yaml"),
                       "t.yaml", "not found")
+
+
+def test_a_large_model_is_scored_in_groups_first(demo, demo_model, demo_heldout, monkeypatch):
+    import qtool.analyze as analyze_module
+
+    float_model, qmodel, evaluator, batches = demo
+    every = analyze(demo_model, qmodel, demo_heldout, num_samples=64, batch_size=64, progress=False)
+    assert every.groups == [] and every.skipped == 0
+    # as if the demo's 13 ops were many: groups of ceil(sqrt(13)) = 4 consecutive ops, and the
+    # best groups' ops scored one by one until at least 5 are
+    monkeypatch.setattr(analyze_module, "GROUP_FROM", 4)
+    monkeypatch.setattr(analyze_module, "EXPANDED_OPS", 5)
+    grouped = analyze(demo_model, qmodel, demo_heldout, num_samples=64, batch_size=64, progress=False)
+    qdq = QdqModel(qmodel, float_model)
+    runs = [qdq.ops[i:i + 4] for i in range(0, 13, 4)]
+    assert [g.count for g in sorted(grouped.groups, key=lambda g: g.first)] == \
+        [len(r) for r in sorted(runs, key=lambda r: r[0].node)]
+    gains = [g.gain_db for g in grouped.groups]
+    assert gains == sorted(gains, reverse=True)
+    for g in grouped.groups:  # each group's figure: its ops' fences and weights all removed, measured here
+        run = next(r for r in runs if r[0].node == g.first)
+        left = evaluator.sqnr(qdq.ablated({t for op in run for t in op.outputs}, {w for op in run for w in op.weights}))
+        assert g.only_float_db == pytest.approx(left, abs=1e-9) and g.last == run[-1].node
+    expanded = [g for g in grouped.groups if g.expanded]
+    assert expanded == grouped.groups[:len(expanded)] and sum(g.count for g in expanded[:-1]) < 5 <= \
+        sum(g.count for g in expanded)
+    # the ops scored are those groups' ops, with the figures the full analysis gives them
+    by_node = {o.node: o for o in every.ops}
+    assert len(grouped.ops) == sum(g.count for g in expanded) == 13 - grouped.skipped
+    assert all(o == by_node[o.node] for o in grouped.ops)
+    text = format_analysis(grouped)
+    assert f"{grouped.skipped} ops in groups that gained at most" in text and "--all-ops" in text
+    assert analyze(demo_model, qmodel, demo_heldout, num_samples=64, batch_size=64, progress=False,
+                   every_op=True).to_dict() == every.to_dict()
