@@ -4,7 +4,9 @@ to leave float) so that the output SQNR against the float model reaches a target
 
 1. Every integer op is scored by the output SQNR of the model with only that op quantized (one
    onnxruntime run each, graph surgery on the QDQ model, as ``qtool analyze`` does); the lowest
-   scores are the ops whose quantization costs the most on their own.
+   scores are the ops whose quantization costs the most on their own. A model of more than 64
+   ops is scored in groups of consecutive ops first, and only the costliest groups' ops one by
+   one (``_rank``).
    With a target and no budget, every op picked at once is scored first: where even that misses
    the target, the search gives every op int16 (or float) without ranking them.
 2. The candidates, most costly first, are picked in growing prefixes. A prefix is scored as
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import onnx
 
-from .analyze import Evaluator, QdqModel, split_batches
+from .analyze import EXPANDED_OPS, GROUP_FROM, Evaluator, QdqModel, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
 from .calibrate import calibrate, collect
 from .errors import QtoolError
@@ -151,9 +153,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
             result.candidates = len(chosen)
     phase("score")
     if (target_db is None or result.integer_db < target_db) and not chosen:
-        ranked = _rank(qdq, evaluator, progress)
+        ranked, runs = _rank(qdq, evaluator, progress)
         result.candidates = len(ranked)
-        result.evaluations += len(ranked)
+        result.evaluations += runs
         phase("rank")
         limit = len(ranked) if max_float is None else min(max_float, len(ranked))
         if target_db is None:
@@ -208,17 +210,49 @@ def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, pr
                          preprocess)
 
 
-def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> list:
-    """The integer ops, the one whose quantization alone costs the most first (ties: graph order)."""
+def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> tuple[list, int]:
+    """The integer ops, the one whose quantization alone costs the most first (ties: graph order),
+    and the runs it took. A model of more than ``GROUP_FROM`` ops is ranked in groups first (as
+    ``qtool analyze`` does): runs of about sqrt(ops) consecutive ops, each scored quantized alone;
+    the ops of the costliest groups are then ranked one by one until at least ``EXPANDED_OPS``
+    are, and the other ops follow group by group (costliest group first, graph order within)."""
     tensors, weights = qdq.all_tensors(), qdq.all_weights()
+
+    def alone(ops) -> float:
+        return evaluator.sqnr(qdq.ablated(tensors - {t for op in ops for t in op.activations},
+                                          weights - {w for op in ops for w in op.weights}))
+
+    def key(score):
+        return score if not math.isnan(score) else math.inf
+
+    ops, runs = qdq.ops, 0
+    groups = [list(enumerate(ops))]
+    if len(ops) > GROUP_FROM:
+        size = math.ceil(math.sqrt(len(ops)))
+        pieces = [list(enumerate(ops))[i:i + size] for i in range(0, len(ops), size)]
+        with progress_bar(len(pieces), "search: rank groups", progress, unit="group") as bar:
+            scored_groups = []
+            for g, piece in enumerate(pieces):
+                scored_groups.append((alone([op for _, op in piece]), g, piece))
+                runs += 1
+                bar.update(1)
+        scored_groups.sort(key=lambda s: (key(s[0]), s[1]))
+        groups = [piece for _, _, piece in scored_groups]
+    expanded, count = [], 0
+    for piece in groups:
+        if count >= EXPANDED_OPS and len(groups) > 1:
+            break
+        expanded.append(piece)
+        count += len(piece)
+    one_by_one = [item for piece in expanded for item in piece]
     scored = []
-    with progress_bar(len(qdq.ops), "search: rank", progress, unit="op") as bar:
-        for index, op in enumerate(qdq.ops):
-            alone = evaluator.sqnr(qdq.ablated(tensors - set(op.activations), weights - set(op.weights)))
-            scored.append((alone, index, op))
+    with progress_bar(len(one_by_one), "search: rank", progress, unit="op") as bar:
+        for index, op in one_by_one:
+            scored.append((alone([op]), index, op))
+            runs += 1
             bar.update(1)
-    scored.sort(key=lambda s: (s[0] if not math.isnan(s[0]) else math.inf, s[1]))
-    return [op for _, _, op in scored]
+    scored.sort(key=lambda s: (key(s[0]), s[1]))
+    return [op for _, _, op in scored] + [op for piece in groups[len(expanded):] for _, op in piece], runs
 
 
 def widened(qdq: QdqModel, ops: set[str]) -> onnx.ModelProto:

@@ -275,3 +275,36 @@ def test_verify_lists_the_float_ops_quantize_listed(demo_model, table_file, demo
     shown = invoke("verify", demo_model, q, "-d", demo_heldout, "--json", "-q", "--num-samples", "32")
     assert shown.exit_code in (0, 1), shown.output
     assert [(f["op_type"], f["node"], f["reason"]) for f in json.loads(shown.stdout)["float_nodes"]] == listed
+
+
+def test_a_large_model_is_ranked_in_groups_first(demo_model, demo_table, demo_calib, monkeypatch):
+    import qtool.search as search_module
+
+    float_model = prepare(load_model(demo_model))
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(), "t")
+    qdq = QdqModel(qmodel, float_model)
+    evaluator = Evaluator(float_model, _searched(demo_calib))
+    every, runs = search_module._rank(qdq, evaluator, False)
+    assert runs == 13 and sorted(op.node for op in every) == sorted(op.node for op in qdq.ops)
+    # as if the demo's 13 ops were many: 4 groups of 4, 4, 4 and 1, the costliest first
+    monkeypatch.setattr(search_module, "GROUP_FROM", 4)
+    monkeypatch.setattr(search_module, "EXPANDED_OPS", 5)
+    ranked, runs = search_module._rank(qdq, evaluator, False)
+    tensors, weights = qdq.all_tensors(), qdq.all_weights()
+
+    def alone(ops):
+        return evaluator.sqnr(qdq.ablated(tensors - {t for op in ops for t in op.activations},
+                                          weights - {w for op in ops for w in op.weights}))
+
+    pieces = [qdq.ops[i:i + 4] for i in range(0, 13, 4)]
+    order = sorted(range(4), key=lambda g: (alone(pieces[g]), g))
+    expanded, count = [], 0
+    for g in order:
+        if count >= 5:
+            break
+        expanded.append(g)
+        count += len(pieces[g])
+    one_by_one = sorted((op for g in expanded for op in pieces[g]), key=lambda op: (alone([op]), qdq.ops.index(op)))
+    rest = [op for g in order if g not in expanded for op in pieces[g]]
+    assert [op.node for op in ranked] == [op.node for op in one_by_one + rest]
+    assert runs == 4 + count
