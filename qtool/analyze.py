@@ -496,31 +496,43 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
     return analysis
 
 
-def _expanded_groups(qdq: QdqModel, evaluator: Evaluator, analysis: Analysis, progress: bool) -> list:
-    """Scores runs of consecutive ops left float together (``analysis.groups``, ranked) and
-    returns the ops of the best groups, at least ``EXPANDED_OPS`` of them, in graph order."""
-    ops = qdq.ops
+def costliest_groups(ops: list, cost, progress: bool, desc: str) -> tuple[list[tuple[float, int, list]], int]:
+    """Runs of about sqrt(len(ops)) consecutive ops, each scored once by ``cost(run)`` (higher:
+    costlier), as (cost, index, run) costliest first (ties: graph order; NaN last), and how many
+    of the first of them hold at least ``EXPANDED_OPS`` ops: those whose ops are scored one by one
+    (``analyze`` and the search's ranking)."""
     size = math.ceil(math.sqrt(len(ops)))
     runs = [ops[i:i + size] for i in range(0, len(ops), size)]
     scored = []
-    with progress_bar(len(runs), "analyze: groups", progress, unit="group") as bar:
+    with progress_bar(len(runs), desc, progress, unit="group") as bar:
         for index, run in enumerate(runs):
-            left_float = evaluator.sqnr(qdq.ablated({t for op in run for t in op.outputs},
-                                                    {w for op in run for w in op.weights}))
-            scored.append((left_float - analysis.quantized_db, index, run, left_float))
+            scored.append((cost(run), index, run))
             bar.update(1)
-    # ties keep graph order, as the ops' ranking does
-    scored.sort(key=lambda g: (-g[0] if math.isfinite(g[0]) else -math.inf, g[1]))
-    expanded, count = set(), 0
-    for gain, index, run, _ in scored:
-        if count >= EXPANDED_OPS:
-            break
-        expanded.add(index)
-        count += len(run)
-    analysis.groups = [GroupSensitivity(run[0].node, run[-1].node, len(run), left_float, gain, index in expanded)
-                       for gain, index, run, left_float in scored]
-    analysis.skipped = len(ops) - count
-    return [op for index, run in enumerate(runs) if index in expanded for op in run]
+    scored.sort(key=lambda g: (-g[0] if not math.isnan(g[0]) else math.inf, g[1]))
+    expanded = count = 0
+    while expanded < len(scored) and count < EXPANDED_OPS:
+        count += len(scored[expanded][2])
+        expanded += 1
+    return scored, expanded
+
+
+def _expanded_groups(qdq: QdqModel, evaluator: Evaluator, analysis: Analysis, progress: bool) -> list:
+    """Scores runs of consecutive ops left float together (``analysis.groups``, ranked) and
+    returns the ops of the best groups, at least ``EXPANDED_OPS`` of them, in graph order."""
+    left_float = {}
+
+    def gain(run) -> float:
+        left_float[run[0].node] = evaluator.sqnr(qdq.ablated({t for op in run for t in op.outputs},
+                                                             {w for op in run for w in op.weights}))
+        return left_float[run[0].node] - analysis.quantized_db
+
+    scored, expanded = costliest_groups(qdq.ops, gain, progress, "analyze: groups")
+    analysis.groups = [GroupSensitivity(run[0].node, run[-1].node, len(run), left_float[run[0].node], g, i < expanded)
+                       for i, (g, _, run) in enumerate(scored)]
+    chosen = {index for _, index, _ in scored[:expanded]}
+    ops = [op for _, index, run in sorted(scored, key=lambda g: g[1]) if index in chosen for op in run]
+    analysis.skipped = len(qdq.ops) - len(ops)
+    return ops
 
 
 def format_analysis(analysis: Analysis, top: int | None = None) -> str:

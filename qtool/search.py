@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import onnx
 
-from .analyze import EXPANDED_OPS, GROUP_FROM, Evaluator, QdqModel, split_batches
+from .analyze import GROUP_FROM, Evaluator, QdqModel, costliest_groups, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
 from .calibrate import calibrate, collect
 from .errors import QtoolError
@@ -212,47 +212,32 @@ def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, pr
 
 def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> tuple[list, int]:
     """The integer ops, the one whose quantization alone costs the most first (ties: graph order),
-    and the runs it took. A model of more than ``GROUP_FROM`` ops is ranked in groups first (as
-    ``qtool analyze`` does): runs of about sqrt(ops) consecutive ops, each scored quantized alone;
-    the ops of the costliest groups are then ranked one by one until at least ``EXPANDED_OPS``
-    are, and the other ops follow group by group (costliest group first, graph order within)."""
+    and the runs it took. A model of more than ``GROUP_FROM`` ops is ranked in groups first
+    (``costliest_groups``, as ``qtool analyze`` does, each group scored quantized alone): the ops
+    of the costliest groups, at least ``EXPANDED_OPS``, are ranked one by one, and the other ops
+    follow group by group (costliest group first, graph order within)."""
     tensors, weights = qdq.all_tensors(), qdq.all_weights()
 
     def alone(ops) -> float:
         return evaluator.sqnr(qdq.ablated(tensors - {t for op in ops for t in op.activations},
                                           weights - {w for op in ops for w in op.weights}))
 
-    def key(score):
-        return score if not math.isnan(score) else math.inf
-
-    ops, runs = qdq.ops, 0
-    groups = [list(enumerate(ops))]
-    if len(ops) > GROUP_FROM:
-        size = math.ceil(math.sqrt(len(ops)))
-        pieces = [list(enumerate(ops))[i:i + size] for i in range(0, len(ops), size)]
-        with progress_bar(len(pieces), "search: rank groups", progress, unit="group") as bar:
-            scored_groups = []
-            for g, piece in enumerate(pieces):
-                scored_groups.append((alone([op for _, op in piece]), g, piece))
-                runs += 1
-                bar.update(1)
-        scored_groups.sort(key=lambda s: (key(s[0]), s[1]))
-        groups = [piece for _, _, piece in scored_groups]
-    expanded, count = [], 0
-    for piece in groups:
-        if count >= EXPANDED_OPS and len(groups) > 1:
-            break
-        expanded.append(piece)
-        count += len(piece)
-    one_by_one = [item for piece in expanded for item in piece]
-    scored = []
+    indexed = list(enumerate(qdq.ops))
+    runs, rest = 0, []
+    one_by_one = indexed
+    if len(indexed) > GROUP_FROM:
+        scored, expanded = costliest_groups(indexed, lambda run: -alone([op for _, op in run]), progress,
+                                            "search: rank groups")
+        runs = len(scored)
+        one_by_one = [item for _, _, run in scored[:expanded] for item in run]
+        rest = [op for _, _, run in scored[expanded:] for _, op in run]
+    ranked = []
     with progress_bar(len(one_by_one), "search: rank", progress, unit="op") as bar:
         for index, op in one_by_one:
-            scored.append((alone([op]), index, op))
-            runs += 1
+            ranked.append((alone([op]), index, op))
             bar.update(1)
-    scored.sort(key=lambda s: (key(s[0]), s[1]))
-    return [op for _, _, op in scored] + [op for piece in groups[len(expanded):] for _, op in piece], runs
+    ranked.sort(key=lambda s: (s[0] if not math.isnan(s[0]) else math.inf, s[1]))
+    return [op for _, _, op in ranked] + rest, runs + len(one_by_one)
 
 
 def widened(qdq: QdqModel, ops: set[str]) -> onnx.ModelProto:
