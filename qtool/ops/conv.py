@@ -326,7 +326,6 @@ class ConvPlan:
     tails: dict  # input np.dtype -> Tail
     row_parts: tuple[tuple[int, int], ...]  # output row ranges, one per thread
     engines: dict = field(default_factory=dict)  # input np.dtype -> ortconv.OrtConv or None
-    split16: "Tail | None" = None  # int16 inputs: two 8-bit halves (``split_sums``), then this tail
 
     @classmethod
     def of(cls, p: ConvParams, shape: tuple[int, ...]) -> "ConvPlan":
@@ -372,15 +371,22 @@ class ConvPlan:
             if fused is not None:
                 tails[dtype] = Tail.of(fused)
         row_parts = parallel.ranges(out_hw[0], shape[0] * c_out * out_hw[0] * out_hw[1])
-        # an int16 input is 256 * hi + lo with hi int8 and lo uint8: each half's sums are exact
-        # in float32 when the weights bound them (|lo| <= 255), and padding 0 is 0 in both
-        split16 = None
-        if p.zero_in == 0 and int(l1.max(initial=0)) * 255 < FLOAT32_EXACT:
-            fused = offset_requant(p.bias.reshape(-1, 1, 1), Requant(p.requant.multiplier.reshape(-1, 1, 1),
-                                                                     p.requant.rshift.reshape(-1, 1, 1)),
-                                   p.zero_out, p.dtype, p.rounding, (l1 * 32768).reshape(-1, 1, 1))
-            split16 = None if fused is None else Tail.of(fused)
-        return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts, split16=split16)
+        return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts)
+
+    @functools.cached_property
+    def split16(self) -> "Tail | None":
+        """For int16 inputs (made on the first one): the tail after ``split_sums``, proven for
+        every int16 input; None where the halves are not proven exact. An int16 input is
+        ``256 * hi + lo`` with ``hi`` int8 and ``lo`` uint8: each half's sums are exact in float32
+        when the weights bound them (``|lo| <= 255``), and padding 0 is 0 in both."""
+        p = self.params
+        l1 = np.abs(p.weight.astype(np.int64)).reshape(p.weight.shape[0], -1).sum(axis=1)
+        if p.zero_in != 0 or int(l1.max(initial=0)) * 255 >= FLOAT32_EXACT:
+            return None
+        column = Requant(p.requant.multiplier.reshape(-1, 1, 1), p.requant.rshift.reshape(-1, 1, 1))
+        fused = offset_requant(p.bias.reshape(-1, 1, 1), column, p.zero_out, p.dtype, p.rounding,
+                               (l1 * 32768).reshape(-1, 1, 1))
+        return None if fused is None else Tail.of(fused)
 
     def engine(self, dtype: np.dtype) -> "ortconv.OrtConv | None":
         """onnxruntime's float32 Conv for inputs of ``dtype`` where float32 is proven exact for
