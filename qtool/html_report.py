@@ -87,7 +87,7 @@ def render_html(report: VerifyReport, model: str, qmodel: str) -> str:
     if report.analysis is not None:
         parts += ["<h2>Sensitivity (qtool analyze)</h2>", _analysis_block(report.analysis)]
     parts += ["<h2>SQNR along the graph</h2>", _plot_block(report),
-              "<h2>Tensors in graph order</h2>", _tensor_table(report),
+              "<h2>Tensors in graph order</h2>", _layer_samples(report) + _tensor_table(report),
               "<h2>Nodes that ran in float</h2>", _float_nodes(report.float_nodes),
               f"<footer>qtool {escape(__version__)}</footer>\n<script>{_SCRIPT}</script>\n</body>\n</html>\n"]
     return "\n".join(parts)
@@ -169,6 +169,15 @@ def _analysis_block(analysis: Analysis) -> str:
         note += (f" Scored one by one: the {expanded} ops of the groups of consecutive ops that gained most "
                  f"left float together; {analysis.skipped} other ops were not (qtool analyze --all-ops).")
     return f"{summary}\n{_table(head, rows)}\n<p class=\"note\">{escape(note)}</p>"
+
+
+def _layer_samples(report: VerifyReport) -> str:
+    """Says on how many samples the tensors were compared, when not on all of them."""
+    if report.layer_samples is None or report.layer_samples >= report.samples:
+        return ""
+    return (f"<p class=\"note\">Compared on {report.layer_samples} of the {report.samples} samples, in "
+            f"batches spread over them (the outputs on every sample; qtool verify --layers all: every "
+            f"sample).</p>\n")
 
 
 def _tensor_table(report: VerifyReport) -> str:

@@ -69,3 +69,13 @@ def test_a_job_takes_verify_layers(tmp_path, demo_model, demo_calib, demo_heldou
         assert report["samples"] == 64 and report["layer_samples"] == compared
     bad = _demo_job(tmp_path, demo_model, demo_calib, demo_heldout, ", layers: 0")
     assert_user_error(invoke("run", bad), "verify.layers: expected a number of samples >= 1 or all, got 0")
+
+
+def test_the_page_says_how_many_samples_the_tensors_saw(tmp_path, demo_model, qmodel, demo_heldout):
+    page = tmp_path / "r.html"
+    assert invoke("verify", demo_model, qmodel, "-d", demo_heldout, "--batch-size", "8", "-q", "--report",
+                  page).exit_code == 0
+    assert "Compared on 16 of the 540 samples, in batches spread over them" in page.read_text()
+    assert invoke("verify", demo_model, qmodel, "-d", demo_heldout, "--batch-size", "8", "-q", "--report",
+                  page, "--layers", "all").exit_code == 0
+    assert "Compared on" not in page.read_text()
