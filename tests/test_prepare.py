@@ -72,3 +72,25 @@ def test_errors_are_those_of_the_whole_model():
 
     with pytest.raises(RuntimeError, match="opset not supported"):
         without_weights(fails, _model())
+
+
+def test_a_model_prepared_again_gets_the_same_preparation_as_a_model_of_its_own(demo_model, monkeypatch):
+    import qtool.model as model_module
+    from qtool.model import load_model, prepare
+
+    calls = []
+    real = model_module._prepare
+    monkeypatch.setattr(model_module, "_prepare", lambda m, s: calls.append(s) or real(m, s))
+    monkeypatch.setattr(model_module, "_last_prepared", None)
+    first = prepare(load_model(demo_model), "a")
+    assert model_module._last_prepared[1] is None  # prepared once: no bytes kept
+    second = prepare(load_model(demo_model), "b")
+    third = prepare(load_model(demo_model), "c")
+    assert calls == ["a", "b"]  # the third came from the kept bytes
+    assert first.SerializeToString() == second.SerializeToString() == third.SerializeToString()
+    third.graph.node[0].name = "changed"  # a model of its own: the next one is as prepared
+    assert prepare(load_model(demo_model), "d").graph.node[0].name == first.graph.node[0].name
+    other = load_model(demo_model)
+    other.graph.node[0].name = "another model"
+    prepare(other, "e")
+    assert calls == ["a", "b", "e"]
