@@ -128,6 +128,15 @@ class QdqModel:
         out.graph.node.extend(nodes + identities)
         return out
 
+    def only_quantized(self, ops) -> onnx.ModelProto:
+        """The model with only ``ops`` quantized: every other op's fences bypassed and weights float."""
+        return self.ablated(self.all_tensors() - {t for op in ops for t in op.activations},
+                            self.all_weights() - {w for op in ops for w in op.weights})
+
+    def left_float(self, ops) -> onnx.ModelProto:
+        """The model with ``ops`` float: their outputs' fences bypassed and their weights float."""
+        return self.ablated({t for op in ops for t in op.outputs}, {w for op in ops for w in op.weights})
+
     def widened(self, tensors) -> onnx.ModelProto:
         """The model with the fences of ``tensors`` made int16 (symmetric, zero point 0) over the
         range their 8-bit (S, Z) covers: what quantize writes for ops promoted to int16, up to the
@@ -484,8 +493,8 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
         chosen = _expanded_groups(qdq, evaluator, analysis, progress)
     with progress_bar(len(chosen), "analyze", progress, unit="op") as bar:
         for op in chosen:
-            alone = evaluator.sqnr(qdq.ablated(tensors - set(op.activations), weights - set(op.weights)))
-            left_float = evaluator.sqnr(qdq.ablated(op.outputs, op.weights))
+            alone = evaluator.sqnr(qdq.only_quantized([op]))
+            left_float = evaluator.sqnr(qdq.left_float([op]))
             analysis.ops.append(OpSensitivity(op.op_type, op.node, alone, left_float,
                                               left_float - analysis.quantized_db))
             bar.update(1)
@@ -522,8 +531,7 @@ def _expanded_groups(qdq: QdqModel, evaluator: Evaluator, analysis: Analysis, pr
     left_float = {}
 
     def gain(run) -> float:
-        left_float[run[0].node] = evaluator.sqnr(qdq.ablated({t for op in run for t in op.outputs},
-                                                             {w for op in run for w in op.weights}))
+        left_float[run[0].node] = evaluator.sqnr(qdq.left_float(run))
         return left_float[run[0].node] - analysis.quantized_db
 
     scored, expanded = costliest_groups(qdq.ops, gain, progress, "analyze: groups")

@@ -216,11 +216,8 @@ def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> tuple[list, in
     (``costliest_groups``, as ``qtool analyze`` does, each group scored quantized alone): the ops
     of the costliest groups, at least ``EXPANDED_OPS``, are ranked one by one, and the other ops
     follow group by group (costliest group first, graph order within)."""
-    tensors, weights = qdq.all_tensors(), qdq.all_weights()
-
     def alone(ops) -> float:
-        return evaluator.sqnr(qdq.ablated(tensors - {t for op in ops for t in op.activations},
-                                          weights - {w for op in ops for w in op.weights}))
+        return evaluator.sqnr(qdq.only_quantized(ops))
 
     indexed = list(enumerate(qdq.ops))
     runs, rest = 0, []
