@@ -26,7 +26,7 @@ import onnx
 
 import calibrators
 
-from . import __version__, masks, stats_graph
+from . import __version__, control, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
     run_or_one_at_a_time
 from .data import Dataset, check_sampling, load_dataset
@@ -267,7 +267,8 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
                        0, shapes, {name: new_calibrator() for name in names},
                        data.preprocess.to_dict() if data.preprocess is not None else {})
-    update = _updater(model, typed, names, stats.calibrators, histogram_samples)
+    bodies = _bodies(model, typed, stats.calibrators, new_calibrator)
+    update = _updater(model, typed, names, {n: stats.calibrators[n] for n in names}, histogram_samples, bodies)
     with progress_bar(total - first, "calibrate", progress) as bar:
         try:
             for batch in (data.batches(batch_size, total, first) if feeds is None else feeds):
@@ -284,6 +285,9 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
             update.close(check=False)
             raise
         update.close()
+    if bodies is not None:  # a branch the data never took has no statistics: quantize keeps it float
+        for name in bodies.unseen():
+            stats.calibrators.pop(name, None)
     if log is not None and note and total > 1:
         log(note)
     return stats
@@ -358,18 +362,37 @@ class _Updates:
             raise error
 
 
-def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int
-             ) -> _Updates:
+def _bodies(model, typed, calibrators_by_name: dict, new_calibrator) -> control.BodyStats | None:
+    """The calibration of the tensors inside the model's If, Loop and Scan bodies (calibrators
+    added to ``calibrators_by_name``), or None when it has none to calibrate."""
+    if not any(control.is_control(node) for node in model.graph.node):
+        return None
+    types = {vi.name: vi.type for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
+    constants = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    bodies = control.BodyStats(model, needed_tensors, new_calibrator, calibrators_by_name, constants, types)
+    return bodies if bodies.tensors() else None
+
+
+def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int,
+             bodies: control.BodyStats | None = None) -> _Updates:
     """A function feeding one batch to every calibrator: through statistics reduced inside
-    onnxruntime when the method declares them, else through the full tensors."""
+    onnxruntime when the method declares them, else through the full tensors. ``bodies``: the
+    tensors inside control-flow bodies too (the run then also returns what their nodes read)."""
     prototype = next(iter(calibrators_by_name.values()), None)
     reductions = getattr(prototype, "reductions", None)
+    extra = list(bodies.feeds_needed) if bodies is not None else []
+
+    def update_bodies(outputs):
+        if bodies is not None:
+            bodies.update(outputs)
+
     if not reductions or not hasattr(prototype, "update_reduced"):
-        runner = FloatRunner(model, names)
+        runner = FloatRunner(model, list(dict.fromkeys(names + extra)))
 
         def update_full(outputs):
             for name, calibrator in calibrators_by_name.items():
                 calibrator.update(outputs[name])
+            update_bodies(outputs)
 
         return _Updates(runner.run, update_full, threaded=False)  # full tensors: one batch at a time
     infos = [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
@@ -377,7 +400,7 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     shapes = {vi.name: input_shape(vi) for vi in infos}
     cap = histogram_samples if histogram_samples > 0 else np.iinfo(np.int64).max
     stats_model, layout = stats_graph.build(model, names, types, shapes, set(reductions), cap)
-    runner = FloatRunner(stats_model)
+    runner = FloatRunner(stats_model, extra)
 
     names_in_order = list(calibrators_by_name)
     ordered = [calibrators_by_name[n] for n in names_in_order]
@@ -387,9 +410,10 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
         batch = stats_graph.unpack(outputs, layout)
         if many is not None:  # one vectorised update for every tensor (histogram binning)
             many(ordered, [batch[n] for n in names_in_order])
-            return
-        for name, calibrator in calibrators_by_name.items():
-            calibrator.update_reduced(batch[name])
+        else:
+            for name, calibrator in calibrators_by_name.items():
+                calibrator.update_reduced(batch[name])
+        update_bodies(outputs)
 
     return _Updates(runner.run, update_reduced)
 

@@ -399,7 +399,8 @@ def convert_table(
 
 @app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 @_panels(Input_and_output="table table_format output params_out params_metadata quiet as_json",
-         Number_formats="format per_channel symmetric activation_type multiplier_bits rounding target",
+         Number_formats="format per_channel symmetric activation_type weight_type block_size multiplier_bits "
+                        "rounding target",
          Ops_left_float_or_int16="keep_float precision_table strict",
          Steps_fitted_on_DATA="data num_samples holdout batch_size method_choice try_methods table_out "
                               "bias_correction placement weight_rounding target_sqnr max_float_layers "
@@ -423,6 +424,12 @@ def quantize(
     activation_type: str = typer.Option("int8", help="int8, uint8 or int16 (symmetric, zero point 0; "
                                         "weights stay int8; below opset 21 its QuantizeLinear/"
                                         "DequantizeLinear are onnxruntime's com.microsoft ones)."),
+    weight_type: str = typer.Option("int8", "--weight-type", help="MatMul/Gemm weights: int8 or int4 "
+                                    "(symmetric, -7..7; opset 21, which the model is upgraded to). "
+                                    "Conv weights stay int8."),
+    block_size: int = typer.Option(0, "--block-size", help="MatMul/Gemm weights: one scale per BLOCK "
+                                   "rows along K and column (DequantizeLinear's block_size, opset 21); "
+                                   "0: one per column."),
     multiplier_bits: int = typer.Option(32, help="Fixed-point multiplier width: 32 or 8."),
     rounding: str = typer.Option(DEFAULT_ROUNDING, help="half_up, half_away_from_zero, half_to_even "
                                                         "or toward_zero."),
@@ -553,7 +560,7 @@ def quantize(
             precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                                   tuple(keep_float) + precisions.keep_float, format, strict, target, None,
-                                  precisions.int16)
+                                  precisions.int16, weight_type, block_size)
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         if method_choice and data is None:
@@ -653,6 +660,11 @@ def quantize(
             f"form stay DequantizeLinear -> op -> QuantizeLinear")
         for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
             say(line)
+    if report.blocked is not None:
+        b = report.blocked
+        say(f"weights: {b['weights']} MatMul/Gemm weights {b['type']}, "
+            + (f"one scale per {b['block_size']} rows along K and column" if b["block_size"]
+               else "one scale per column"))
     if report.widened:
         say(f"ranges made safe (zero width widened, beyond ±1e30 clipped): {', '.join(report.widened)}")
     if report.method_choice is not None:

@@ -73,7 +73,7 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
         raise
     for name in per_sample:
         shapes[name] = None
-    return ExecResult(len(executor.steps), sum(s.kind == "integer" for s in executor.steps),
+    return ExecResult(len(list(executor.all_steps())), sum(s.kind == "integer" for s in executor.all_steps()),
                       executor.float_nodes(), shapes, per_sample, note if len(data) > 1 else "", warnings)
 
 

@@ -25,12 +25,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import masks
+from . import boundary, control, masks
 from .errors import QtoolError
 from .model import batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
-from .ops import blas, fast_paths, parallel
+from .ops import blas, blocked, fast_paths, parallel
 from .ops.softmax import MaskedSoftmax
 from .ops.bytetable import BYTE_TYPES, byte_mapped, lookup, values_of
 from .qoperator_exec import QOperatorLowering, float_name
@@ -48,7 +48,7 @@ FOREIGN_ROUNDING = "half_to_even"
 
 @dataclass
 class Step:
-    kind: str  # "integer", "float", "quantize", "dequantize" or "chain"
+    kind: str  # "integer", "float", "quantize", "dequantize", "boundary" or "chain"
     node: onnx.NodeProto
     inputs: list[str]
     outputs: list[str]
@@ -125,10 +125,12 @@ def _metadata(model: onnx.ModelProto) -> dict[str, str]:
 
 
 class IntegerExecutor:
-    def __init__(self, model: onnx.ModelProto, arithmetic: str = "exact"):
+    def __init__(self, model: onnx.ModelProto, arithmetic: str = "exact",
+                 outer_constants: dict[str, np.ndarray] | None = None):
         """``arithmetic``: ``exact`` (the integer device), ``x86-avx2`` (onnxruntime's u8 x s8
         products on a CPU without VNNI, qtool/targets/x86.py) or ``host`` (whichever of the two this
-        machine's onnxruntime computes)."""
+        machine's onnxruntime computes). ``outer_constants``: for the body of an If, Loop or Scan
+        (qtool/control.py), the initializers of the enclosing graphs it reads."""
         self._fast = False  # the fast paths are on (``run``'s ``pace``)
         self._per_sample = None  # seconds a sample took on the plain paths, the last batch
         self._plain_runs = 0
@@ -139,7 +141,7 @@ class IntegerExecutor:
         self.multiplier_bits = int(meta.get("qtool.multiplier_bits", "32"))
         self.model = model
         self.opsets = {o.domain or "": o.version for o in model.opset_import}
-        self.constants = initializers(model)
+        self.constants = {**(outer_constants or {}), **initializers(model)}
         self.producer = {out: node for node in model.graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too
@@ -172,25 +174,32 @@ class IntegerExecutor:
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
-        """(S, Z) of a QuantizeLinear/DequantizeLinear node from its constant inputs."""
+        """(S, Z) of a QuantizeLinear/DequantizeLinear node from its constant inputs. Raises
+        ``Unsupported`` for the forms qtool/boundary.py computes instead (blocked, scales computed
+        at run time, types other than 8, 16 and 32-bit integers): no integer kernel takes them."""
         attrs = node_attrs(node)
         if attrs.get("block_size", 0):
-            raise QtoolError(f"{node.op_type} node '{node.name}' uses blocked quantization "
-                             f"(block_size), which qtool does not support")
+            raise Unsupported(f"'{node.input[0]}' is quantized in blocks of {attrs['block_size']}")
         if node.input[1] not in self.constants:
-            raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant scale")
+            raise Unsupported(f"the scale of '{node.input[0]}' is computed at run time")
         scale = self.constants[node.input[1]]
+        if scale.ndim > 1:
+            raise Unsupported(f"the scale of '{node.input[0]}' has {scale.ndim} axes")
         if len(node.input) > 2 and node.input[2]:
             zero = self.constants.get(node.input[2])
             if zero is None:
-                raise QtoolError(f"{node.op_type} node '{node.name}' has a non-constant zero point")
+                raise Unsupported(f"the zero point of '{node.input[0]}' is computed at run time")
         else:  # no zero point: Q's output_dtype, DQ's input type, else uint8 (the ONNX default)
             dtype = "uint8"
             if node.op_type == "QuantizeLinear" and attrs.get("output_dtype", 0):
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(attrs["output_dtype"])
             elif node.op_type == "DequantizeLinear" and self.lowering is not None:
                 dtype = self.lowering.dtypes.get(node.input[0]) or dtype
+            if not boundary.is_plain(np.dtype(dtype) if not isinstance(dtype, str) else dtype):
+                raise Unsupported(f"'{node.input[0]}' is {dtype}")
             zero = np.zeros(scale.shape, dtype=dtype)
+        if not boundary.is_plain(zero.dtype):
+            raise Unsupported(f"'{node.input[0]}' is {zero.dtype}")
         axis = None
         if scale.ndim == 1 and scale.size > 1:
             axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
@@ -213,20 +222,34 @@ class IntegerExecutor:
                     steps.append(step)
                     self.lowering.record(step.outputs, [qp.dtype for qp in step.qparams])
                     continue
+            if node.op_type in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
+                try:
+                    qp = None if node.op_type == "DynamicQuantizeLinear" else self._qparams_of(node)
+                except Unsupported:
+                    qp = None
+                if qp is None:  # a form no kernel takes: computed as the specification says
+                    steps.append(Step("boundary", node, [n for n in node.input if n], list(node.output),
+                                      params=boundary.of(node)))
+                    self.lowering.record(node.output, [self._boundary_type(node, o) for o in node.output])
+                    continue
             if node.op_type == "QuantizeLinear":
-                qp = self._qparams_of(node)
                 if node.name not in absorbed_q:
                     steps.append(Step("quantize", node, [node.input[0]], [node.output[0]],
                                       keys=[node.input[0]], qparams=[qp]))
                 self.lowering.record(node.output, [qp.dtype])
                 continue
             if node.op_type == "DequantizeLinear":
-                qp = self._qparams_of(node)
                 out = self._dequantized_type(node)
                 steps.append(Step("dequantize", node, [node.input[0]], [node.output[0]],
                                   qparams=[qp], params=out))
                 self.lowering.record(node.output, [out])
                 continue
+            if control.is_control(node):
+                step = self._control_step(node)
+                if step is not None:
+                    steps.append(step)
+                    self.lowering.record(node.output, [self._declared_type(o) for o in node.output])
+                    continue
             step, reason = self._integer_step(node)
             if step is None:
                 step, reason = self._qoperator_step(node, reason)
@@ -267,6 +290,20 @@ class IntegerExecutor:
                     params=lowered.params, keys=keys, qparams=list(lowered.qparams),
                     clamps_below_zero=lowered.clamps_below_zero), ""
 
+    def _boundary_type(self, node: onnx.NodeProto, output: str) -> str | None:
+        """The type of a boundary step's output where setup knows it (by name, see
+        ``boundary.is_plain``), else the model's declaration."""
+        if node.op_type == "DynamicQuantizeLinear":
+            return "float32" if output == node.output[1] else "uint8"
+        attrs = node_attrs(node)
+        if node.op_type == "QuantizeLinear":
+            if attrs.get("output_dtype", 0):
+                return boundary.type_name(attrs["output_dtype"])
+            zero = self.constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if zero is not None:
+                return str(zero.dtype)
+        return self._declared_type(output)
+
     def _declared_type(self, name: str) -> str | None:
         """A float step's output type as the model declares it (value_info), if it does."""
         return self.lowering.dtypes.get(name)
@@ -280,6 +317,11 @@ class IntegerExecutor:
         return str(scale.dtype) if scale is not None and scale.dtype.kind == "f" else "float32"
 
     def _integer_step(self, node: onnx.NodeProto):
+        if node.op_type in ("MatMul", "Gemm") and self._blocked_source(node) is not None:
+            try:
+                return self._blocked_step(node), ""
+            except Unsupported as e:
+                return None, str(e)
         op = REGISTRY.get(node.op_type)
         if op is None:
             return None, subgraph_reason(node) or "no integer kernel"
@@ -300,7 +342,10 @@ class IntegerExecutor:
                 continue
             source = self.producer.get(name)
             if source is not None and source.op_type == "DequantizeLinear":
-                qp = self._qparams_of(source)
+                try:
+                    qp = self._qparams_of(source)
+                except Unsupported as e:
+                    return None, str(e)
                 value = self.constants.get(source.input[0])
                 if value is not None and isinstance(consts.get(i), Weight):
                     value, qp = centered(value, qp)  # uint8 weights (zero point 128): int8 again
@@ -315,7 +360,10 @@ class IntegerExecutor:
                 return None, f"weight '{node.input[1]}' is float"  # kept float by quantize
             else:
                 return None, f"input '{name}' is not quantized"
-        outputs = [None if q is None else self._qparams_of(q) for q in q_nodes]
+        try:
+            outputs = [None if q is None else self._qparams_of(q) for q in q_nodes]
+        except Unsupported as e:
+            return None, str(e)
         present = [q for q in q_nodes if q is not None]
         view = NodeView(node, operands, next(o for o in outputs if o is not None), self.rounding,
                         self.multiplier_bits, outputs=outputs, opset=self.opsets.get("", 1))
@@ -328,6 +376,87 @@ class IntegerExecutor:
                     absorbs=[q.name for q in present])
         return step, ""
 
+    def _control_step(self, node: onnx.NodeProto) -> Step | None:
+        """An If, Loop or Scan whose bodies hold integer ops: each body an executor of its own
+        (qtool/control.py), run by the op's semantics. None when no body has an integer op: the
+        node then runs whole in onnxruntime, as any float op."""
+        bodies = {}
+        for attr, graph in control.body_graphs(node).items():
+            outer = [n for n in control.graph_outer_reads(graph) if n not in self.constants]
+            model = control.body_model(graph, outer, self.model.opset_import, self.model.ir_version)
+            model.metadata_props.extend(self.model.metadata_props)  # rounding, multiplier bits
+            bodies[attr] = IntegerExecutor(model, self.arithmetic, control.constant_reads(graph, self.constants))
+        if not any(body.has_integer() for body in bodies.values()):
+            return None
+        return Step("control", node, self._reads(node), list(node.output), params=bodies)
+
+    def has_integer(self) -> bool:
+        """Some op runs integer, in this graph or in a body of its If, Loop or Scan nodes."""
+        return any(s.kind == "integer" or (s.kind == "control" and any(b.has_integer() for b in s.params.values()))
+                   for s in self.steps)
+
+    def all_steps(self):
+        """This executor's steps and, depth first, those of its control steps' bodies."""
+        for step in self.steps:
+            yield step
+            if step.kind == "control":
+                for body in step.params.values():
+                    yield from body.all_steps()
+
+    def _blocked_source(self, node: onnx.NodeProto) -> onnx.NodeProto | None:
+        """The DequantizeLinear with ``block_size`` that gives a MatMul/Gemm its constant B, if any."""
+        source = self.producer.get(node.input[1]) if len(node.input) > 1 else None
+        if source is None or source.op_type != "DequantizeLinear" or source.input[0] not in self.constants:
+            return None
+        return source if node_attrs(source).get("block_size", 0) else None
+
+    def _blocked_step(self, node: onnx.NodeProto) -> Step:
+        """``DQ(x) -> MatMul|Gemm(B from a blocked DQ) -> Q`` as one integer step (ops/blocked.py)."""
+        weight_dq = self._blocked_source(node)
+        attrs, dq = node_attrs(node), node_attrs(weight_dq)
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            raise Unsupported("a blocked weight's Gemm must have transA=0, alpha=1 and beta=1")
+        users = self.consumers.get(node.output[0], [])
+        source = self.producer.get(node.input[0])
+        if len(users) != 1 or users[0].op_type != "QuantizeLinear" or node.output[0] in self.output_names:
+            raise Unsupported(f"output '{node.output[0]}' is not followed by a single QuantizeLinear")
+        if source is None or source.op_type != "DequantizeLinear" or source.input[0] in self.constants:
+            raise Unsupported(f"input '{node.input[0]}' is not quantized")
+        x, y = self._qparams_of(source), self._qparams_of(users[0])
+        values = self.constants[weight_dq.input[0]]
+        if values.dtype.kind not in "iu" and boundary.type_of(values.dtype) not in boundary.INTEGER_RANGES:
+            raise Unsupported(f"weight '{weight_dq.input[0]}' is {values.dtype}, not an integer type")
+        scales = self.constants.get(weight_dq.input[1])
+        zero = self.constants.get(weight_dq.input[2]) if len(weight_dq.input) > 2 and weight_dq.input[2] else None
+        if scales is None or (len(weight_dq.input) > 2 and weight_dq.input[2] and zero is None):
+            raise Unsupported(f"the blocked scales of '{weight_dq.input[0]}' are not constants")
+        if values.ndim != 2:
+            raise Unsupported(f"blocked weight '{weight_dq.input[0]}' has {values.ndim} axes, not 2")
+        trans = bool(attrs.get("transB", 0)) if node.op_type == "Gemm" else False
+        block_axis = int(dq.get("axis", 1)) % 2
+        if block_axis != (1 if trans else 0):
+            raise Unsupported(f"weight '{weight_dq.input[0]}' is blocked along N, not along K")
+        rule = boundary.of(weight_dq)
+        w = values.astype(np.int16)
+        if zero is not None:
+            w = w - rule._spread(zero, values.shape, "zero point").astype(np.int16)
+        if w.size and (w.min() < -128 or w.max() > 127):
+            raise Unsupported(f"blocked weight '{weight_dq.input[0]}' less its zero point leaves int8")
+        w, scales = (w.T, scales.T) if trans else (w, scales)
+        bias = bias_scale = None
+        if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
+            bias_dq = self.producer.get(node.input[2])
+            if bias_dq is None or bias_dq.op_type != "DequantizeLinear" or bias_dq.input[0] not in self.constants:
+                raise Unsupported(f"bias '{node.input[2]}' is not a quantized constant")
+            qb = self._qparams_of(bias_dq)
+            bias = self.constants[bias_dq.input[0]].astype(np.int64) - np.asarray(qb.zero_point, np.int64)
+            bias = np.broadcast_to(bias.reshape(-1), (w.shape[1],))
+            bias_scale = np.broadcast_to(np.asarray(qb.scale, np.float64).reshape(-1), (w.shape[1],))
+        params = blocked.derive(x, w.astype(np.int8), scales.astype(np.float32), int(dq["block_size"]), y,
+                                self.rounding, bias, bias_scale)
+        return Step("integer", node, [source.input[0]], [users[0].output[0]], op=blocked.BlockedMatMul(),
+                    params=params, keys=[node.output[0]], qparams=[y], absorbs=[users[0].name])
+
     def _masked_softmax_step(self, join: masks.Join) -> Step | None:
         """``DQ(scores) -> Add(mask) | Where -> Softmax -> Q`` as one integer step (qtool/masks.py),
         or None when the group is not in that form (both nodes then run in float)."""
@@ -338,10 +467,10 @@ class IntegerExecutor:
                 or len(users) != 1 or users[0].op_type != "QuantizeLinear"
                 or softmax.output[0] in self.output_names):
             return None
-        out = self._qparams_of(users[0])
-        view = NodeView(softmax, [Operand(self._qparams_of(source))], out, self.rounding,
-                        self.multiplier_bits, opset=self.opsets.get("", 1))
         try:
+            out = self._qparams_of(users[0])
+            view = NodeView(softmax, [Operand(self._qparams_of(source))], out, self.rounding,
+                            self.multiplier_bits, opset=self.opsets.get("", 1))
             params = MaskedSoftmax().derive(view, join.form)
         except Unsupported:
             return None
@@ -439,7 +568,7 @@ class IntegerExecutor:
         if not self._fast and (pace is None or (self._per_sample is not None
                                                 and self._per_sample * (pace[0] + pace[1]) >= FAST_FROM)):
             self._fast = True
-            for step in self.steps:  # plans made for the plain paths: made again
+            for step in self.all_steps():  # plans made for the plain paths: made again
                 if step.kind == "integer":
                     step.specialized.clear()
         start = time.perf_counter()
@@ -527,7 +656,20 @@ class IntegerExecutor:
             return [self._quantize(values[0], step.qparams[0])]
         if step.kind == "dequantize":
             return [self._dequantize(step, values[0])]
+        if step.kind == "boundary":
+            return step.params.run(*values)
+        if step.kind == "control":
+            return self._run_control(step, values)
         return self._run_float(step, values)
+
+    def _run_control(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
+        """An If, Loop or Scan: its bodies run on this run's paths (plain or fast)."""
+        def run_body(attr: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            body = step.params[attr]
+            outputs = body._run({n: feeds[n] for n in body.input_names}, False).outputs
+            return [outputs[name] for name in body.output_names]
+
+        return control.run(step.node, dict(zip(step.inputs, values)), run_body)
 
     @staticmethod
     def _quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
@@ -636,8 +778,15 @@ class IntegerExecutor:
         def name(node) -> str:  # an unnamed node by its op type and place in the graph
             return node.name or f"{node.op_type} #{index.get(tuple(node.output), '?')} (unnamed)"
 
-        return [(s.node.op_type, name(s.node), s.reason) for s in self.steps
-                if s.kind == "float" and not is_guard(s.node)]
+        found = []
+        for s in self.steps:
+            if s.kind == "float" and not is_guard(s.node):
+                found.append((s.node.op_type, name(s.node), s.reason))
+            elif s.kind == "control":  # the float ops inside its bodies, an unnamed one by where it is
+                for attr, body in s.params.items():
+                    found.extend((t, f"{n} in {name(s.node)}.{attr}" if n.endswith("(unnamed)") else n, r)
+                                 for t, n, r in body.float_nodes())
+        return found
 
     def integer_tensors(self) -> dict[str, "TensorInfo"]:
         """Float tensor name -> how the executor holds it, for every integer tensor."""

@@ -30,7 +30,7 @@ from .model import file_digest, load_model, prepare
 from .params import drop_params
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
-from .quantize import ACTIVATION_TYPES, FORMATS, QuantizeOptions
+from .quantize import ACTIVATION_TYPES, FORMATS, WEIGHT_TYPES, QuantizeOptions
 from .report import bias_summary, methods_summary, pick_summary, placement_summary, rounding_summary, \
     search_summary
 from .targets import TARGETS
@@ -68,6 +68,8 @@ SCHEMA = {
         "per_channel": (bool, False),
         "symmetric": (bool, False),
         "activation_type": (("choice", ACTIVATION_TYPES), False),
+        "weight_type": (("choice", WEIGHT_TYPES), False),
+        "block_size": ("count", False),
         "multiplier_bits": (("choice", MULTIPLIER_BITS), False),
         "rounding": (("choice", ROUNDING_MODES), False),
         "keep_float": (list, False),
@@ -614,6 +616,9 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     quantize = (f"{opt.format}, {'per-channel' if opt.per_channel else 'per-tensor'}, "
                 f"{'symmetric' if opt.symmetric else 'asymmetric'} {opt.activation_type}, "
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
+    if opt.weight_type != "int8" or opt.block_size:
+        quantize += f", MatMul/Gemm weights {opt.weight_type}" + (f" in blocks of {opt.block_size}"
+                                                               if opt.block_size else "")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
     if opt.int16:

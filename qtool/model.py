@@ -268,6 +268,18 @@ def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     return model
 
 
+def upgrade(model: onnx.ModelProto, opset: int, source: str, why: str) -> onnx.ModelProto:
+    """The model converted to ``opset`` by onnx's version converter (shapes inferred again), or a
+    one-line error saying ``why`` it was needed."""
+    try:
+        converted = _convert_version(model, opset)
+    except Exception as e:
+        raise QtoolError(f"cannot upgrade {source} from opset {default_opset(model)} to {opset} ({why}): "
+                         f"{first_line(e)}") from None
+    normalize(converted)
+    return converted
+
+
 def _convert_version(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     return without_weights(lambda m: onnx.version_converter.convert_version(m, opset), model)
 
@@ -330,10 +342,18 @@ def _put_back(model: onnx.ModelProto, held: dict) -> bool:
 def normalize(model: onnx.ModelProto) -> None:
     """In place: Constant nodes become initializers, unused initializers go, every node gets a
     unique name. Run after anything that rewrites the graph (the optimizer, an opset upgrade)."""
-    graph = model.graph
+    constants_to_initializers(model.graph)
+    _drop_unused_initializers(model)
+    _name_nodes(model)
+    _explicit_same_pads(model)
+    _name_cell_states(model)
+
+
+def constants_to_initializers(graph: onnx.GraphProto) -> None:
+    """In place: the graph's Constant nodes (with a ``value`` tensor) become initializers."""
     keep = []
     for node in graph.node:
-        value = next((a for a in node.attribute if a.name == "value"), None)
+        value = next((a for a in node.attribute if a.name == "value" and a.HasField("t")), None)
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and value is not None:
             tensor = onnx.TensorProto()
             tensor.CopyFrom(value.t)
@@ -344,10 +364,6 @@ def normalize(model: onnx.ModelProto) -> None:
     if len(keep) != len(graph.node):
         del graph.node[:]
         graph.node.extend(keep)
-    _drop_unused_initializers(model)
-    _name_nodes(model)
-    _explicit_same_pads(model)
-    _name_cell_states(model)
 
 
 SAME_PADDED = ("Conv", "MaxPool", "AveragePool")
@@ -403,21 +419,29 @@ def _inferred_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node a unique name: reports and --keep-float refer to nodes by name."""
+    """Give every node a unique name: reports and --keep-float refer to nodes by name. A node
+    inside an If, Loop or Scan body is named after where it is (``If_3/then_branch/Mul_0``)."""
     seen = set()
-    for i, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{i}"
-        seen.add(node.name)
+
+    def visit(graph: onnx.GraphProto, prefix: str) -> None:
+        for i, node in enumerate(graph.node):
+            if not node.name or node.name in seen:
+                node.name = f"{prefix}{node.op_type}_{i}"
+            seen.add(node.name)
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    visit(attr.g, f"{node.name}/{attr.name}/")
+
+    visit(model.graph, "")
 
 
 def _name_cell_states(model: onnx.ModelProto) -> None:
     """In place: an LSTM that omits its last cell state output (Y_c) gets one, named after the
     node, so that calibration measures the cell's range (the integer LSTM's cell scale,
     qtool/ops/recurrent.py). The float model computes the same."""
-    taken = {o for node in model.graph.node for o in node.output} | {i.name for i in model.graph.input}
+    taken = {o for node in all_nodes(model.graph) for o in node.output} | {i.name for i in model.graph.input}
     taken |= {t.name for t in model.graph.initializer}
-    for node in model.graph.node:
+    for node in all_nodes(model.graph):  # inside If, Loop and Scan bodies too
         if node.op_type != "LSTM" or node.domain not in ("", "ai.onnx") or (len(node.output) > 2 and node.output[2]):
             continue
         name, k = f"{node.name}_Y_c", 1

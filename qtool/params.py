@@ -16,7 +16,7 @@ import onnx
 
 from .executor import IntegerExecutor
 from .fixedpoint import Requant
-from .ops import NOT_DUMPED_KEY
+from .ops import NOT_DUMPED_KEY, Unsupported, node_attrs
 from .ops.lut import LutParams
 from .qparams import QParams
 
@@ -66,13 +66,15 @@ def integer_params(qmodel: onnx.ModelProto, executor: IntegerExecutor | None = N
         inputs = []
         for name in step.node.input:
             source = executor.producer.get(name)
-            qp = executor._qparams_of(source) if source is not None and \
-                source.op_type == "DequantizeLinear" else None
             entry = {"tensor": name}
             if source is not None and source.op_type == "DequantizeLinear":
                 entry["integer_tensor"] = source.input[0]
-            if qp is not None:
-                entry["qparams"] = _qparams(qp)
+                try:
+                    entry["qparams"] = _qparams(executor._qparams_of(source))
+                except Unsupported:  # blocked (a MatMul's int4 weight): the scales per block
+                    attrs = node_attrs(source)
+                    entry["blocked"] = {"axis": attrs.get("axis", 1), "block_size": attrs.get("block_size", 0),
+                                        "scale_tensor": source.input[1]}
             inputs.append(entry)
         ops.append({
             "node": step.node.name,

@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 
 from .errors import QtoolError
+from .model import all_nodes
 
 TYPES = {"int16": "int16", "int8": "int8", "f32": "float", "f16": "float", "bf16": "float",
          "float": "float"}
@@ -37,7 +38,7 @@ def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise QtoolError(f"precision table '{path}': {e.strerror or e}") from None
-    names = {n.name for n in model.graph.node} | {n.op_type for n in model.graph.node}
+    names = {n.name for n in all_nodes(model.graph)} | {n.op_type for n in all_nodes(model.graph)}  # bodies too
     int16, floats = [], []
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()

@@ -44,6 +44,7 @@ data-movement ops, which keep (S, Z).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -315,18 +316,20 @@ class QOperatorLowering:
         for i in (0, 1):
             if not self.is_integer(node.input[i]):
                 raise Unsupported(f"{node.op_type} input '{node.input[i]}' is not an integer tensor")
-        operands = []
+        operands, at_run = [], []
         for i, z in ((0, 2), (1, 3)):
             zero = np.zeros((), np.int64)
-            if z < len(node.input) and node.input[z]:
-                value = self.constants.get(node.input[z])
-                if value is None:
-                    raise Unsupported(f"zero point '{node.input[z]}' is not a constant")
+            named = z < len(node.input) and bool(node.input[z])
+            value = self.constants.get(node.input[z]) if named else None
+            if value is not None:
                 zero = value.astype(np.int64)
+            at_run.append(named and value is None)  # computed at run time (DynamicQuantizeLinear's)
             operands.append(Operand(QParams(1.0, zero, self.dtypes[node.input[i]])))
         op = _CONV_INTEGER if node.op_type == "ConvInteger" else _MATMUL_INTEGER
-        params = op.derive(self._view(node, operands, identity("int32")))
-        return Lowered(op, params, [node.input[0], node.input[1]], [node.output[0]], ["int32"], [None])
+        params = dataclasses.replace(op.derive(self._view(node, operands, identity("int32"))),
+                                     zero_at_run=tuple(at_run))
+        inputs = [node.input[0], node.input[1]] + [node.input[z] for z, run in zip((2, 3), at_run) if run]
+        return Lowered(op, params, inputs, [node.output[0]], ["int32"], [None])
 
     def _move(self, node) -> Lowered | None:
         data = [i for i, n in enumerate(node.input) if n] if node.op_type == "Concat" else [0]

@@ -15,27 +15,32 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
-from . import __version__, masks
+from . import __version__, boundary, control, masks
 from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
 from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
-                    names_read, prepare, subgraph_reason)
+                    names_read, prepare, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .pixels import PixelInput, fold, metadata as pixel_metadata
 from .qoperator import to_qoperator
-from .qparams import QParams, asymmetric, per_channel_symmetric, quantize_array, safe_range, symmetric
+from .qparams import (MIN_THRESHOLD, RANGE_LIMIT, QParams, asymmetric, per_channel_symmetric, quantize_array,
+                      safe_range, symmetric)
 from .table import Table
 from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
 from .targets import x86
 from .targets.form import guard_float_ops, to_unsigned
 
 ACTIVATION_TYPES = ("int8", "uint8", "int16")
+WEIGHT_TYPES = ("int8", "int4")
+# int4 weights and blocked scales (DequantizeLinear's block_size) are standard ONNX from opset 21
+BLOCKED_OPSET = 21
+BLOCKED_OPS = ("MatMul", "Gemm")  # the ops whose constant B may be int4 / blocked
 # int16 QuantizeLinear/DequantizeLinear are standard ONNX from opset 21; below it, onnxruntime's
 # com.microsoft ops of the same name and signature carry them
 INT16_OPSET = 21
@@ -74,6 +79,10 @@ class QuantizeOptions:
     # op types or node names whose activations (inputs and outputs) are int16 whatever
     # activation_type says (--precision-table; the search's promotions)
     int16: tuple[str, ...] = ()
+    # the weights of MatMul/Gemm (BLOCKED_OPS): int4 (symmetric, -7..7) and/or in blocks of
+    # ``block_size`` along K (0: one scale per output channel); other ops' weights stay int8
+    weight_type: str = "int8"
+    block_size: int = 0
 
     def check(self) -> None:
         get_target(self.target)
@@ -89,6 +98,15 @@ class QuantizeOptions:
             what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
             raise QtoolError(f"--activation-type int16 is written as QDQ for the {DEFAULT_TARGET} target "
                              f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
+        if self.weight_type not in WEIGHT_TYPES:
+            raise QtoolError(f"unknown weight type '{self.weight_type}'; choose one of {', '.join(WEIGHT_TYPES)}")
+        if self.block_size < 0 or self.block_size == 1:
+            raise QtoolError(f"--block-size must be 0 (per channel) or at least 2, got {self.block_size}")
+        if (self.weight_type != "int8" or self.block_size) and (self.format != "qdq"
+                                                               or self.target != DEFAULT_TARGET):
+            what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
+            raise QtoolError(f"int4 and blocked weights are written as QDQ (DequantizeLinear with "
+                             f"block_size, opset {BLOCKED_OPSET}) for the {DEFAULT_TARGET} target; drop {what}")
         if self.multiplier_bits not in MULTIPLIER_BITS:
             raise QtoolError(f"multiplier bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, "
                              f"got {self.multiplier_bits}")
@@ -125,6 +143,8 @@ class QuantizeReport:
     qparam_groups: list[list[str]] = field(default_factory=list)
     # Softmax nodes that read scores plus an attention mask (qtool/masks.py): softmax -> mask tensor
     masked: dict[str, str] = field(default_factory=dict)
+    # MatMul/Gemm weights written int4 or blocked: {"type", "block_size", "weights": count}
+    blocked: dict | None = None
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -133,6 +153,8 @@ class QuantizeReport:
                "size_before": self.size_before, "size_after": self.size_after,
                "target": self.target, "saturation_hazards": self.hazards,
                "float_weights_guarded": self.guarded, "masked_softmax": self.masked}
+        if self.blocked is not None:
+            out["blocked_weights"] = self.blocked
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
@@ -169,6 +191,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")
     model = prepare(source, f"model file '{model_path}'")
+    if (options.weight_type != "int8" or options.block_size) and default_opset(model) < BLOCKED_OPSET:
+        model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
+                        "int4 and blocked weights are standard ONNX from there")
     report.opset = default_opset(model)
     if default_opset(source) < report.opset:
         report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}")
@@ -181,7 +206,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
                           rounded_weights or {}).run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
-    report.guarded = guard_float_ops(rewritten)
+    report.guarded = report.guarded + guard_float_ops(rewritten)  # the bodies were guarded as rewritten
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
             TARGET_KEY: options.target, ACTIVATION_KEY: options.activation_type}
@@ -297,8 +322,11 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
 class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
                  table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
-                 rounded_weights: dict | None = None):
+                 rounded_weights: dict | None = None, parent: "_Rewriter | None" = None):
+        """``parent``: the rewriter of the graph around ``model``, when ``model`` is the body of
+        one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``)."""
         self.model, self.table, self.opt, self.report = model, table, options, report
+        self.parent = parent
         self.bias_corrections = bias_corrections
         self.rounded = rounded_weights or {}
         self.pixels = pixels  # (input name, zero point) with --input-pixels
@@ -312,7 +340,9 @@ class _Rewriter:
         self.outputs = {o.name for o in self.graph.output}
         self.producers = {o: node for node in self.graph.node for o in node.output}
         self.float_names = set(float_tensors(model))
-        self.taken = set(self.inits) | {n for node in self.graph.node for n in node.output}
+        # names are unique across a graph and its bodies: a body's rewriter adds to its parent's
+        self.taken = parent.taken if parent is not None else set()
+        self.taken |= set(self.inits) | {n for node in all_nodes(self.graph) for n in node.output}
         self.taken |= {i.name for i in self.graph.input}
         self.nodes: list[onnx.NodeProto] = []
         self.new_inits: list[onnx.TensorProto] = []
@@ -343,12 +373,16 @@ class _Rewriter:
             original = list(node.input)
             for i, name in enumerate(original):
                 spec = consts.get(i)
-                if isinstance(spec, Weight):
+                if isinstance(spec, Weight) and self._blocked(node, spec):
+                    node.input[i] = self._blocked_weight(name, spec)
+                elif isinstance(spec, Weight):
                     node.input[i] = self._weight(name, spec)
                 elif isinstance(spec, Bias) and name:
                     node.input[i] = self._bias(name, node, original, spec, qparams)
                 elif name in dq_name:
                     node.input[i] = dq_name[name]
+            if control.is_control(node):
+                self._rewrite_bodies(node, dq_name)
             self.nodes.append(node)
             for out in node.output:
                 if out in qparams:
@@ -358,6 +392,51 @@ class _Rewriter:
                         node.output[list(node.output).index(out)] = produced
                     dq_name[out] = self._fence(produced, out, qparams[out])
         return self._assemble()
+
+    def _rewrite_bodies(self, node: onnx.NodeProto, dq_name: dict[str, str]) -> None:
+        """In place: each body of an If, Loop or Scan ``node`` quantized as a graph of its own, its
+        integer ops with their Q/DQ inside; an outer tensor it quantizes is read where this graph
+        has it dequantized already. Its report joins this one."""
+        types = {vi.name: vi.type for vi in [*self.graph.value_info, *self.graph.input, *self.graph.output]}
+        for attr in node.attribute:
+            if not attr.HasField("g"):
+                continue
+            graph = attr.g
+            outer = [n for n in control.graph_outer_reads(graph) if n not in self.inits]
+            body = control.body_model(graph, outer, self.model.opset_import, self.model.ir_version, types)
+            body.graph.initializer.extend(control.to_initializers(control.constant_reads(graph, self.inits)))
+            report = QuantizeReport()
+            model = _Rewriter(body, self.table, self.opt, report, self.table_name, self.bias_corrections,
+                              None, self.rounded, parent=self).run()
+            if get_target(self.opt.target).unsigned:  # as quantize does the main graph
+                to_unsigned(model)
+            self.report.guarded.extend(guard_float_ops(model))
+            rewritten = model.graph
+            formal = [vi.name for vi in graph.input]
+            inputs = [next(vi for vi in rewritten.input if vi.name == name) for name in formal]
+            del rewritten.input[:]
+            rewritten.input.extend(inputs)
+            kept = [t for t in rewritten.initializer if t.name not in self.inits]  # outer ones stay outer
+            del rewritten.initializer[:]
+            rewritten.initializer.extend(kept)
+            renamed = {n: dq_name[n] for n in outer if n in dq_name}
+            for inner in all_nodes(rewritten):
+                for i, name in enumerate(inner.input):
+                    if name in renamed:
+                        inner.input[i] = renamed[name]
+            rewritten.name = graph.name
+            attr.g.CopyFrom(rewritten)
+            for op_type, count in report.quantized.items():
+                self.report.quantized[op_type] = self.report.quantized.get(op_type, 0) + count
+            self.report.quantized = dict(sorted(self.report.quantized.items()))
+            self.report.kept_float.extend(report.kept_float)
+            self.report.widened.extend(report.widened)
+            self.report.warnings.extend(report.warnings)
+            self.report.masked.update(report.masked)
+            if report.blocked is not None:
+                mine = self.report.blocked or dict(report.blocked, weights=0)
+                mine["weights"] += report.blocked["weights"]
+                self.report.blocked = mine
 
     def _pixel_input(self, qparams: dict, dq_name: dict) -> None:
         """--input-pixels: the input is uint8 pixels, dequantized with the preprocessing's scale
@@ -382,9 +461,9 @@ class _Rewriter:
     def _choose_nodes(self) -> dict:
         integer = {}
         keep = set(self.opt.keep_float)
-        known = {n.op_type for n in self.graph.node} | {n.name for n in self.graph.node}
+        known = {n.op_type for n in all_nodes(self.graph)} | {n.name for n in all_nodes(self.graph)}
         unknown = sorted(keep - known)
-        if unknown:
+        if unknown and self.parent is None:  # a body's rewriter sees the names of its body only
             raise QtoolError(f"--keep-float: {', '.join(repr(u) for u in unknown)} is neither an op type "
                              f"nor a node name of the prepared model (qtool analyze lists them)")
         layernorm = self._layernorm_variance_nodes()
@@ -401,7 +480,13 @@ class _Rewriter:
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
             elif op is None:
-                reason = subgraph_reason(node) or "no integer kernel for this op type"
+                reason = None if control.is_control(node) else "no integer kernel for this op type"
+                if reason is None:  # its bodies are rewritten on their own (_rewrite_bodies)
+                    continue
+            elif self.parent is not None and any(
+                    n not in self.table.tensors for n in (*node.input, *node.output)
+                    if n and n not in self.inits and n in self.float_names):
+                reason = "not calibrated: the data never ran this branch or loop"
             else:
                 try:
                     op.check(node, node_attrs(node))
@@ -736,6 +821,46 @@ class _Rewriter:
                 and np.array_equal(np.asarray(fitted.scale, np.float32), np.asarray(qp.scale, np.float32)):
             return fitted.values.astype(qp.dtype)
         return quantize_array(self.inits[name], qp)
+
+    def _blocked(self, node, spec) -> bool:
+        """This weight of ``node`` is written int4 and/or in blocks (the options ask, the op takes it)."""
+        return (node.op_type in BLOCKED_OPS and isinstance(spec, Weight) and spec.axis is not None
+                and (self.opt.weight_type != "int8" or self.opt.block_size > 0))
+
+    def _blocked_weight(self, name: str, spec: Weight) -> str:
+        """A MatMul/Gemm B as int4 (or int8) integers with one symmetric scale per block of
+        ``block_size`` along K and output column (per column without a block size), read by a
+        DequantizeLinear with ``axis`` K and ``block_size``."""
+        key = (name, "blocked", spec.axis)
+        if key in self.weight_cache:
+            return self.weight_cache[key]
+        w = self.inits[name].astype(np.float32)
+        if w.ndim != 2:
+            raise QtoolError(f"weight '{name}' has {w.ndim} axes: a blocked weight needs 2")
+        k_axis = 1 - spec.axis
+        k = w.shape[k_axis]
+        block = self.opt.block_size or k
+        qmax = 7 if self.opt.weight_type == "int4" else 127
+        blocks = -(-k // block)
+        padded = np.zeros(w.shape[:k_axis] + (blocks * block,) + w.shape[k_axis + 1:], np.float32)
+        padded[(slice(None),) * k_axis + (slice(0, k),)] = w
+        moved = np.moveaxis(padded, k_axis, 0).reshape(blocks, block, -1)
+        top = np.clip(np.abs(moved).max(axis=1), MIN_THRESHOLD, RANGE_LIMIT)  # [blocks, columns]
+        scale = np.moveaxis((top / qmax).astype(np.float32), 0, k_axis)
+        dtype = TensorProto.INT4 if self.opt.weight_type == "int4" else TensorProto.INT8
+        rule = boundary.Boundary("QuantizeLinear", name, axis=k_axis, block_size=block, output_type=dtype)
+        q = rule.quantize(w, scale, None)
+        q_name = self._init(f"{name}_quantized", q)
+        s_name = self._init(f"{name}_scale", scale)
+        out = self._fresh(f"{name}_dequantized")
+        self.nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name], [out],
+                                           name=self._fresh(f"{name}_DequantizeLinear"), axis=k_axis,
+                                           block_size=block))
+        self.weight_cache[key] = out
+        if self.report.blocked is None:
+            self.report.blocked = {"type": self.opt.weight_type, "block_size": self.opt.block_size, "weights": 0}
+        self.report.blocked["weights"] += 1
+        return out
 
     def _weight(self, name: str, spec: Weight) -> str:
         key = (name, spec.axis if self.opt.per_channel else None)

@@ -8,6 +8,8 @@ it is never wrapped.
   Padding adds real zeros (``Z_x`` before the shift, 0 after it), as the ONNX reference does.
 * MatMulInteger: ``a_zero_point`` a scalar or one per row of A (its second-to-last axis),
   ``b_zero_point`` a scalar or one per column of B (its last axis); numpy matmul broadcasting.
+* A zero point may be a run-time tensor (``DynamicQuantizeLinear``'s, in onnxruntime's dynamically
+  quantized models): ``zero_at_run`` says which; those reach ``run`` after the two operands.
 
 These classes are not in ``REGISTRY``: no float op quantizes to them; the executor lowers the
 ONNX nodes of these types to them directly (qtool/qoperator_exec.py).
@@ -31,6 +33,21 @@ def _to_int32(acc: np.ndarray) -> np.ndarray:
     return acc.astype(np.int32)
 
 
+def _run_zeros(at_run: tuple[bool, bool], fixed: tuple, zeros: tuple) -> list[np.ndarray]:
+    """The two zero points: the fixed ones, or in their place the run-time ones (in order)."""
+    given = iter(zeros)
+    out = []
+    for run, value in zip(at_run, fixed):
+        if run:
+            value = np.asarray(next(given))
+            if value.dtype.kind not in "iu":
+                raise ValueError(f"a zero point must be an integer tensor, got {value.dtype}")
+            value = value.astype(np.int64).reshape(-1)
+            value = value.reshape(()) if value.size == 1 else value
+        out.append(value)
+    return out
+
+
 def _zero_point(view: NodeView, index: int) -> np.ndarray:
     """The zero point operand ``index`` carries (its ``qparams.zero_point``) as int64, 0 if absent."""
     if index >= len(view.inputs) or view.inputs[index] is None or view.inputs[index].qparams is None:
@@ -46,6 +63,7 @@ class ConvIntegerParams:
     strides: tuple[int, int]
     dilations: tuple[int, int]
     group: int
+    zero_at_run: tuple[bool, bool] = (False, False)
 
 
 class ConvInteger(IntegerOp):
@@ -72,15 +90,18 @@ class ConvInteger(IntegerOp):
                                  tuple(view.attr("strides", [1, 1])), tuple(view.attr("dilations", [1, 1])),
                                  int(view.attr("group", 1)))
 
-    def run(self, p: ConvIntegerParams, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def run(self, p: ConvIntegerParams, x: np.ndarray, w: np.ndarray, *zeros: np.ndarray) -> np.ndarray:
         check_integer(x, w)
         if x.ndim != 4 or w.ndim != 4:
             raise ValueError(f"ConvInteger is 2-D: got input {x.shape} and weight {w.shape}")
         n, c_out = x.shape[0], w.shape[0]
-        zero_w = p.zero_w.reshape(-1, 1, 1, 1) if p.zero_w.ndim else p.zero_w
+        zero_x, zero_w = _run_zeros(p.zero_at_run, (p.zero_x, p.zero_w), zeros)
+        if np.ndim(zero_x):
+            raise ValueError(f"ConvInteger's x_zero_point must be a scalar, got shape {list(np.shape(zero_x))}")
+        zero_w = zero_w.reshape(-1, 1, 1, 1) if zero_w.ndim else zero_w
         ws = w.astype(np.int32) - zero_w.astype(np.int32)
         top, left, bottom, right = p.pads
-        xs = np.pad(x.astype(np.int32) - p.zero_x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        xs = np.pad(x.astype(np.int32) - np.int32(zero_x), ((0, 0), (0, 0), (top, bottom), (left, right)))
         acc, out_h, out_w = conv_accumulate(xs, ws, p.group, p.strides, p.dilations)
         return _to_int32(acc).reshape(n, c_out, out_h, out_w)
 
@@ -89,6 +110,7 @@ class ConvInteger(IntegerOp):
 class MatMulIntegerParams:
     zero_a: np.ndarray  # int64, () or [M]
     zero_b: np.ndarray  # int64, () or [N]
+    zero_at_run: tuple[bool, bool] = (False, False)
 
 
 class MatMulInteger(IntegerOp):
@@ -101,9 +123,10 @@ class MatMulInteger(IntegerOp):
         return MatMulIntegerParams(zero_a if zero_a.size > 1 else zero_a.reshape(()),
                                    zero_b if zero_b.size > 1 else zero_b.reshape(()))
 
-    def run(self, p: MatMulIntegerParams, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def run(self, p: MatMulIntegerParams, a: np.ndarray, b: np.ndarray, *zeros: np.ndarray) -> np.ndarray:
         check_integer(a, b)
-        zero_a = p.zero_a[:, None] if p.zero_a.ndim else p.zero_a  # one per row of A
+        zero_a, zero_b = _run_zeros(p.zero_at_run, (p.zero_a, p.zero_b), zeros)
+        zero_a = zero_a[:, None] if zero_a.ndim else zero_a  # one per row of A
         acc = int_matmul(a.astype(np.int32) - zero_a.astype(np.int32),
-                         b.astype(np.int32) - p.zero_b.astype(np.int32))
+                         b.astype(np.int32) - zero_b.astype(np.int32))
         return _to_int32(acc)

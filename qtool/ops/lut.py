@@ -105,7 +105,9 @@ class Sigmoid(LookupTable):
     op_type = "Sigmoid"
 
     def f(self, x, view):
-        return 1.0 / (1.0 + np.exp(-x))
+        # exp of |x| never overflows: e^-|x| in (0, 1]; the same values as 1 / (1 + e^-x)
+        e = np.exp(-np.abs(x))
+        return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 @register

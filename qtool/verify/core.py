@@ -222,7 +222,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     model = prepare(load_model(float_path), f"model file '{float_path}'")
     qmodel = load_model(qmodel_path)
     executor = IntegerExecutor(qmodel, arithmetic=arithmetic)
-    if not any(step.kind == "integer" for step in executor.steps):
+    if not executor.has_integer():
         raise QtoolError(f"model file '{qmodel_path}' has no integer op ({len(executor.float_nodes())} nodes "
                          f"would run in float), so there is nothing to verify: give the model qtool "
                          f"quantize wrote (its report says how many ops it made integer)")

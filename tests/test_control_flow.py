@@ -1,0 +1,164 @@
+"""If, Loop and Scan bodies calibrated, quantized and run integer (issue 31; qtool/control.py).
+
+The ops' semantics (``control.run``) are checked against onnxruntime on float models, each body
+run as a model of its own; then models whose bodies hold integer ops go through calibrate,
+quantize, the executor and verify."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool import control
+from qtool.executor import IntegerExecutor
+from test_cli import invoke
+
+F = TensorProto.FLOAT
+
+
+def _scan_model(directions=(0, 0), out_direction=0, out_axis=0) -> onnx.ModelProto:
+    """Scan over x [T, N, 4] and z [N, T, 4] (axis 1): s = s * 0.5 + x_t * w + z_t, emitting s each step."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s_in", "half"], ["a"], name="decay"),
+         helper.make_node("Mul", ["x_t", "w"], ["b"], name="weigh"),
+         helper.make_node("Add", ["a", "b"], ["c"], name="sum"),
+         helper.make_node("Add", ["c", "z_t"], ["s_out"], name="more"),
+         helper.make_node("Identity", ["s_out"], ["y_t"], name="emit")],
+        "step", [helper.make_tensor_value_info("s_in", F, ["N", 4]), helper.make_tensor_value_info("x_t", F, ["N", 4]),
+                 helper.make_tensor_value_info("z_t", F, ["N", 4])],
+        [helper.make_tensor_value_info("s_out", F, ["N", 4]), helper.make_tensor_value_info("y_t", F, ["N", 4])])
+    scan = helper.make_node("Scan", ["s0", "x", "z"], ["s_last", "ys"], body=body, num_scan_inputs=2,
+                            scan_input_axes=[0, 1], scan_input_directions=list(directions),
+                            scan_output_directions=[out_direction], scan_output_axes=[out_axis], name="scan")
+    nodes = [helper.make_node("Relu", ["x0"], ["x"], name="relu"), scan]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x0", F, [5, "N", 4]), helper.make_tensor_value_info("z", F, ["N", 5, 4]),
+                     helper.make_tensor_value_info("s0", F, ["N", 4])],
+        [helper.make_tensor_value_info("s_last", F, ["N", 4]), helper.make_tensor_value_info("ys", F, ["a", "b", "c"])],
+        [numpy_helper.from_array(np.float32(0.5), "half"), numpy_helper.from_array(np.float32([1, -0.5, 2, 0.25]), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+
+
+def _loop_model() -> onnx.ModelProto:
+    """Loop while i < trips and the running sum stays below 50: v = v * 1.5 + 1, emitting v."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["v_in", "rate"], ["m"], name="grow"),
+         helper.make_node("Add", ["m", "one"], ["v_out"], name="step"),
+         helper.make_node("ReduceMax", ["v_out"], ["top"], keepdims=0, name="top"),
+         helper.make_node("Less", ["top", "limit"], ["cond_out"], name="under"),
+         helper.make_node("Identity", ["v_out"], ["scan_v"], name="emit")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", F, ["N", 3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", F, ["N", 3]), helper.make_tensor_value_info("scan_v", F, ["N", 3])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Loop", ["trips", "", "r"], ["v", "vs"], body=body, name="loop")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 3])],
+        [helper.make_tensor_value_info("v", F, ["N", 3]), helper.make_tensor_value_info("vs", F, ["T", "N", 3])],
+        [numpy_helper.from_array(np.int64(6), "trips"), numpy_helper.from_array(np.float32(1.5), "rate"),
+         numpy_helper.from_array(np.float32(1.0), "one"), numpy_helper.from_array(np.float32(50), "limit")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+
+
+def _ort_semantics(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    """The control node run by ``control.run``, each body a model of its own in onnxruntime."""
+    graph = model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    values = {**consts, **feeds}
+    pre = graph.node[0]  # the Relu
+    values[pre.output[0]] = np.maximum(values[pre.input[0]], 0)
+    node = graph.node[1]
+    sessions = {}
+
+    def run_body(attr, body_feeds):
+        if attr not in sessions:
+            body = control.body_graphs(node)[attr]
+            outer = [n for n in control.graph_outer_reads(body) if n not in consts]
+            alone = control.body_model(body, outer, model.opset_import, model.ir_version)
+            alone.graph.initializer.extend(control.to_initializers(control.constant_reads(body, consts)))
+            sessions[attr] = ort.InferenceSession(alone.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = sessions[attr]
+        return session.run(None, {i.name: body_feeds[i.name] for i in session.get_inputs()})
+
+    return control.run(node, values, run_body)
+
+
+@pytest.mark.parametrize("directions,out_direction,out_axis", [((0, 0), 0, 0), ((1, 0), 1, 1), ((0, 1), 0, 2)])
+def test_scan_semantics_equal_onnxruntime(directions, out_direction, out_axis):
+    model = _scan_model(directions, out_direction, out_axis)
+    rng = np.random.default_rng(0)
+    feeds = {"x0": rng.normal(size=(5, 3, 4)).astype(np.float32), "z": rng.normal(size=(3, 5, 4)).astype(np.float32),
+             "s0": rng.normal(size=(3, 4)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = _ort_semantics(model, feeds)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_loop_semantics_equal_onnxruntime():
+    model = _loop_model()
+    for scale in (0.1, 5.0):  # six iterations, and a condition that stops it early
+        feeds = {"x": (np.abs(np.random.default_rng(1).normal(size=(2, 3))) * scale).astype(np.float32)}
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        got = _ort_semantics(model, feeds)
+        assert got[1].shape == want[1].shape
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def _calibrated(tmp_path, model, feeds, **quantize_args):
+    path, data, table, q = (tmp_path / n for n in ("m.onnx", "d.npz", "t.yaml", "q.onnx"))
+    onnx.save(model, str(path))
+    np.savez(data, **feeds)
+    assert invoke("calibrate", path, "--data", data, "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", path, "-t", table, "-o", q)
+    assert result.exit_code == 0, result.output
+    return path, data, q, result.output
+
+
+def _ort_qdq(path, feeds) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_a_scan_body_runs_integer(tmp_path):
+    rng = np.random.default_rng(2)
+    feeds = {"x0": rng.normal(size=(5, 16, 4)).astype(np.float32), "z": rng.normal(size=(16, 5, 4)).astype(np.float32),
+             "s0": rng.normal(size=(16, 4)).astype(np.float32)}
+    path, data, q, output = _calibrated(tmp_path, _scan_model((1, 0), 1, 1), feeds)
+    assert "integer: 5 ops (Add 2, Mul 2, Relu 1)" in output, output
+    qmodel = onnx.load(str(q))
+    executor = IntegerExecutor(qmodel)
+    step = next(s for s in executor.steps if s.node.op_type == "Scan")
+    assert step.kind == "control" and [s.kind for s in step.params["body"].steps].count("integer") == 4
+    got = executor.run(feeds).outputs
+    want = _ort_qdq(q, feeds)
+    for name, w in zip(executor.output_names, want):
+        np.testing.assert_allclose(got[name], w, atol=1e-6)
+    result = invoke("verify", path, q, "--data", data, "-q", "--batch-size", "16")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_loop_that_stops_on_its_condition_runs_integer(tmp_path):
+    """The carried v gets one scale over every iteration the data ran; the condition computed from
+    it inside the body stays float (ReduceMax -> Less), as does what feeds only it."""
+    x = (np.abs(np.random.default_rng(3).normal(size=(32, 3))) * 2).astype(np.float32)
+    path, data, q, output = _calibrated(tmp_path, _loop_model(), {"x": x})
+    executor = IntegerExecutor(onnx.load(str(q)))
+    step = next(s for s in executor.steps if s.node.op_type == "Loop")
+    assert step.kind == "control"
+    body_ops = {s.node.op_type: s.kind for s in step.params["body"].steps}
+    assert body_ops["Mul"] == "integer" and body_ops["Add"] == "integer", body_ops
+    for batch in (x[:1], x[:8], x):  # the trip count depends on the values: 1 to 6 iterations
+        got = executor.run({"x": batch}).outputs
+        want = _ort_qdq(q, {"x": batch})
+        for name, w in zip(executor.output_names, want):
+            assert got[name].shape == w.shape
+            np.testing.assert_allclose(got[name], w, atol=1e-5)
