@@ -53,6 +53,9 @@ def body_model(graph: onnx.GraphProto, outer: list[str], opset_import, ir_versio
     ``types`` where known); its Constant nodes as initializers."""
     graph = onnx.GraphProto.FromString(graph.SerializeToString())
     inputs = list(graph.input)
+    for vi in inputs:  # a carried value may change shape from iteration to iteration: types only
+        if vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.ClearField("shape")
     for name in outer:
         vi = onnx.ValueInfoProto(name=name)
         if types and name in types and types[name].HasField("tensor_type"):

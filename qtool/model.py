@@ -150,6 +150,8 @@ def _prepare(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
             raise QtoolError(f"onnxruntime cannot load {source}: {first_line(e)}") from None
         prepared = onnx.load(options.optimized_model_filepath)
     normalize(prepared)
+    if hoist_loop_constants(prepared):
+        normalize(prepared)
     prepared = _fuse(prepared, source)
     prepared = without_weights(onnx.shape_inference.infer_shapes, prepared)
     release_freed()  # the copies made on the way
@@ -347,6 +349,54 @@ def normalize(model: onnx.ModelProto) -> None:
     _name_nodes(model)
     _explicit_same_pads(model)
     _name_cell_states(model)
+
+
+def hoist_loop_constants(model: onnx.ModelProto) -> int:
+    """In place: a Loop's carried value that starts as an initializer and that the body hands back
+    unchanged (Paddle's exporter carries every weight of a decoder that way) is no longer carried:
+    the body reads the initializer from the outer scope, where the integer kernels see a constant
+    weight. The Loop's final value of it, where read, is the initializer. Loops in the main graph;
+    returns how many values were hoisted."""
+    graph = model.graph
+    inits = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    hoisted = 0
+    for node in graph.node:
+        if node.op_type != "Loop" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        carried = len(node.input) - 2
+        formal = [vi.name for vi in body.input]
+        results = [vi.name for vi in body.output]
+        invariant = [k for k in range(carried) if node.input[2 + k] in inits and results[1 + k] == formal[2 + k]
+                     and node.output[k] not in outputs]
+        if not invariant:
+            continue
+        renamed = {formal[2 + k]: node.input[2 + k] for k in invariant}  # body: read the outer initializer
+        for inner in all_nodes(body):
+            for i, name in enumerate(inner.input):
+                if name in renamed:
+                    inner.input[i] = renamed[name]
+        finals = {node.output[k]: node.input[2 + k] for k in invariant if node.output[k]}
+        for other in all_nodes(graph):  # the Loop's final value is the initializer itself
+            for i, name in enumerate(other.input):
+                if name in finals:
+                    other.input[i] = finals[name]
+        drop = set(invariant)
+        keep_inputs = [vi for i, vi in enumerate(body.input) if i < 2 or (i - 2) not in drop]
+        keep_outputs = [vi for i, vi in enumerate(body.output) if i < 1 or (i - 1) not in drop]
+        del body.input[:]
+        body.input.extend(keep_inputs)
+        del body.output[:]
+        body.output.extend(keep_outputs)
+        inputs = [n for i, n in enumerate(node.input) if i < 2 or (i - 2) not in drop]
+        loop_outputs = [n for i, n in enumerate(node.output) if i not in drop]
+        del node.input[:]
+        node.input.extend(inputs)
+        del node.output[:]
+        node.output.extend(loop_outputs)
+        hoisted += len(invariant)
+    return hoisted
 
 
 def constants_to_initializers(graph: onnx.GraphProto) -> None:

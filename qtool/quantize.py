@@ -55,6 +55,8 @@ FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
 # one scale for both leaves the narrow part 1/JOIN_RATIO of the steps (YOLOv8: boxes 0-320 beside
 # class scores 0-1 in one tensor, every score then 0 or one step)
 JOIN_RATIO = 4.0
+FLOAT_ONNX_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                    onnx.TensorProto.BFLOAT16}
 _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
              "int16": onnx.TensorProto.INT16, "int32": onnx.TensorProto.INT32}
 
@@ -196,7 +198,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
                         "int4 and blocked weights are standard ONNX from there")
     report.opset = default_opset(model)
     if default_opset(source) < report.opset:
-        report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}")
+        why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and \
+            (options.weight_type != "int8" or options.block_size) else ""
+        report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}{why}")
     pixels = None
     if options.input_pixels is not None:
         pixels = fold(model, options.input_pixels)  # (input name, zero point)
@@ -412,10 +416,9 @@ class _Rewriter:
                 to_unsigned(model)
             self.report.guarded.extend(guard_float_ops(model))
             rewritten = model.graph
-            formal = [vi.name for vi in graph.input]
-            inputs = [next(vi for vi in rewritten.input if vi.name == name) for name in formal]
+            inputs = [onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in graph.input]
             del rewritten.input[:]
-            rewritten.input.extend(inputs)
+            rewritten.input.extend(inputs)  # as declared (body_model keeps their types only)
             kept = [t for t in rewritten.initializer if t.name not in self.inits]  # outer ones stay outer
             del rewritten.initializer[:]
             rewritten.initializer.extend(kept)
@@ -468,6 +471,7 @@ class _Rewriter:
                              f"nor a node name of the prepared model (qtool analyze lists them)")
         layernorm = self._layernorm_variance_nodes()
         joins = self.masks.join_nodes
+        counts = self._cast_to_integers()
         for node in self.graph.node:
             op = REGISTRY.get(node.op_type)
             reason = None
@@ -479,6 +483,9 @@ class _Rewriter:
                 reason = masks.REASON
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
+            elif any(o in counts for o in node.output):
+                reason = (f"its output is cast to {counts[next(o for o in node.output if o in counts)]} "
+                          f"(a count or an index): quantized, it would be rounded")
             elif op is None:
                 reason = None if control.is_control(node) else "no integer kernel for this op type"
                 if reason is None:  # its bodies are rewritten on their own (_rewrite_bodies)
@@ -501,6 +508,17 @@ class _Rewriter:
             if join.softmax in integer:
                 self.report.masked[join.softmax] = join.mask
         return integer
+
+    def _cast_to_integers(self) -> dict[str, str]:
+        """Float tensors a Cast turns into integers or booleans (a decoder's step counter, a
+        position it writes at), with the type: their values are whole numbers that must stay
+        exact, so the op computing them stays float."""
+        counts = {}
+        for node in self.graph.node:
+            to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+            if to is not None and to not in FLOAT_ONNX_TYPES and node.input[0] in self.float_names:
+                counts[node.input[0]] = onnx.TensorProto.DataType.Name(to).lower()
+        return counts
 
     def _keep_mixed_joins(self, integer: dict) -> None:
         """A graph output that concatenates parts of very different ranges (qtool/joins.py) keeps
@@ -910,7 +928,7 @@ class _Rewriter:
         return np.float64(activation.scale) * np.asarray(w_qp.scale, np.float64)
 
     def _assemble(self) -> onnx.ModelProto:
-        used = names_read(self.nodes)
+        used = names_read(self.nodes) | self.outputs  # a body may output a constant as it is
         inits = [numpy_helper.from_array(a, n) for n, a in self.inits.items() if n in used]
         inits += [t for t in self.new_inits if t.name in used]
         # weights' DequantizeLinear precede their users and Q/DQ follow producers: still topological
