@@ -660,6 +660,11 @@ def quantize(
             f"form stay DequantizeLinear -> op -> QuantizeLinear")
         for line in float_node_lines([(t, n, "no QLinear form") for t, n in report.qdq_groups]):
             say(line)
+    shown = [b for b in report.bodies if b["integer"]]
+    for body in shown:
+        say(f"body:    {body['node']}.{body['body']}: {body['integer']} integer, {body['float']} float")
+    if len(report.bodies) > len(shown):
+        say(f"body:    {len(report.bodies) - len(shown)} other bodies (If/Loop/Scan) have no integer op")
     if report.blocked is not None:
         b = report.blocked
         say(f"weights: {b['weights']} MatMul/Gemm weights {b['type']}, "

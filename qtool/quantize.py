@@ -147,6 +147,8 @@ class QuantizeReport:
     masked: dict[str, str] = field(default_factory=dict)
     # MatMul/Gemm weights written int4 or blocked: {"type", "block_size", "weights": count}
     blocked: dict | None = None
+    # per If/Loop/Scan body: {"node", "body", "integer", "float"} (ops of the body itself)
+    bodies: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -157,6 +159,8 @@ class QuantizeReport:
                "float_weights_guarded": self.guarded, "masked_softmax": self.masked}
         if self.blocked is not None:
             out["blocked_weights"] = self.blocked
+        if self.bodies:
+            out["bodies"] = self.bodies
         if self.bias_correction is not None:
             out["bias_correction"] = self.bias_correction
         if self.search is not None:
@@ -429,6 +433,11 @@ class _Rewriter:
                         inner.input[i] = renamed[name]
             rewritten.name = graph.name
             attr.g.CopyFrom(rewritten)
+            self.report.bodies.append({"node": node.name, "body": attr.name,
+                                       "integer": sum(report.quantized.values()) - sum(
+                                           b["integer"] for b in report.bodies),
+                                       "float": len(report.kept_float) - sum(b["float"] for b in report.bodies)})
+            self.report.bodies.extend(report.bodies)
             for op_type, count in report.quantized.items():
                 self.report.quantized[op_type] = self.report.quantized.get(op_type, 0) + count
             self.report.quantized = dict(sorted(self.report.quantized.items()))

@@ -162,3 +162,44 @@ def test_a_loop_that_stops_on_its_condition_runs_integer(tmp_path):
         for name, w in zip(executor.output_names, want):
             assert got[name].shape == w.shape
             np.testing.assert_allclose(got[name], w, atol=1e-5)
+
+
+def _switch_model() -> onnx.ModelProto:
+    """y = If(flag) then x * 3 else x * -0.5 + 1: which branch runs depends on a scalar input."""
+    then = helper.make_graph([helper.make_node("Mul", ["x", "three"], ["a"], name="triple")], "then", [],
+                             [helper.make_tensor_value_info("a", F, ["N", 4])])
+    other = helper.make_graph([helper.make_node("Mul", ["x", "minus_half"], ["m"], name="halve"),
+                               helper.make_node("Add", ["m", "one"], ["b"], name="shift")], "else", [],
+                              [helper.make_tensor_value_info("b", F, ["N", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["flag"], ["y"], then_branch=then, else_branch=other, name="switch")], "g",
+        [helper.make_tensor_value_info("x", F, ["N", 4]), helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F, ["N", 4])],
+        [numpy_helper.from_array(np.float32(3), "three"), numpy_helper.from_array(np.float32(-0.5), "minus_half"),
+         numpy_helper.from_array(np.float32(1), "one")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+
+
+def test_shards_that_ran_different_branches_merge(tmp_path):
+    """Each shard calibrates the branch its data takes; merged, both branches are calibrated and
+    quantized. One shard alone leaves the other branch float, with the reason."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_switch_model(), str(path))
+    x = np.random.default_rng(4).normal(size=(16, 4)).astype(np.float32)
+    for flag in (True, False):
+        np.savez(tmp_path / f"{flag}.npz", x=x, flag=np.array(flag))
+        result = invoke("calibrate", path, "--data", tmp_path / f"{flag}.npz", "-o", tmp_path / f"{flag}.yaml",
+                        "--stats-out", tmp_path / f"{flag}.stats.npz", "-q")
+        assert result.exit_code == 0, result.output
+    result = invoke("quantize", path, "-t", tmp_path / "True.yaml", "-o", tmp_path / "q1.onnx")
+    assert "integer: 1 ops (Mul 1)" in result.stdout, result.stdout
+    assert "Mul x1: not calibrated: the data never ran this branch or loop ('halve')" in result.stdout
+    assert "Add x1: not calibrated: the data never ran this branch or loop ('shift')" in result.stdout
+    result = invoke("merge", tmp_path / "True.stats.npz", tmp_path / "False.stats.npz", "-o", tmp_path / "t.yaml")
+    assert result.exit_code == 0, result.output
+    result = invoke("quantize", path, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx")
+    assert "integer: 3 ops (Add 1, Mul 2)" in result.stdout, result.stdout
+    executor = IntegerExecutor(onnx.load(str(tmp_path / "q.onnx")))
+    for flag, want in ((True, x * 3), (False, x * -0.5 + 1)):
+        got = executor.run({"x": x, "flag": np.array(flag)}).outputs["y"]
+        np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())

@@ -148,6 +148,8 @@ def test_if_model_calibrates_quantizes_and_verifies(tmp_path):
     path, data, qpath, output = quantized(tmp_path, branching_model(), x)
     assert "integer: 3 ops (Mul 2, ReduceSum 1)" in output
     assert "Identity x1: no integer kernel for this op type ('branch/else_branch/Identity_0')" in output
+    assert "body:    branch.then_branch: 1 integer, 0 float" in output
+    assert "body:    1 other bodies (If/Loop/Scan) have no integer op" in output
     qmodel = onnx.load(str(qpath))
     onnx.checker.check_model(qmodel, full_check=True)
     then = next(a.g for a in qmodel.graph.node[-1].attribute if a.name == "then_branch")
