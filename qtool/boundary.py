@@ -51,6 +51,11 @@ def type_name(onnx_type: int) -> str:
     return TensorProto.DataType.Name(onnx_type).lower()
 
 
+def numpy_native(dtype) -> bool:
+    """A numpy type of its own (not one of ml_dtypes' 4-bit, float8 or float4 types)."""
+    return np.dtype(dtype).kind in "biufcOSU" and np.dtype(dtype).name in np.sctypeDict
+
+
 def is_plain(dtype) -> bool:
     """A numpy dtype (or its name as ``str(dtype)`` gives it) the integer kernels take. Compared by
     name: ``np.dtype("int4")`` is numpy's 4-byte integer, not ml_dtypes' 4-bit one."""
@@ -68,6 +73,7 @@ class Boundary:
     saturate: bool = True
     has_zero: bool = False  # the node has a zero point input
     output_type: int = 0  # QuantizeLinear's output_dtype / DequantizeLinear's output_dtype, 0 if unset
+    precision: int = 0  # QuantizeLinear's precision (opset 23): the float type x / scale is computed in
 
     def run(self, *values: np.ndarray) -> list[np.ndarray]:
         if self.op_type == "DynamicQuantizeLinear":
@@ -86,6 +92,9 @@ class Boundary:
                              f"differs from its zero point's type {type_name(type_of(zero.dtype))}")
         dtype = onnx.helper.tensor_dtype_to_np_dtype(target)
         scale = self._spread(scale, x.shape, "scale")
+        if self.precision:
+            kind = onnx.helper.tensor_dtype_to_np_dtype(self.precision)
+            x, scale = x.astype(kind), scale.astype(kind)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             r = x / scale
         if target in INTEGER_RANGES:
@@ -109,12 +118,12 @@ class Boundary:
     def dequantize(self, x: np.ndarray, scale: np.ndarray, zero: np.ndarray | None) -> np.ndarray:
         kind = type_of(x.dtype)
         dx = x.astype(np.float32)
-        if zero is not None and kind not in FLOAT8:
-            if kind not in FLOAT_NARROW and type_of(zero.dtype) != kind:
+        if zero is not None and kind not in FLOAT8 and kind not in FLOAT_NARROW:
+            if type_of(zero.dtype) != kind:
                 raise QtoolError(f"DequantizeLinear node '{self.node}': input type {type_name(kind)} "
                                  f"differs from its zero point's type {type_name(type_of(zero.dtype))}")
             dx = dx - self._spread(zero, x.shape, "zero point").astype(np.float32)
-        elif zero is not None and np.any(zero.astype(np.float32) != 0):
+        elif zero is not None and kind in FLOAT8 and np.any(zero.astype(np.float32) != 0):
             raise QtoolError(f"DequantizeLinear node '{self.node}': a float8 zero point must be 0")
         with np.errstate(over="ignore", invalid="ignore"):
             y = dx * self._spread(scale, x.shape, "scale")
@@ -172,4 +181,4 @@ def of(node: onnx.NodeProto) -> Boundary:
     return Boundary(node.op_type, node.name, axis=int(attrs.get("axis", 1)),
                     block_size=int(attrs.get("block_size", 0)), saturate=bool(attrs.get("saturate", 1)),
                     has_zero=len(node.input) > 2 and bool(node.input[2]),
-                    output_type=int(attrs.get("output_dtype", 0)))
+                    output_type=int(attrs.get("output_dtype", 0)), precision=int(attrs.get("precision", 0)))

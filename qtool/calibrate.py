@@ -102,6 +102,8 @@ class Statistics:
     input_shapes: dict[str, list]
     calibrators: dict = field(default_factory=dict)  # tensor name -> calibrator
     preprocess: dict = field(default_factory=dict)  # Preprocess.to_dict() when DATA was images
+    # tensors inside If/Loop/Scan bodies: the ones a shard may lack (a branch its data never took)
+    body_tensors: set = field(default_factory=set)
 
     def table(self) -> Table:
         tensors = {}
@@ -118,7 +120,8 @@ class Statistics:
         return {"qtool_stats": STATS_VERSION, "model": self.model, "model_sha256": self.model_sha256,
                 "method": self.method, "params": self.params, "samples": self.samples,
                 "input_shapes": self.input_shapes, "qtool_version": __version__,
-                "tensors": list(self.calibrators), "preprocess": self.preprocess}
+                "tensors": list(self.calibrators), "preprocess": self.preprocess,
+                "body_tensors": sorted(self.body_tensors)}
 
     def save(self, path: str | Path) -> None:
         if any(not hasattr(c, "state") for c in self.calibrators.values()):
@@ -151,7 +154,8 @@ class Statistics:
                                  f"missing or not a {kind.__name__}")
         stats = cls(header["model"], header["model_sha256"], header["method"], header["params"],
                     header["samples"], header["input_shapes"],
-                    preprocess=header["preprocess"] if isinstance(header.get("preprocess"), dict) else {})
+                    preprocess=header["preprocess"] if isinstance(header.get("preprocess"), dict) else {},
+                    body_tensors=set(header.get("body_tensors") or ()))
         new_calibrator = calibrator_factory(stats.method, stats.params)
         for i, name in enumerate(header["tensors"]):
             calibrator = new_calibrator()
@@ -172,6 +176,12 @@ class Statistics:
                                  f"differs from {getattr(self, key)!r}")
         # the same model: a tensor only one of them holds is inside a branch or loop only its data
         # ran (an If on the sample rate, given 16 kHz in one shard and 8 kHz in the other)
+        self.body_tensors |= other.body_tensors
+        mine, theirs = set(self.calibrators), set(other.calibrators)
+        odd = sorted((mine ^ theirs) - self.body_tensors)
+        if odd:
+            raise QtoolError(f"cannot merge {other_name}: it holds other tensors ('{odd[0]}' is in one "
+                             f"file only, outside any If/Loop/Scan body)")
         for name, calibrator in other.calibrators.items():
             if name not in self.calibrators:
                 self.calibrators[name] = calibrator
@@ -289,6 +299,7 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
             raise
         update.close()
     if bodies is not None:  # a branch the data never took has no statistics: quantize keeps it float
+        stats.body_tensors = set(bodies.names())
         for name in bodies.unseen():
             stats.calibrators.pop(name, None)
     if log is not None and note and total > 1:

@@ -120,10 +120,10 @@ def _loop(node, values, run_body: RunBody) -> list[np.ndarray]:
         for acc, value in zip(scans, out[1 + n_carried:]):
             acc.append(np.asarray(value))
         i += 1
-    n_scans = len(node.output) - n_carried
-    stacked = [np.stack(acc) if acc else np.zeros((0,), np.float32) for acc in scans]
-    stacked += [np.zeros((0,), np.float32)] * (n_scans - len(stacked))
-    return [np.asarray(v) for v in carried] + stacked
+    declared = list(body.output)[1 + n_carried:]
+    if not scans:  # no iteration: empty, of the type and the known sizes the body declares
+        return [np.asarray(v) for v in carried] + [_empty(vi, 0) for vi in declared]
+    return [np.asarray(v) for v in carried] + [np.stack(acc) for acc in scans]
 
 
 def _scan(node, values, run_body: RunBody) -> list[np.ndarray]:
@@ -155,14 +155,25 @@ def _scan(node, values, run_body: RunBody) -> list[np.ndarray]:
         for acc, value in zip(outs, out[n:]):
             acc.append(np.asarray(value))
     results = [np.asarray(s) for s in states]
-    for acc, axis, direction in zip(outs, out_axes, out_dirs):
+    for acc, axis, direction, vi in zip(outs, out_axes, out_dirs, list(body.output)[n:]):
         if direction:
             acc = acc[::-1]
-        if not acc:
-            results.append(np.zeros((0,), np.float32))
+        if not acc:  # no step: empty along the scan axis
+            rank = len(vi.type.tensor_type.shape.dim) + 1
+            results.append(_empty(vi, axis % rank))
             continue
         results.append(np.stack(acc, axis=axis % (acc[0].ndim + 1)))
     return results
+
+
+def _empty(vi: onnx.ValueInfoProto, axis: int) -> np.ndarray:
+    """What zero iterations stack of a body output: 0 along ``axis``, the declared sizes elsewhere
+    (0 where a size is not known), in the declared type."""
+    tensor = vi.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor.shape.dim]
+    dims.insert(axis, 0)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type) if tensor.elem_type else np.float32
+    return np.zeros(dims, dtype=dtype)
 
 
 def constant_reads(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -218,6 +229,10 @@ class BodyStats:
         """Body tensors no run computed (in a branch never taken, a loop that never iterated)."""
         return [name for _, names, inner, _ in self.bodies.values()
                 for name in [*names, *inner.unseen()] if name not in self.seen]
+
+    def names(self) -> list[str]:
+        """Every body tensor calibrated here, computed or not."""
+        return [name for _, names, inner, _ in self.bodies.values() for name in [*names, *inner.names()]]
 
     def tensors(self) -> int:
         return sum(len(names) + inner.tensors() for _, names, inner, _ in self.bodies.values())

@@ -145,7 +145,7 @@ class IntegerExecutor:
         self.producer = {out: node for node in model.graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too
-        self.outer = {node.name: outer_reads(node) for node in model.graph.node if subgraphs(node)}
+        self.outer = {id(node): outer_reads(node) for node in model.graph.node if subgraphs(node)}
         for node in model.graph.node:
             for name in self._reads(node):
                 self.consumers.setdefault(name, []).append(node)
@@ -170,7 +170,7 @@ class IntegerExecutor:
     def _reads(self, node: onnx.NodeProto) -> list[str]:
         """The tensors ``node`` reads, once each: its inputs, then what its subgraphs read from
         the main graph."""
-        return [n for n in dict.fromkeys([*node.input, *self.outer.get(node.name, [])]) if n]
+        return [n for n in dict.fromkeys([*node.input, *self.outer.get(id(node), [])]) if n]
 
     # -- lowering ----------------------------------------------------------------------------------
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
@@ -384,7 +384,8 @@ class IntegerExecutor:
         for attr, graph in control.body_graphs(node).items():
             outer = [n for n in control.graph_outer_reads(graph) if n not in self.constants]
             model = control.body_model(graph, outer, self.model.opset_import, self.model.ir_version)
-            model.metadata_props.extend(self.model.metadata_props)  # rounding, multiplier bits
+            model.metadata_props.extend(p for p in self.model.metadata_props  # the arithmetic only
+                                        if p.key in ("qtool.rounding", "qtool.multiplier_bits"))
             bodies[attr] = IntegerExecutor(model, self.arithmetic, control.constant_reads(graph, self.constants))
         if not any(body.has_integer() for body in bodies.values()):
             return None
@@ -437,9 +438,9 @@ class IntegerExecutor:
         if block_axis != (1 if trans else 0):
             raise Unsupported(f"weight '{weight_dq.input[0]}' is blocked along N, not along K")
         rule = boundary.of(weight_dq)
-        w = values.astype(np.int16)
+        w = values.astype(np.int64)  # any integer type: checked to fit int8 below
         if zero is not None:
-            w = w - rule._spread(zero, values.shape, "zero point").astype(np.int16)
+            w = w - rule._spread(zero, values.shape, "zero point").astype(np.int64)
         if w.size and (w.min() < -128 or w.max() > 127):
             raise Unsupported(f"blocked weight '{weight_dq.input[0]}' less its zero point leaves int8")
         w, scales = (w.T, scales.T) if trans else (w, scales)
@@ -450,6 +451,8 @@ class IntegerExecutor:
                 raise Unsupported(f"bias '{node.input[2]}' is not a quantized constant")
             qb = self._qparams_of(bias_dq)
             bias = self.constants[bias_dq.input[0]].astype(np.int64) - np.asarray(qb.zero_point, np.int64)
+            if bias.size not in (1, w.shape[1]):
+                raise Unsupported(f"bias '{node.input[2]}' of shape {list(bias.shape)} is not one value per column")
             bias = np.broadcast_to(bias.reshape(-1), (w.shape[1],))
             bias_scale = np.broadcast_to(np.asarray(qb.scale, np.float64).reshape(-1), (w.shape[1],))
         params = blocked.derive(x, w.astype(np.int8), scales.astype(np.float32), int(dq["block_size"]), y,
@@ -737,6 +740,11 @@ class IntegerExecutor:
 
     def _run_float(self, step: Step, values: list[np.ndarray]) -> list[np.ndarray]:
         """A fenced float op, run alone in onnxruntime (session built once per input types)."""
+        odd = next((v.dtype for v in values if not boundary.numpy_native(v.dtype)), None)
+        if odd is not None:
+            raise QtoolError(f"{step.node.op_type} node '{step.node.name}' takes a {odd} tensor, which the "
+                             f"executor passes only to QuantizeLinear/DequantizeLinear (onnxruntime's Python "
+                             f"interface cannot take it)")
         key = (id(step), tuple(v.dtype.str for v in values))  # by step: node names may be empty or repeat
         session = self._float_sessions.get(key)
         if session is None:

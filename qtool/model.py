@@ -346,6 +346,7 @@ def normalize(model: onnx.ModelProto) -> None:
     unique name. Run after anything that rewrites the graph (the optimizer, an opset upgrade)."""
     constants_to_initializers(model.graph)
     _drop_unused_initializers(model)
+    _unique_body_values(model)
     _name_nodes(model)
     _explicit_same_pads(model)
     _name_cell_states(model)
@@ -369,7 +370,7 @@ def hoist_loop_constants(model: onnx.ModelProto) -> int:
         formal = [vi.name for vi in body.input]
         results = [vi.name for vi in body.output]
         invariant = [k for k in range(carried) if node.input[2 + k] in inits and results[1 + k] == formal[2 + k]
-                     and node.output[k] not in outputs]
+                     and node.output[k] not in outputs and results.count(formal[2 + k]) == 1]
         if not invariant:
             continue
         renamed = {formal[2 + k]: node.input[2 + k] for k in invariant}  # body: read the outer initializer
@@ -468,6 +469,55 @@ def _inferred_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
             if vi.type.tensor_type.HasField("shape")}
 
 
+def _unique_body_values(model: onnx.ModelProto) -> None:
+    """In place: every value a subgraph defines (its inputs, initializers and node outputs) gets a
+    name no other graph of the model uses. ONNX lets sibling bodies reuse a local name (an If's
+    two branches each computing 't'); calibration tables and the quantizer key tensors by name, so
+    each gets its own (``t`` and ``t_1``). The bodies' inputs and outputs are positional: renaming
+    them changes nothing around them."""
+    graph = model.graph
+    seen = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+    seen |= {o for node in graph.node for o in node.output if o}
+
+    def fresh(name: str) -> str:
+        k, candidate = 1, f"{name}_1"
+        while candidate in seen:
+            k += 1
+            candidate = f"{name}_{k}"
+        return candidate
+
+    def rename(sub: onnx.GraphProto, mapping: dict[str, str]) -> None:
+        """``mapping`` applied to what ``sub`` and its own bodies read and write."""
+        for node in sub.node:
+            node.input[:] = [mapping.get(n, n) for n in node.input]
+            node.output[:] = [mapping.get(n, n) for n in node.output]
+            for inner in subgraphs(node):
+                rename(inner, {k: v for k, v in mapping.items() if k not in _defined(inner)})
+        for vi in [*sub.input, *sub.output, *sub.value_info]:
+            vi.name = mapping.get(vi.name, vi.name)
+        for t in sub.initializer:
+            t.name = mapping.get(t.name, t.name)
+
+    def visit(sub: onnx.GraphProto) -> None:
+        for node in sub.node:
+            for body in subgraphs(node):
+                defined = _defined(body)
+                mapping = {name: fresh(name) for name in defined if name in seen}
+                seen.update(mapping.values())
+                seen.update(defined - set(mapping))
+                if mapping:
+                    rename(body, mapping)
+                visit(body)
+
+    visit(graph)
+
+
+def _defined(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph`` itself defines: its inputs, initializers and node outputs."""
+    return ({vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+            | {o for node in graph.node for o in node.output if o})
+
+
 def _name_nodes(model: onnx.ModelProto) -> None:
     """Give every node a unique name: reports and --keep-float refer to nodes by name. A node
     inside an If, Loop or Scan body is named after where it is (``If_3/then_branch/Mul_0``)."""
@@ -476,7 +526,10 @@ def _name_nodes(model: onnx.ModelProto) -> None:
     def visit(graph: onnx.GraphProto, prefix: str) -> None:
         for i, node in enumerate(graph.node):
             if not node.name or node.name in seen:
-                node.name = f"{prefix}{node.op_type}_{i}"
+                base, k = f"{prefix}{node.op_type}_{i}", 1
+                node.name = base
+                while node.name in seen:
+                    node.name, k = f"{base}_{k}", k + 1
             seen.add(node.name)
             for attr in node.attribute:
                 if attr.HasField("g"):

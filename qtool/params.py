@@ -60,7 +60,7 @@ def _plain(value):
 def integer_params(qmodel: onnx.ModelProto, executor: IntegerExecutor | None = None) -> dict:
     executor = executor or IntegerExecutor(qmodel)
     ops = []
-    for step in executor.steps:
+    for step in executor.all_steps():  # inside If/Loop/Scan bodies too
         if step.kind != "integer":
             continue
         inputs = []
@@ -91,7 +91,7 @@ def integer_params(qmodel: onnx.ModelProto, executor: IntegerExecutor | None = N
 def lookup_tables(executor: IntegerExecutor) -> dict[str, dict[str, np.ndarray]]:
     """op_type -> node name -> 256-entry table, for every integer step whose kernel is a LUT."""
     luts: dict[str, dict[str, np.ndarray]] = {}
-    for step in executor.steps:
+    for step in executor.all_steps():  # inside If/Loop/Scan bodies too
         if step.kind == "integer" and isinstance(step.params, LutParams) and step.params.table is not None:
             luts.setdefault(step.node.op_type, {})[step.node.name] = step.params.table
     return luts

@@ -852,7 +852,8 @@ class _Rewriter:
     def _blocked(self, node, spec) -> bool:
         """This weight of ``node`` is written int4 and/or in blocks (the options ask, the op takes it)."""
         return (node.op_type in BLOCKED_OPS and isinstance(spec, Weight) and spec.axis is not None
-                and (self.opt.weight_type != "int8" or self.opt.block_size > 0))
+                and (self.opt.weight_type != "int8" or self.opt.block_size > 0)
+                and getattr(self.inits.get(node.input[1] if len(node.input) > 1 else ""), "ndim", 0) == 2)
 
     def _blocked_weight(self, name: str, spec: Weight) -> str:
         """A MatMul/Gemm B as int4 (or int8) integers with one symmetric scale per block of

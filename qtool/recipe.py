@@ -65,7 +65,8 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
     if not steps.searching:
         if steps.placement is not False:
             options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
-        if steps.weight_rounding is not False:
+        # fitted on per-channel int8 scales: int4 and blocked weights keep nearest rounding
+        if steps.weight_rounding is not False and options.weight_type == "int8" and not options.block_size:
             rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch, **common)
     if steps.searching:
         qmodel, report, _ = search(model_path, table, options, table_name, data_path, steps.target_sqnr,

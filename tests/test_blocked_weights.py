@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.boundary import Boundary, dynamic_quantize
 from qtool.executor import IntegerExecutor
 from qtool.fixedpoint import quantize_multipliers
 from qtool.ops import blocked
@@ -168,3 +169,94 @@ def test_weight_option_errors(tmp_path, args, fragments):
     assert invoke("calibrate", model, "--data", tmp_path / "fit.npz", "-o", table, "-q").exit_code == 0
     assert_user_error(invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", *args), *fragments)
     assert not (tmp_path / "q.onnx").exists()
+
+
+def _blocked_gemm(weight: np.ndarray, bias: np.ndarray | None = None, block: int = 2) -> onnx.ModelProto:
+    """xq (uint8) -> DQ -> Gemm(B from a blocked DQ of ``weight``, C from a DQ of ``bias``) -> Q."""
+    k, n = weight.shape
+    nodes = [helper.make_node("DequantizeLinear", ["xq", "xs"], ["x"], name="dqx"),
+             helper.make_node("DequantizeLinear", ["W", "ws"], ["w"], name="dqw", axis=0, block_size=block),
+             helper.make_node("Gemm", ["x", "w"] + (["c"] if bias is not None else []), ["y"], name="mm"),
+             helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["yq"], name="qy")]
+    inits = [numpy_helper.from_array(np.float32(0.1), "xs"), numpy_helper.from_array(weight, "W"),
+             numpy_helper.from_array(np.full((-(-k // block), n), 1e-2, np.float32), "ws"),
+             numpy_helper.from_array(np.float32(0.05), "ys"), numpy_helper.from_array(np.int8(0), "yz")]
+    if bias is not None:
+        nodes.insert(2, helper.make_node("DequantizeLinear", ["C", "cs"], ["c"], name="dqc"))
+        inits += [numpy_helper.from_array(bias, "C"), numpy_helper.from_array(np.float32(0.001), "cs")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("xq", TensorProto.UINT8, [2, k])],
+                              [helper.make_tensor_value_info("yq", TensorProto.INT8, [2, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_blocked_weights_outside_int8_are_not_wrapped():
+    """int32 weights blocked (valid ONNX) beyond int8: computed as the specification does (in
+    float), never wrapped into int8 or int16."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _blocked_gemm(np.array([[65541, 0], [0, 1]], np.int32))
+    executor = IntegerExecutor(model)
+    assert "Gemm" in [s.node.op_type for s in executor.steps if s.kind == "float"]
+    xq = np.array([[20, 0], [0, 10]], np.uint8)
+    want = ReferenceEvaluator(model).run(None, {"xq": xq})[0]
+    np.testing.assert_array_equal(executor.run({"xq": xq}).outputs["yq"], want)
+
+
+def test_a_blocked_gemm_with_a_2d_bias_runs_in_float():
+    model = _blocked_gemm(np.array([[1, 3], [-2, 4], [1, 1], [0, 2]], np.int8), np.array([[1, 2], [3, 4]], np.int32))
+    executor = IntegerExecutor(model)
+    floats = {op: why for op, _, why in executor.float_nodes()}
+    assert "is not one value per column" in floats["Gemm"]
+    xq = np.array([[10, 20, 30, 40], [1, 2, 3, 4]], np.uint8)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"xq": xq})[0]
+    np.testing.assert_array_equal(executor.run({"xq": xq}).outputs["yq"], want)
+
+
+def test_int4_leaves_a_3d_matmul_weight_as_int8_would(tmp_path):
+    """--weight-type int4 on a MatMul whose constant B has 3 axes: the op is treated as with int8
+    (float, with the reason), not a failed quantize."""
+    rng = np.random.default_rng(6)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3, 5])],
+                              [numpy_helper.from_array(rng.normal(size=(2, 4, 5)).astype(np.float32), "W")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(4, 2, 3, 4)).astype(np.float32))
+    assert invoke("calibrate", path, "--data", tmp_path / "d.npz", "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    result = invoke("quantize", path, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--weight-type", "int4")
+    assert result.exit_code == 0, result.output
+    assert "MatMul x1: B must be a 2-D constant ('mm')" in result.stdout
+
+
+def test_a_4bit_tensor_into_a_float_op_is_one_line(tmp_path):
+    """Q(int4) -> Transpose -> DQ: the executor hands ml_dtypes tensors only to Q/DQ, and says so."""
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s"], ["q"], output_dtype=TensorProto.INT4, name="q"),
+             helper.make_node("Transpose", ["q"], ["qt"], perm=[1, 0], name="t"),
+             helper.make_node("DequantizeLinear", ["qt", "s"], ["y"], name="dq")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+                              [numpy_helper.from_array(np.float32(0.5), "s")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 3), np.float32))
+    assert_user_error(invoke("exec", path, "-i", tmp_path / "x.npz", "-o", tmp_path / "o.npz"),
+                      "Transpose node 't' takes a int4 tensor")
+    assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: dynamic_quantize(np.zeros((0,), np.float32), "d"), "got an empty tensor"),
+    (lambda: dynamic_quantize(np.array([1.0, np.nan], np.float32), "d"), "NaN or infinity"),
+    (lambda: Boundary("DequantizeLinear", "dq", axis=0, block_size=2).dequantize(
+        np.zeros((4, 3), np.int8), np.ones((3, 3), np.float32), None), "blocked scale of shape \\[3, 3\\]"),
+    (lambda: Boundary("QuantizeLinear", "q", axis=3).quantize(
+        np.zeros((4, 3), np.float32), np.ones(3, np.float32), None), "axis 3 is outside a 2-D input"),
+    (lambda: Boundary("QuantizeLinear", "q", output_type=TensorProto.INT8).quantize(
+        np.zeros(3, np.float32), np.float32(1), np.uint8(0)), "output_dtype int8 differs from its zero point's type uint8"),
+])
+def test_boundary_errors_name_the_node(make, message):
+    from qtool.errors import QtoolError
+
+    with pytest.raises(QtoolError, match=message):
+        make()

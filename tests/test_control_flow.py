@@ -203,3 +203,119 @@ def test_shards_that_ran_different_branches_merge(tmp_path):
     for flag, want in ((True, x * 3), (False, x * -0.5 + 1)):
         got = executor.run({"x": x, "flag": np.array(flag)}).outputs["y"]
         np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
+
+
+# -- edges found in review ------------------------------------------------------------------------
+def test_sibling_branches_may_reuse_a_name():
+    """ONNX lets two branches each name a tensor 't': preparation gives each its own name, so each
+    gets its own range (the else branch's x * 100 must not set the then branch's scale)."""
+    from qtool.model import all_nodes, prepare
+
+    def branch(constant, name):
+        return helper.make_graph([helper.make_node("Mul", ["x", constant], ["t"]),
+                                  helper.make_node("Add", ["t", "one"], [f"o_{name}"])], name, [],
+                                 [helper.make_tensor_value_info(f"o_{name}", F, ["N", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["flag"], ["y"], then_branch=branch("three", "then"),
+                          else_branch=branch("hundred", "else"), name="switch")], "g",
+        [helper.make_tensor_value_info("x", F, ["N", 4]), helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F, ["N", 4])],
+        [numpy_helper.from_array(np.float32(3), "three"), numpy_helper.from_array(np.float32(100), "hundred"),
+         numpy_helper.from_array(np.float32(1), "one")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    prepared = prepare(model)
+    outputs = [o for node in all_nodes(prepared.graph) for o in node.output]
+    assert len(outputs) == len(set(outputs)) and "t" in outputs and "t_1" in outputs
+    x = np.random.default_rng(5).normal(size=(8, 4)).astype(np.float32)
+    session = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"])
+    for flag, want in ((True, x * 3 + 1), (False, x * 100 + 1)):
+        np.testing.assert_allclose(session.run(None, {"x": x, "flag": np.array(flag)})[0], want, rtol=1e-6)
+
+
+def test_a_carried_constant_also_emitted_stays_carried():
+    """A Loop whose body hands a carried weight back and also emits it as a scan output: the
+    weight is not hoisted (the scan output still needs the body's own name for it)."""
+    from qtool.model import prepare
+
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["v_in", "w_in"], ["v_out"], name="mm"),
+         helper.make_node("Identity", ["c_in"], ["c_out"], name="id")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", F, ["a", "b"]), helper.make_tensor_value_info("w_in", F, ["a", "b"])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("v_out", F, ["a", "b"]),
+         helper.make_tensor_value_info("w_in", F, ["a", "b"]), helper.make_tensor_value_info("w_in", F, ["a", "b"])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x", "W"], ["v", "w_last", "ws"], body=body, name="loop")], "g",
+        [helper.make_tensor_value_info("x", F, ["N", 3])],
+        [helper.make_tensor_value_info("v", F, ["a", "b"]), helper.make_tensor_value_info("ws", F, ["t", "a", "b"])],
+        [numpy_helper.from_array(np.int64(3), "trips"), numpy_helper.from_array(np.eye(3, dtype=np.float32) * 0.5, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    prepared = prepare(model)
+    assert len(prepared.graph.node[0].input) == 4  # nothing hoisted
+    x = np.ones((2, 3), np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_zero_iterations_give_empty_outputs_of_the_declared_type():
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["v_in", "rate"], ["v_out"]), helper.make_node("Cast", ["v_out"], ["s"], to=TensorProto.INT64),
+         helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []), helper.make_tensor_value_info("v_in", F, [2, 3])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("v_out", F, [2, 3]),
+         helper.make_tensor_value_info("s", TensorProto.INT64, [2, 3])])
+    node = helper.make_node("Loop", ["trips", "", "x"], ["v", "ss"], body=body)
+    feeds = {"x": np.ones((2, 3), np.float32), "trips": np.array(0, np.int64)}
+    out = control.run(node, feeds, lambda attr, body_feeds: pytest.fail("no iteration runs a body"))
+    assert out[1].shape == (0, 2, 3) and out[1].dtype == np.int64
+    np.testing.assert_array_equal(out[0], feeds["x"])
+
+
+def test_control_flow_errors_are_one_line():
+    from qtool.errors import QtoolError
+
+    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["o"])], "b", [],
+                               [helper.make_tensor_value_info("o", F, None)])
+    node = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch, name="pick")
+    with pytest.raises(QtoolError, match="If node 'pick': its condition has 2 elements, not 1"):
+        control.run(node, {"c": np.array([True, False]), "x": np.zeros(1)}, lambda a, f: [f["x"]])
+    scan = _scan_model().graph.node[1]
+    values = {"s0": np.zeros((3, 4), np.float32), "x": np.zeros((5, 3, 4), np.float32), "z": np.zeros((3, 4, 4), np.float32)}
+    with pytest.raises(QtoolError, match="Scan node 'scan': its scanned inputs have different lengths \\[4, 5\\]"):
+        control.run(scan, values, lambda a, f: None)
+
+
+def test_merge_refuses_shards_whose_main_graph_tensors_differ(tmp_path):
+    """Only tensors inside a body may be in one shard alone; a main-graph tensor may not."""
+    from qtool.calibrate import Statistics
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_switch_model(), str(path))
+    x = np.random.default_rng(4).normal(size=(16, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, flag=np.array(True))
+    assert invoke("calibrate", path, "--data", tmp_path / "d.npz", "-o", tmp_path / "t.yaml",
+                  "--stats-out", tmp_path / "a.npz", "-q").exit_code == 0
+    stats = Statistics.load(tmp_path / "a.npz")
+    assert stats.body_tensors >= {"a", "m", "b"}
+    del stats.calibrators["x"]
+    stats.save(tmp_path / "b.npz")
+    result = invoke("merge", tmp_path / "a.npz", tmp_path / "b.npz", "-o", tmp_path / "m.yaml")
+    assert result.exit_code == 2 and "it holds other tensors ('x' is in one file only, outside any If/Loop/Scan body)" \
+        in result.stderr, result.output
+
+
+def test_params_out_lists_the_ops_inside_bodies(tmp_path):
+    rng = np.random.default_rng(2)
+    feeds = {"x0": rng.normal(size=(5, 16, 4)).astype(np.float32), "z": rng.normal(size=(16, 5, 4)).astype(np.float32),
+             "s0": rng.normal(size=(16, 4)).astype(np.float32)}
+    path, data, q, _ = _calibrated(tmp_path, _scan_model(), feeds)
+    params = tmp_path / "p.json"
+    result = invoke("quantize", path, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q2.onnx", "--params-out", params, "-q")
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert [op["node"] for op in json.loads(params.read_text())["ops"]] == ["relu", "decay", "weigh", "sum", "more"]

@@ -91,9 +91,10 @@ def run(p: BlockedParams, x: np.ndarray) -> np.ndarray:
     rows = x.reshape(-1, p.k).astype(np.int32) - np.int32(p.zero_x)
     shifted = np.zeros((rows.shape[0], blocks * block), dtype=np.int32)
     shifted[:, :p.k] = rows
-    # [B, R, block] @ [B, block, N]: each block's exact partial sums
-    partial = int_matmul(shifted.reshape(-1, blocks, block).transpose(1, 0, 2), p.weight)
-    acc = np.einsum("brn,bn->rn", partial, p.multipliers) + p.offset
+    # each block's exact partial sums [R, N], weighted by its multipliers, one block at a time
+    acc = np.broadcast_to(p.offset, (rows.shape[0], n)).copy()
+    for b in range(blocks):
+        acc += int_matmul(shifted[:, b * block:(b + 1) * block], p.weight[b]) * p.multipliers[b]
     y = rounding_rshift(acc, p.rshift, p.rounding) + p.zero_out
     return saturate(y, p.dtype).reshape(*x.shape[:-1], n)
 
