@@ -30,7 +30,7 @@ from .sizing import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map
-from .model import batch_hint, first_line, load_model, prepare
+from .model import all_nodes, batch_hint, first_line, load_model, prepare, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .report import finite, progress_bar
 
@@ -46,6 +46,11 @@ class QuantizedOp:
     weights: tuple[str, ...]  # outputs of the DequantizeLinear of its constant inputs
 
 
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    value = next((a for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+    return None if value is None else value.t
+
+
 class QdqModel:
     """A QDQ model whose fences and quantized weights can be removed selectively.
 
@@ -58,11 +63,18 @@ class QdqModel:
         graph = qmodel.graph
         self.inits = {i.name: i for i in graph.initializer}
         self.graph_outputs = {o.name for o in graph.output}
-        producer = {o: n for n in graph.node for o in n.output}
+        # the ops inside If/Loop/Scan bodies too (every value name is unique across the model: qtool's
+        # preparation sees to it), each body's own constants with the main graph's
+        everything = list(all_nodes(graph))
+        for node in everything:
+            for sub in subgraphs(node):
+                self.inits.update({i.name: i for i in sub.initializer})
+                self.graph_outputs.update(o.name for o in sub.output)
+        producer = {o: n for n in everything for o in n.output}
         self.fences: dict[str, list[onnx.NodeProto]] = {}  # float tensor -> its Q and DQ nodes
         self.fenced_by: dict[str, str] = {}  # DequantizeLinear output -> the float tensor
         self.weights: dict[str, onnx.NodeProto] = {}  # DequantizeLinear output -> node
-        for node in graph.node:
+        for node in everything:
             if node.op_type != "DequantizeLinear":
                 continue
             if node.input[0] in self.inits:
@@ -70,12 +82,20 @@ class QdqModel:
                 continue
             q = producer.get(node.input[0])
             if q is not None and q.op_type == "QuantizeLinear":
-                self.fences.setdefault(q.input[0], [q]).append(node)
+                fence = self.fences.setdefault(q.input[0], [])
+                if q not in fence:  # a tensor quantized in the main graph and in a body: two of them
+                    fence.append(q)
+                fence.append(node)
                 self.fenced_by[node.output[0]] = q.input[0]
         float_inits = {i.name: i for i in float_model.graph.initializer}
-        float_nodes = {n.name: n for n in float_model.graph.node}
+        float_nodes = {n.name: n for n in all_nodes(float_model.graph)}
+        for node in float_nodes.values():  # a body's constants (Constant nodes in the float model)
+            for sub in subgraphs(node):
+                float_inits.update({i.name: i for i in sub.initializer})
+                float_inits.update({n.output[0]: _constant_tensor(n) for n in sub.node
+                                    if n.op_type == "Constant" and _constant_tensor(n) is not None})
         self.float_weights: dict[str, onnx.TensorProto] = {}  # DequantizeLinear output -> original
-        for node in graph.node:
+        for node in everything:
             original = float_nodes.get(node.name)
             if original is None or node.op_type in FENCE_OPS:
                 continue
@@ -83,7 +103,7 @@ class QdqModel:
                 if name in self.weights and i < len(original.input) and original.input[i] in float_inits:
                     self.float_weights[name] = float_inits[original.input[i]]
         self.ops: list[QuantizedOp] = []
-        for node in graph.node:
+        for node in everything:
             if node.op_type in FENCE_OPS:
                 continue
             outputs = tuple(o for o in node.output if o in self.fences)
@@ -100,32 +120,51 @@ class QdqModel:
         float_tensors, float_weights = set(float_tensors), set(float_weights)
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
-        dropped, rename, identities = set(), {}, []
+        dropped, rename, replaced = set(), {}, {}
         for tensor in float_tensors & set(self.fences):
-            q, *dqs = self.fences[tensor]
-            dropped.add(q.name)
-            for dq in dqs:
-                dropped.add(dq.name)
-                if dq.output[0] in self.graph_outputs:  # keep the graph output's name
-                    identities.append(helper.make_node("Identity", [tensor], [dq.output[0]],
-                                                       name=f"{dq.name}_bypassed"))
+            for fence in self.fences[tensor]:
+                dropped.add(fence.name)
+                if fence.op_type == "QuantizeLinear":
+                    continue
+                if fence.output[0] in self.graph_outputs:  # keep the (body's) output name, in place
+                    replaced[fence.name] = helper.make_node("Identity", [tensor], [fence.output[0]],
+                                                            name=f"{fence.name}_bypassed")
                 else:
-                    rename[dq.output[0]] = tensor
+                    rename[fence.output[0]] = tensor
         for name in float_weights & set(self.float_weights):
             dropped.add(self.weights[name].name)
             original = onnx.TensorProto()
             original.CopyFrom(self.float_weights[name])
             original.name = name
             out.graph.initializer.append(original)
-        nodes = []
-        for node in out.graph.node:
-            if node.name in dropped:
-                continue
-            for i, name in enumerate(node.input):
-                node.input[i] = rename.get(name, name)
-            nodes.append(node)
-        del out.graph.node[:]
-        out.graph.node.extend(nodes + identities)
+
+        def resolve(name: str) -> str:  # a body's fence of an outer fence's output: to the float tensor
+            seen = set()
+            while name in rename and name not in seen:
+                seen.add(name)
+                name = rename[name]
+            return name
+
+        for fence_name, node in replaced.items():
+            node.input[0] = resolve(node.input[0])
+
+        def bypass(graph: onnx.GraphProto) -> None:  # in this graph and its bodies
+            nodes = []
+            for node in graph.node:
+                if node.name in replaced:
+                    nodes.append(replaced[node.name])
+                    continue
+                if node.name in dropped:
+                    continue
+                for i, name in enumerate(node.input):
+                    node.input[i] = resolve(name)
+                for sub in subgraphs(node):
+                    bypass(sub)
+                nodes.append(node)
+            del graph.node[:]
+            graph.node.extend(nodes)
+
+        bypass(out.graph)
         return out
 
     def only_quantized(self, ops) -> onnx.ModelProto:
@@ -144,7 +183,10 @@ class QdqModel:
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
         inits = {i.name: i for i in out.graph.initializer}
-        nodes = {n.name: n for n in out.graph.node}
+        for node in all_nodes(out.graph):
+            for sub in subgraphs(node):
+                inits.update({i.name: i for i in sub.initializer})
+        nodes = {n.name: n for n in all_nodes(out.graph)}
         opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 0)
         domain = "" if opset >= 21 else "com.microsoft"
         for tensor in sorted(set(tensors) & set(self.fences)):
@@ -162,10 +204,12 @@ class QdqModel:
                 node.input[1], node.input[2], node.domain = scale_name, zero_name, domain
         if domain and all(o.domain != domain for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(domain, 1))
-        retyped = {self.fences[t][0].output[0] for t in set(tensors) & set(self.fences)}
-        kept = [vi for vi in out.graph.value_info if vi.name not in retyped]  # their 8-bit type
-        del out.graph.value_info[:]
-        out.graph.value_info.extend(kept)
+        retyped = {f.output[0] for t in set(tensors) & set(self.fences) for f in self.fences[t]
+                   if f.op_type == "QuantizeLinear"}
+        for graph in [out.graph, *(sub for node in all_nodes(out.graph) for sub in subgraphs(node))]:
+            kept = [vi for vi in graph.value_info if vi.name not in retyped]  # their 8-bit type
+            del graph.value_info[:]
+            graph.value_info.extend(kept)
         return out
 
     def all_tensors(self) -> set[str]:

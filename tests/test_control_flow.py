@@ -319,3 +319,28 @@ def test_params_out_lists_the_ops_inside_bodies(tmp_path):
     import json
 
     assert [op["node"] for op in json.loads(params.read_text())["ops"]] == ["relu", "decay", "weigh", "sum", "more"]
+
+
+def test_sensitivity_variants_reach_inside_bodies(tmp_path):
+    """analyze's and the search's variants (qtool.analyze.QdqModel) see the ops inside a body:
+    every fence and weight removed gives the float model back exactly; and --target-sqnr can
+    give a body's ops int16."""
+    from qtool.analyze import QdqModel, as_written_session
+    from qtool.model import prepare
+
+    rng = np.random.default_rng(2)
+    feeds = {"x0": rng.normal(size=(5, 16, 4)).astype(np.float32), "z": rng.normal(size=(16, 5, 4)).astype(np.float32),
+             "s0": rng.normal(size=(16, 4)).astype(np.float32)}
+    path, data, q, _ = _calibrated(tmp_path, _scan_model(), feeds)
+    float_model = prepare(onnx.load(str(path)))
+    qdq = QdqModel(onnx.load(str(q)), float_model)
+    assert {"decay", "weigh", "sum", "more"} <= {op.node for op in qdq.ops}
+    want = as_written_session(float_model).run(None, feeds)
+    got = as_written_session(qdq.ablated(qdq.all_tensors(), qdq.all_weights())).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    result = invoke("quantize", path, "-t", tmp_path / "t.yaml", "-o", tmp_path / "s.onnx", "--data", data,
+                    "--target-sqnr", "45", "--holdout", "0", "--no-method-choice")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("search:"))
+    assert "given int16 activations" in line and any(op in line for op in ("'decay'", "'weigh'", "'sum'", "'more'"))
