@@ -160,7 +160,7 @@ def search_summary(sr: dict) -> str:
         what_all = "int16" if int16 else "float"
         text += (f"; every op {what_all} at once: {whole} dB"
                  + (", below the target: no ranking" if sr["target_sqnr_db"] is not None
-                    and not whole >= sr["target_sqnr_db"] else ""))
+                    and not float(whole) >= sr["target_sqnr_db"] else ""))  # "inf"/"-inf" from JSON
     phases = sr.get("phases") or {}
     spent = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05)
     return text + f"; {sr['evaluations']} runs in {sr['seconds']:.1f} s" + (f" ({spent})" if spent else "")

@@ -310,3 +310,12 @@ def test_a_large_model_is_ranked_in_groups_first(demo_model, demo_table, demo_ca
     rest = [op for g in order if g not in expanded for op in pieces[g]]
     assert [op.node for op in ranked] == [op.node for op in one_by_one + rest]
     assert runs == 4 + count
+
+
+def test_the_summary_reads_an_infinite_whole_model_figure():
+    """An SQNR JSON holds as "-inf" (a variant whose outputs changed length) is still compared with
+    the target: one line, no TypeError (SLANet's decoder, issue 31)."""
+    sr = {"precision": "int16", "int16": [], "kept_float": [], "target_sqnr_db": 30.0, "reached": False,
+          "integer_sqnr_db": 10.0, "final_sqnr_db": 10.0, "samples": 4, "whole_sqnr_db": "-inf",
+          "evaluations": 2, "seconds": 1.0, "phases": {}}
+    assert "every op int16 at once: -inf dB, below the target: no ranking" in search_summary(sr)
