@@ -91,7 +91,7 @@ class Boundary:
             raise QtoolError(f"QuantizeLinear node '{self.node}': output_dtype {type_name(self.output_type)} "
                              f"differs from its zero point's type {type_name(type_of(zero.dtype))}")
         dtype = onnx.helper.tensor_dtype_to_np_dtype(target)
-        scale = self._spread(scale, x.shape, "scale")
+        scale = self.spread(scale, x.shape, "scale")
         if self.precision:
             kind = onnx.helper.tensor_dtype_to_np_dtype(self.precision)
             x, scale = x.astype(kind), scale.astype(kind)
@@ -99,7 +99,7 @@ class Boundary:
             r = x / scale
         if target in INTEGER_RANGES:
             lo, hi = INTEGER_RANGES[target]
-            z = np.zeros((), np.int64) if zero is None else self._spread(zero, x.shape, "zero point").astype(np.int64)
+            z = np.zeros((), np.int64) if zero is None else self.spread(zero, x.shape, "zero point").astype(np.int64)
             # bounded in float before the cast: beyond these every value saturates whatever Z is,
             # and NaN (undefined in ONNX) becomes the lowest value rather than what the CPU casts
             reach = float(hi - lo) + 1.0
@@ -110,7 +110,7 @@ class Boundary:
             return numpy_helper.saturate_cast(r, dtype) if self.saturate else np.asarray(r).astype(dtype)
         if target in FLOAT_NARROW:
             if zero is not None:
-                r = r + self._spread(zero, x.shape, "zero point").astype(np.float32)
+                r = r + self.spread(zero, x.shape, "zero point").astype(np.float32)
             return np.asarray(r).astype(dtype)
         raise QtoolError(f"QuantizeLinear node '{self.node}' quantizes to {type_name(target)}, "
                          f"which is not a quantized type")
@@ -122,15 +122,15 @@ class Boundary:
             if type_of(zero.dtype) != kind:
                 raise QtoolError(f"DequantizeLinear node '{self.node}': input type {type_name(kind)} "
                                  f"differs from its zero point's type {type_name(type_of(zero.dtype))}")
-            dx = dx - self._spread(zero, x.shape, "zero point").astype(np.float32)
+            dx = dx - self.spread(zero, x.shape, "zero point").astype(np.float32)
         elif zero is not None and kind in FLOAT8 and np.any(zero.astype(np.float32) != 0):
             raise QtoolError(f"DequantizeLinear node '{self.node}': a float8 zero point must be 0")
         with np.errstate(over="ignore", invalid="ignore"):
-            y = dx * self._spread(scale, x.shape, "scale")
+            y = dx * self.spread(scale, x.shape, "scale")
         out = onnx.helper.tensor_dtype_to_np_dtype(self.output_type) if self.output_type else scale.dtype
         return y.astype(out)
 
-    def _spread(self, value: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
+    def spread(self, value: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
         """A scale or zero point made to broadcast against ``shape``: one value, one per slice along
         ``axis``, or one per block of ``block_size`` slices along it (the last block may be short)."""
         if value.size == 1 and (value.ndim <= 1 or not self.block_size):

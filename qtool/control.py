@@ -30,7 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import QtoolError
-from .model import constants_to_initializers, outer_reads, subgraphs
+from .model import FloatRunner, constants_to_initializers, float_tensors, outer_reads, subgraphs
 
 CONTROL_OPS = ("If", "Loop", "Scan")
 # a Loop with neither a trip count nor a condition input would never end: refused past this
@@ -199,8 +199,6 @@ class BodyStats:
         """``needed(body model, its float tensors)``: the tensors to calibrate (qtool.calibrate's
         ``needed_tensors``); ``calibrators``: name -> calibrator, shared with the caller, which
         gains one per body tensor; ``types``: the enclosing graph's value types."""
-        from .model import float_tensors
-
         self.controls = [node for node in model.graph.node if is_control(node)]
         self.feeds_needed = list(dict.fromkeys(
             n for node in self.controls for n in [*node.input, *outer_reads(node)] if n and n not in constants))
@@ -244,8 +242,6 @@ class BodyStats:
             run(node, values, lambda attr, feeds, node=node: self._run_body(node, attr, feeds))
 
     def _run_body(self, node: onnx.NodeProto, attr: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        from .model import FloatRunner
-
         body, names, inner, runner = self.bodies[(node.name, attr)]
         inputs = {vi.name for vi in body.graph.input} - {t.name for t in body.graph.initializer}
         if runner is None:

@@ -440,7 +440,7 @@ class IntegerExecutor:
         rule = boundary.of(weight_dq)
         w = values.astype(np.int64)  # any integer type: checked to fit int8 below
         if zero is not None:
-            w = w - rule._spread(zero, values.shape, "zero point").astype(np.int64)
+            w = w - rule.spread(zero, values.shape, "zero point").astype(np.int64)
         if w.size and (w.min() < -128 or w.max() > 127):
             raise Unsupported(f"blocked weight '{weight_dq.input[0]}' less its zero point leaves int8")
         w, scales = (w.T, scales.T) if trans else (w, scales)
