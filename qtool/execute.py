@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, OneAtATime, fixed_bytes
 from .sizing import batch_is_chosen, default_batch
 from .data import check_sampling, images_for, load_dataset, output_sample_axes
@@ -80,7 +82,7 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
 def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
     """Each batch's outputs to ``writer``: the outputs' shapes. A first batch of a ``chosen``
     size above 1 that fails raises ``OneAtATime``."""
-    shapes, done = {}, 0  # (a disabled bar counts nothing)
+    shapes, done, axes = {}, 0, {}  # (a disabled bar counts nothing); axes: per_sample's
     with progress_bar(len(data), "exec", progress) as bar:
         for feeds in data.batches(batch_size):
             n = data.samples_in(feeds)
@@ -91,7 +93,7 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
                     raise OneAtATime(batch_size, e) from None
                 raise
             if not whole:
-                outputs = per_sample(outputs, n)
+                outputs = per_sample(outputs, n, axes)
             shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
                       for name, value in outputs.items()}
             writer.append(outputs)
@@ -100,13 +102,22 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
     return shapes
 
 
-def per_sample(outputs: dict, n: int) -> dict:
+def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
     """A batch's outputs with the samples on the first axis: one sample's output whose first axis
     is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample; an output
-    of a larger batch that does not lead with it cannot be split, a one-line error."""
+    of a larger batch whose one axis of that size is not the first (a state [2, N, 128] that the
+    model does not declare) has it moved first, and ``axes`` (kept from batch to batch) remembers
+    where, for a later batch whose size matches more than one axis; otherwise an output of a
+    larger batch that does not lead with it cannot be split, a one-line error."""
+    axes = {} if axes is None else axes
     shaped = {}
     for name, value in outputs.items():
-        if value.ndim and value.shape[0] == n:
+        matching = [k for k, size in enumerate(np.shape(value)) if size == n]
+        if n > 1 and name not in axes and len(matching) == 1:
+            axes[name] = matching[0]
+        if n > 1 and axes.get(name, 0) != 0 and axes[name] in matching:
+            shaped[name] = np.moveaxis(value, axes[name], 0)
+        elif value.ndim and value.shape[0] == n:
             shaped[name] = value
         elif n == 1:
             shaped[name] = value[None]

@@ -17,9 +17,18 @@ from .model import FloatRunner, float_tensors, graph_inputs, input_shape, withou
 
 
 def fixed_batch(model) -> int | None:
-    """The batch size a model with a fixed first input dim demands, or None when it is free."""
-    dims = [input_shape(vi)[0] for vi in graph_inputs(model) if input_shape(vi)]
-    fixed = {d for d in dims if isinstance(d, int) and d > 0}
+    """The batch size a model with a fixed first input dim demands, or None when it is free. An
+    input whose first size is fixed above 1 and another size open (an LSTM state [2, N, 128]) has
+    its samples on that open axis, as the data rules say (qtool/data.py): its first size is no
+    batch (Silero ran 2 samples at a time)."""
+    fixed = set()
+    for vi in graph_inputs(model):
+        dims = input_shape(vi)
+        if not dims or not (isinstance(dims[0], int) and dims[0] > 0):
+            continue
+        if dims[0] > 1 and any(not isinstance(d, int) or d <= 0 for d in dims[1:]):
+            continue
+        fixed.add(dims[0])
     return fixed.pop() if len(fixed) == 1 else None
 
 

@@ -344,3 +344,30 @@ def test_sensitivity_variants_reach_inside_bodies(tmp_path):
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if line.startswith("search:"))
     assert "given int16 activations" in line and any(op in line for op in ("'decay'", "'weigh'", "'sum'", "'more'"))
+
+
+def test_a_state_input_is_no_fixed_batch_and_its_undeclared_output_is_split_per_sample(tmp_path):
+    """Silero's state [2, N, 128] has its samples on axis 1: its 2 is no batch size (exec ran 2
+    samples at a time, and wrote stateN's h and c rows as if they were samples). An output whose
+    sizes the model does not declare gets the one axis of the batch's size moved first."""
+    from qtool.sizing import fixed_batch
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["state", "half"], ["state_out"], name="decay"),
+         helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", F, ["N", 3]), helper.make_tensor_value_info("state", F, [2, "N", 3])],
+        [helper.make_tensor_value_info("y", F, ["N", 3]), helper.make_tensor_value_info("state_out", F, [None, None, None])],
+        [numpy_helper.from_array(np.float32(0.5), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    assert fixed_batch(model) is None
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    rng = np.random.default_rng(7)
+    x, state = rng.normal(size=(10, 3)).astype(np.float32), rng.normal(size=(2, 10, 3)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, state=state)
+    result = invoke("exec", path, "-i", tmp_path / "d.npz", "-o", tmp_path / "o.npz", "--batch-size", "4", "-q")
+    assert result.exit_code == 0, result.output
+    out = np.load(tmp_path / "o.npz")
+    assert out["state_out"].shape == (10, 2, 3)
+    np.testing.assert_array_equal(out["state_out"], np.moveaxis(state * np.float32(0.5), 1, 0))
+    np.testing.assert_array_equal(out["y"], np.maximum(x, 0))

@@ -348,6 +348,7 @@ def test_depthwise_float32_taps_are_exact_at_their_bound(conv_engine, requant_fo
     (3, 6, 3, (3, 2), (2, 1), (1, 2), (0, 1, 2, 0), "depthwise"),  # strided, channel multiplier 2
     (3, 6, 3, (3, 2), (1, 1), (1, 2), (0, 1, 2, 0), "depthwise_rows"),  # channel multiplier 2
     (1, 3, 1, (2, 2), (1, 1), (1, 1), (1, 0, 0, 1), "depthwise_rows"),  # one input channel, multiplier 3
+    (1, 6, 1, (1, 4), (1, 2), (1, 1), (0, 0, 0, 0), "im2col"),  # one input channel, strided (an STFT)
     (4, 6, 2, (2, 2), (1, 2), (2, 1), (1, 1, 0, 0), "im2col"),  # two groups of two input channels
     (5, 3, 1, (1, 1), (1, 1), (1, 1), (0, 0, 0, 0), "pointwise"),
     (5, 3, 1, (1, 1), (2, 1), (1, 1), (1, 0, 1, 0), "im2col"),  # 1x1 with stride and pads

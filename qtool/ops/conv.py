@@ -341,7 +341,10 @@ class ConvPlan:
         out_hw = ((h + top + bottom - dh * (kh - 1) - 1) // sh + 1,
                   (w + left + right - dw * (kw - 1) - 1) // sw + 1)
         weight = p.weight.astype(np.float32)
-        if c_per_group == 1:
+        # one input channel, strided (an STFT as a Conv: Silero's 258 outputs of 256 taps, stride
+        # 128): one im2col product beats a pass per tap
+        single_strided = p.group == 1 and c_in == 1 and (sh, sw) != (1, 1)
+        if c_per_group == 1 and not single_strided:
             taps = np.ascontiguousarray(weight.reshape(c_out, kh * kw).T)  # [tap, C_out]
             if (sh, sw) != (1, 1):
                 method, weight = "depthwise", taps
