@@ -528,6 +528,7 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --target x86-vnni   # int8 form
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --activation-type int16   # 16x8
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --weight-type int4 --block-size 32   # 4-bit MatMul weights
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --precision-table qtable.txt
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # method, biases
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30
