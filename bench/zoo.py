@@ -255,6 +255,10 @@ class Entry:
     data: Callable  # (n, seed, model path) -> {input name: array}
     metric: Callable  # (float outputs, integer outputs) -> (label, value)
     also: list[str] = field(default_factory=list)  # other files of the wheel the data needs
+    quantize: list[str] = field(default_factory=list)  # options added to qtool quantize
+    # the model quantized by onnxruntime's quantize_dynamic instead of calibrate and quantize:
+    # verify and exec run what a user of that quantizer has (DynamicQuantizeLinear, ConvInteger...)
+    dynamic: bool = False
 
 
 def _one(name: str, make) -> Callable:
@@ -314,6 +318,12 @@ ZOO = [
           also=["openwakeword/resources/models/melspectrogram.onnx"]),
     Entry("magika", "Magika content type from raw bytes (int32 input)", "magika==1.0.3",
           "magika/models/standard_v3_3/model.onnx", _one("bytes", file_bytes), top1),
+    # issue 31: MatMul/Gemm weights in 4-bit blocks, and a model onnxruntime quantized dynamically
+    Entry("magika-int4", "Magika, MatMul/Gemm weights int4 in blocks of 32", "magika==1.0.3",
+          "magika/models/standard_v3_3/model.onnx", _one("bytes", file_bytes), top1,
+          quantize=["--weight-type", "int4", "--block-size", "32"]),
+    Entry("crnn-dynamic", "CRNN + BiLSTM CTC, onnxruntime quantize_dynamic (ddddocr)", "ddddocr==1.6.1",
+          "ddddocr/common.onnx", _one("input1", gray_lines), ctc_agree(), dynamic=True),
 ]
 
 
@@ -404,11 +414,16 @@ def bench_entry(entry: Entry, work: Path, qtool: str) -> dict:
         return row
     table, qmodel, ints = folder / "table.yaml", folder / "q.onnx", folder / "int.npz"
     stages = [("calibrate", [qtool, "calibrate", str(model), "--data", str(folder / "calib.npz"), "-o", str(table), "-q"]),
-              ("quantize", [qtool, "quantize", str(model), "-t", str(table), "-o", str(qmodel), "-q"]),
+              ("quantize", [qtool, "quantize", str(model), "-t", str(table), "-o", str(qmodel), "-q", *entry.quantize]),
               ("verify", [qtool, "verify", str(model), str(qmodel), "--data", str(folder / "eval.npz"), "--json",
                           "-q", "--tolerance", "0"]),
               ("exec", [qtool, "exec", str(qmodel), "--input", str(folder / "eval.npz"), "-o", str(ints), "-q"])]
     row["stages"], row["tracebacks"] = {}, 0
+    if entry.dynamic:  # onnxruntime's own quantizer in place of calibrate and quantize
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(model), str(qmodel), weight_type=QuantType.QUInt8)
+        stages = stages[2:]
     for name, argv in stages:
         result = run_stage(argv)
         row["stages"][name] = {k: v for k, v in result.items() if k != "stdout"}
