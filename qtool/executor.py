@@ -274,6 +274,8 @@ class IntegerExecutor:
                                  f"known for 1-D and 2-D convolutions only (verify with --target exact, "
                                  f"or quantize with --target portable, which has no such pairs)")
             step.op = x86.PairSaturating(offset, x86.weight_risk(step.params))
+        for step, weight in list(x86.saturating_integer_steps(self)):  # quantize_dynamic's MatMulInteger
+            step.op = x86.SaturatingMatMulInteger((weight, x86.risky_pairs(weight)))
 
     def _qoperator_step(self, node: onnx.NodeProto, qdq_reason: str):
         """A QOperator node or a plain op on integer tensors as an integer step (qoperator_exec)."""

@@ -341,3 +341,23 @@ def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, 
     line = first_parting(qmodel, Parted, feeds)
     assert line.startswith("first tensor where onnxruntime and the executor part: 'block_bn2_out' (Conv node")
     assert "max diff 5 LSB, 0.00% equal, on the first batch" in line
+
+
+def test_x86_avx2_emulates_quantize_dynamic_matmulinteger(tmp_path):
+    """onnxruntime's quantize_dynamic writes MatMulInteger with a uint8 A (DynamicQuantizeLinear's)
+    and a constant int8 B: on AVX2 its pairs saturate, and --target x86-avx2 predicts its int32
+    output exactly (the zero point, given at run time, is applied after the pairs)."""
+    w = RNG.integers(60, 128, (16, 6)).astype(np.int8) * np.where(RNG.random((16, 6)) < 0.5, 1, -1).astype(np.int8)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    x = RNG.uniform(-0.2, 1.0, (4, 16)).astype(np.float32)
+    (got,) = _avx2_onnxruntime(tmp_path, model, {"x": x})
+    emulated = IntegerExecutor(model, "x86-avx2").run({"x": x}).outputs["y"]
+    exact = IntegerExecutor(model, "exact").run({"x": x}).outputs["y"]
+    np.testing.assert_array_equal(emulated, got)
+    assert np.mean(exact != got) > 0.2  # the inputs make saturation matter

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from ..ops.accumulate import MatMulInteger, MatMulIntegerParams
 from ..ops.conv import ConvParams, run_scanned as conv_run_scanned
 from ..ops.gemm import MatMulParams, run_scanned as matmul_run_scanned
 
@@ -148,6 +149,32 @@ class PairSaturating:
         return saturation_loss(rows, w_k, risky).reshape(*x.shape[:-1], -1)
 
 
+@dataclass(frozen=True)
+class SaturatingMatMulInteger:
+    """A MatMulInteger with a constant int8 B and a uint8 A (onnxruntime's ``quantize_dynamic``
+    models) as onnxruntime computes its int32 output on AVX2: the exact sums plus
+    ``saturation_loss`` of the raw bytes (zero points are applied after the pairs, exactly).
+    ConvInteger is not emulated: measured on this kind of CPU, onnxruntime's ConvInteger gave the
+    exact sums."""
+
+    risk: tuple  # (B as [K, N], its risky_pairs)
+    takes_table = False
+    clamps_below_zero = False
+    op_type = "PairSaturating"
+
+    def elementwise(self, params) -> bool:
+        return False
+
+    def specialize(self, params, shapes):
+        return params
+
+    def run(self, p: MatMulIntegerParams, a: np.ndarray, b: np.ndarray, *zeros: np.ndarray) -> np.ndarray:
+        exact = MatMulInteger().run(p, a, b, *zeros)
+        w_k, risky = self.risk
+        loss = saturation_loss(a.reshape(-1, w_k.shape[0]).astype(np.int64), w_k, risky)
+        return (exact.astype(np.int64) + loss.reshape(*a.shape[:-1], -1)).astype(np.int32)
+
+
 def is_volume(params) -> bool:
     """A 3-D Conv: its products are not emulated (the order in which onnxruntime's AVX2 kernel
     pairs them is known for 1-D and 2-D convolutions only)."""
@@ -180,6 +207,19 @@ def saturating(node: onnx.NodeProto, activation: str | None, weight: str | None)
     if node.op_type.startswith("Q"):
         return 0 if activation == "uint8" else None
     return 128 if activation == "int8" else 0
+
+
+def saturating_integer_steps(executor):
+    """MatMulInteger steps of ``executor`` with a uint8 A and a constant int8 2-D B: the u8 x s8
+    GEMM of onnxruntime's dynamically quantized models."""
+    for step in executor.steps:
+        if step.kind != "integer" or not isinstance(step.params, MatMulIntegerParams):
+            continue
+        a, b = step.node.input[0], step.node.input[1]
+        weight = executor.constants.get(b)
+        if weight is not None and weight.dtype == np.int8 and weight.ndim == 2 \
+                and executor.lowering.dtypes.get(a) == "uint8":
+            yield step, weight
 
 
 def saturating_steps(executor):
