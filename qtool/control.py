@@ -195,10 +195,12 @@ class BodyStats:
     the outer tensors their bodies read."""
 
     def __init__(self, model: onnx.ModelProto, needed, new_calibrator, calibrators: dict,
-                 constants: dict[str, np.ndarray], types: dict[str, onnx.TypeProto]):
+                 constants: dict[str, np.ndarray], types: dict[str, onnx.TypeProto],
+                 seen: set[str] | None = None):
         """``needed(body model, its float tensors)``: the tensors to calibrate (qtool.calibrate's
         ``needed_tensors``); ``calibrators``: name -> calibrator, shared with the caller, which
-        gains one per body tensor; ``types``: the enclosing graph's value types."""
+        gains one per body tensor; ``types``: the enclosing graph's value types; ``seen``: the
+        set of computed body tensors, shared by every level (None: a new one)."""
         self.controls = [node for node in model.graph.node if is_control(node)]
         self.feeds_needed = list(dict.fromkeys(
             n for node in self.controls for n in [*node.input, *outer_reads(node)] if n and n not in constants))
@@ -206,7 +208,8 @@ class BodyStats:
         # constant inputs of the control nodes (a Loop's trip count)
         self.constant_inputs = {n: constants[n] for node in self.controls for n in node.input if n in constants}
         self.calibrators = calibrators
-        self.seen: set[str] = set()  # body tensors that were computed (a branch may never be taken)
+        # body tensors that were computed, at any depth (a branch may never be taken)
+        self.seen: set[str] = set() if seen is None else seen
         for node in self.controls:
             for attr, graph in body_graphs(node).items():
                 outer = [n for n in graph_outer_reads(graph) if n not in constants]
@@ -219,8 +222,8 @@ class BodyStats:
                 for name in names:
                     calibrators[name] = new_calibrator()
                 inner_constants = {**constants, **{t.name: numpy_helper.to_array(t) for t in body.graph.initializer}}
-                inner = BodyStats(body, needed, new_calibrator, calibrators, inner_constants, inner_types)
-                inner.seen = self.seen
+                inner = BodyStats(body, needed, new_calibrator, calibrators, inner_constants, inner_types,
+                                  self.seen)
                 self.bodies[(node.name, attr)] = (body, names, inner, None)
 
     def unseen(self) -> list[str]:
@@ -233,7 +236,7 @@ class BodyStats:
         return [name for _, names, inner, _ in self.bodies.values() for name in [*names, *inner.names()]]
 
     def tensors(self) -> int:
-        return sum(len(names) + inner.tensors() for _, names, inner, _ in self.bodies.values())
+        return len(self.names())
 
     def update(self, values: dict[str, np.ndarray]) -> None:
         """One run of the enclosing graph: ``values`` holds ``feeds_needed``."""

@@ -371,3 +371,32 @@ def test_a_state_input_is_no_fixed_batch_and_its_undeclared_output_is_split_per_
     assert out["state_out"].shape == (10, 2, 3)
     np.testing.assert_array_equal(out["state_out"], np.moveaxis(state * np.float32(0.5), 1, 0))
     np.testing.assert_array_equal(out["y"], np.maximum(x, 0))
+
+
+def test_a_body_three_levels_deep_is_calibrated(tmp_path):
+    """If inside If inside If: the Mul at the bottom is calibrated and runs integer (every level of
+    the calibration shares what it saw)."""
+    def wrap(inner_graph, name, out):
+        passthrough = helper.make_graph([helper.make_node("Identity", ["x"], [f"{name}_e"])], f"{name}_else", [],
+                                        [helper.make_tensor_value_info(f"{name}_e", F, ["N", 4])])
+        node = helper.make_node("If", ["flag"], [out], then_branch=inner_graph, else_branch=passthrough, name=name)
+        return helper.make_graph([node], f"{name}_g", [], [helper.make_tensor_value_info(out, F, ["N", 4])])
+
+    bottom = helper.make_graph([helper.make_node("Mul", ["x", "three"], ["deep"], name="deep_mul")], "bottom", [],
+                               [helper.make_tensor_value_info("deep", F, ["N", 4])])
+    level2 = wrap(bottom, "if3", "o3")
+    level1 = wrap(level2, "if2", "o2")
+    top = helper.make_node("If", ["flag"], ["y"], then_branch=level1,
+                           else_branch=helper.make_graph([helper.make_node("Identity", ["x"], ["e1"])], "e", [],
+                                                         [helper.make_tensor_value_info("e1", F, ["N", 4])]),
+                           name="if1")
+    graph = helper.make_graph([top], "g", [helper.make_tensor_value_info("x", F, ["N", 4]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", F, ["N", 4])],
+                              [numpy_helper.from_array(np.float32(3), "three")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    x = np.random.default_rng(8).normal(size=(8, 4)).astype(np.float32)
+    path, data, q, output = _calibrated(tmp_path, model, {"x": x, "flag": np.array(True)})
+    assert "integer: 1 ops (Mul 1)" in output, output
+    got = IntegerExecutor(onnx.load(str(q))).run({"x": x, "flag": np.array(True)}).outputs["y"]
+    np.testing.assert_allclose(got, x * 3, atol=0.02 * np.abs(x * 3).max())
