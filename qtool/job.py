@@ -375,6 +375,10 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
                                  if k not in DATA_DRIVEN + ("input_pixels", "keep_float", "precision_table")},
                               keep_float=tuple(qz.get("keep_float", ())) + precisions.keep_float,
                               int16=precisions.int16, input_pixels=pixels)
+    try:  # the options' own rules (a block size of 1, int4 with QOperator): before any work
+        options.check()
+    except QtoolError as e:
+        raise fail("quantize", str(e)) from None
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job, precision_table)

@@ -174,9 +174,14 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize.input_pixels: needs calibrate.preprocess"]),
     (lambda s: s["jobs"][0].update(quantize={"method_choice": "yes"}),
      ["jobs[0].quantize.method_choice: expected true or false, got 'yes'"]),
+    (lambda s: s["jobs"][0].update(quantize={"weight_type": "int3"}),
+     ["jobs[0].quantize.weight_type: unknown 'int3'; choose one of int8, int4"]),
+    (lambda s: s["jobs"][0].update(quantize={"block_size": -4}), ["jobs[0].quantize.block_size: must be >= 0, got -4"]),
+    (lambda s: s["jobs"][0].update(quantize={"block_size": 1}),
+     ["jobs[0].quantize: --block-size must be 0 (per channel) or at least 2, got 1"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
         "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels",
-        "method-choice"])
+        "method-choice", "weight-type", "block-size", "block-size-1"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
