@@ -30,7 +30,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import QtoolError
-from .model import FloatRunner, constants_to_initializers, float_tensors, outer_reads, subgraphs
+from .model import (FloatRunner, constants_to_initializers, float_tensors, graphs_outer_reads, outer_reads,
+                    subgraphs)
 
 CONTROL_OPS = ("If", "Loop", "Scan")
 # a Loop with neither a trip count nor a condition input would never end: refused past this
@@ -44,7 +45,7 @@ def body_graphs(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:
 
 def graph_outer_reads(graph: onnx.GraphProto) -> list[str]:
     """The names ``graph`` reads from the scopes around it, in first-read order."""
-    return outer_reads(helper.make_node("If", [], [], then_branch=graph))
+    return graphs_outer_reads([graph])
 
 
 def body_model(graph: onnx.GraphProto, outer: list[str], opset_import, ir_version: int,

@@ -201,6 +201,11 @@ def outer_reads(node: onnx.NodeProto) -> list[str]:
     """The names ``node``'s subgraphs read from the scope around the node (main-graph tensors and
     initializers), in first-read order: read inside and defined by none of the subgraph's own
     inputs, initializers or nodes."""
+    return graphs_outer_reads(subgraphs(node))
+
+
+def graphs_outer_reads(graphs) -> list[str]:
+    """``outer_reads`` of these subgraphs (one body, or every body of a node)."""
     found: dict[str, None] = {}
 
     def visit(graph: onnx.GraphProto, defined: set[str]) -> None:
@@ -213,7 +218,7 @@ def outer_reads(node: onnx.NodeProto) -> list[str]:
                 visit(sub, defined)
             defined = defined | set(inner.output)
 
-    for sub in subgraphs(node):
+    for sub in graphs:
         visit(sub, set())
     return list(found)
 
