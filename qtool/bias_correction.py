@@ -186,11 +186,13 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
 
 def quantize_corrected(model_path, table, options, table_name: str, data_path,
                        num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
-                       preprocess=None, holdout: int | None = None, rounded_weights: dict | None = None):
+                       preprocess=None, holdout: int | None = None, rounded_weights: dict | None = None,
+                       channel_ranges: dict | None = None):
     """``quantize`` with bias correction fitted on ``num_samples`` of DATA and judged on
     ``holdout`` others (None: as many; 0: not judged, applied as fitted), both spread over DATA:
     returns the model, its report (with a ``bias_correction`` entry) and the correction.
-    ``rounded_weights``: fitted weight integers (qtool.rounding), in every model built here."""
+    ``rounded_weights``: fitted weight integers (qtool.rounding), ``channel_ranges``: per-channel
+    activation ranges (qtool.channels), in every model built here."""
     start = time.perf_counter()
     float_model = prepare(load_model(model_path), f"model file '{model_path}'")
     fit_count = BIAS_SAMPLES if num_samples is None else num_samples
@@ -198,7 +200,7 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
     fit, held = split_batches(float_model, data_path, fit_count, held_count, batch_size, preprocess)
     every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in CHANNEL_AXIS}
     qdq = replace(options, format="qdq", strict=False)
-    work, _ = quantize(model_path, table, qdq, table_name, every, rounded_weights)
+    work, _ = quantize(model_path, table, qdq, table_name, every, rounded_weights, channel_ranges)
     correction = correct_biases(float_model, work, fit, progress)
     if held is not None and correction.deltas:
         evaluator = Evaluator(float_model, held)
@@ -207,7 +209,8 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
         best, best_db = 0.0, correction.plain_db
         for factor in FACTORS:
             correction.factor = factor
-            candidate, _ = quantize(model_path, table, qdq, table_name, correction.applied, rounded_weights)
+            candidate, _ = quantize(model_path, table, qdq, table_name, correction.applied, rounded_weights,
+                                    channel_ranges)
             correction.scores[factor] = db = evaluator.sqnr(candidate)
             if db > best_db:
                 best, best_db = factor, db
@@ -218,7 +221,8 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
                              f"--holdout 0 applies it unjudged")
     elif correction.deltas:
         correction.reason = "--holdout 0: applied as fitted"
-    qmodel, report = quantize(model_path, table, options, table_name, correction.applied, rounded_weights)
+    qmodel, report = quantize(model_path, table, options, table_name, correction.applied, rounded_weights,
+                              channel_ranges)
     correction.seconds = time.perf_counter() - start
     report.bias_correction = correction.to_dict()
     return qmodel, report, correction

@@ -17,8 +17,8 @@ from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import STDOUT, atomic_write, check_writable, write_all
-from .report import bias_summary, float_node_lines, methods_summary, pick_summary, placement_summary, \
-    rounding_summary, search_summary
+from .report import bias_summary, channels_summary, float_node_lines, methods_summary, pick_summary, \
+    placement_summary, rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -403,7 +403,8 @@ def convert_table(
                         "rounding target",
          Ops_left_float_or_int16="keep_float precision_table strict",
          Steps_fitted_on_DATA="data num_samples holdout batch_size method_choice try_methods table_out "
-                              "bias_correction placement weight_rounding target_sqnr max_float_layers "
+                              "bias_correction channel_scales placement weight_rounding target_sqnr "
+                              "max_float_layers "
                               "allow_float",
          Images_as_input="input_pixels")
 def quantize(
@@ -491,6 +492,13 @@ def quantize(
                                              "Softmax, GELU, attention MatMuls) that raise the SQNR on "
                                              "DATA's fit samples, kept only if higher on the --holdout "
                                              "ones [default: on with --data for int8 QDQ]."),
+    channel_scales: Optional[bool] = typer.Option(None, "--channel-scales/--no-channel-scales",
+                                                  help="One scale per channel for the activations "
+                                                  "the kernels take so (Conv outputs and lookups read "
+                                                  "only by lookups and depthwise Convs), ranges from "
+                                                  "DATA's fit samples, kept only if at least 0.5 dB "
+                                                  "higher on the --holdout ones [default: on with "
+                                                  "--data for 8-bit QDQ, the portable target]."),
     weight_rounding: Optional[bool] = typer.Option(None, "--weight-rounding/--no-weight-rounding",
                                                    help="Round MatMul/Gemm weights to fit their inputs "
                                                    "on DATA's fit samples (GPTQ), kept only if at least "
@@ -541,6 +549,7 @@ def quantize(
     (the logits), an output that concatenates tensors (a detector's boxes and scores) part by part.
     """
     from .calibrate import make_calibrator
+    from .channels import not_applicable as channels_not_applicable
     from .placement import applies as placement_applies
     from .recipe import DataSteps, quantize_with_data
     from .params import drop_params, model_params
@@ -570,12 +579,20 @@ def quantize(
             raise QtoolError("--weight-rounding needs samples to fit on: add --data DATA")
         if placement and data is None:
             raise QtoolError("--placement needs samples to score on: add --data DATA")
+        if channel_scales and data is None:
+            raise QtoolError("--channel-scales needs samples to measure the channels on: add --data DATA")
+        if channel_scales and channels_not_applicable(options):
+            raise QtoolError(f"--channel-scales does not apply here ({channels_not_applicable(options)}): "
+                             f"drop it")
         if placement and not placement_applies(options):
             raise QtoolError("--placement gives chosen ops int16 in an int8 QDQ model for the default "
                              "target: drop --activation-type, --precision-table, --format or --target")
-        if (placement or weight_rounding) and (target_sqnr is not None or max_float_layers is not None):
-            raise QtoolError(f"{'--placement' if placement else '--weight-rounding'} does not combine with "
-                             f"the search (--target-sqnr, --max-float-layers), which places int16 itself")
+        if (placement or weight_rounding or channel_scales) and (target_sqnr is not None
+                                                                  or max_float_layers is not None):
+            given_step = ("--placement" if placement else "--weight-rounding" if weight_rounding
+                          else "--channel-scales")
+            raise QtoolError(f"{given_step} does not combine with the search (--target-sqnr, "
+                             f"--max-float-layers), which places int16 itself")
         if method_choice and try_methods is not None:
             raise QtoolError("--method-choice and --try-methods both choose the table's methods: "
                              "give one")
@@ -623,7 +640,8 @@ def quantize(
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
                               target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout,
-                              _image_preprocess(data, given, recorded, f"table file '{table}'"))
+                              _image_preprocess(data, given, recorded, f"table file '{table}'"),
+                              channel_scales=channel_scales)
             qmodel, report, loaded, _ = quantize_with_data(model, loaded, options, str(table), data, steps,
                                                            progress=not quiet)
         else:
@@ -677,6 +695,8 @@ def quantize(
         say(f"methods: {methods_summary(report.method_choice, loaded.method.split('+')[0])}")
     if report.method_pick is not None:
         say(f"method:  {pick_summary(report.method_pick)}")
+    if report.channels is not None:
+        say(f"scales:  {channels_summary(report.channels)}")
     if report.placement is not None:
         say(f"int16:   {placement_summary(report.placement)}")
     if report.rounding is not None:

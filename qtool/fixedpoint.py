@@ -220,13 +220,14 @@ class OffsetRequant:
         return out
 
 
-def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,
+def offset_requant(bias, requant: Requant, zero_out, dtype: str, mode: str,
                    x_bound) -> tuple[OffsetRequant, np.ndarray] | None:
     """``OffsetRequant`` equal to ``saturate(requantize(x + bias, M, r, mode) + zero_out, dtype)``
     for every ``|x| <= x_bound``, and the channels whose ``x + bias`` may leave int32: the caller
     must scan those (``requantize`` raises there). None where no such form is proven.
 
-    ``bias``, ``M``, ``r`` and ``x_bound`` broadcast to one entry per channel. Checked per channel
+    ``bias``, ``M``, ``r``, ``x_bound`` and ``zero_out`` (one, or one per channel: then folded into
+    the offset) broadcast to one entry per channel. Checked per channel
     in Python integers: the mode is half_up; ``1 <= r <= 63`` (``x`` not always 0);
     ``|x * M| + |offset| < 2**63``, so no int64 step overflows.
     """
@@ -247,8 +248,11 @@ def offset_requant(bias, requant: Requant, zero_out: int, dtype: str, mode: str,
     def fits(zero) -> bool:
         return bool(np.all(~live | (xb * np.abs(m) + np.abs(b * m + half + zero * scale) < 2**63)))
 
+    per_channel = np.ndim(zero_out) > 0  # one zero point per channel: folded, or no form
+    if per_channel:
+        zero_out = np.broadcast_to(np.asarray(zero_out, dtype=np.int64), shape).reshape(-1).astype(object)
     fold = fits(zero_out)
-    if not fold and not fits(0):
+    if not fold and (per_channel or not fits(0)):
         return None
     zero = zero_out if fold else 0
     constants = np.zeros(len(b), dtype=object)

@@ -31,9 +31,10 @@ from .params import drop_params
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
 from .quantize import ACTIVATION_TYPES, FORMATS, WEIGHT_TYPES, QuantizeOptions
-from .report import bias_summary, methods_summary, pick_summary, placement_summary, rounding_summary, \
-    search_summary
+from .report import bias_summary, channels_summary, methods_summary, pick_summary, placement_summary, \
+    rounding_summary, search_summary
 from .targets import TARGETS
+from .channels import not_applicable as channels_not_applicable
 from .placement import applies as placement_applies
 from .recipe import DataSteps, quantize_with_data
 from .stats_graph import DEFAULT_SAMPLES_PER_TENSOR
@@ -86,6 +87,7 @@ SCHEMA = {
         "method_choice": (bool, False),
         "placement": (bool, False),
         "weight_rounding": (bool, False),
+        "channel_scales": (bool, False),
         "params_metadata": (bool, False),
         "allow_float": (bool, False),
         "precision_table": (str, False),  # quantize --precision-table: a path, as data paths are
@@ -103,7 +105,8 @@ SCHEMA = {
 }
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
-               "try_methods", "method_choice", "placement", "weight_rounding", "allow_float", "params_metadata")
+               "try_methods", "method_choice", "placement", "weight_rounding", "channel_scales", "allow_float",
+               "params_metadata")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "a mapping"}
 
@@ -476,7 +479,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     steps = DataSteps(tuple(qz.get("try_methods") or ()), qz.get("method_choice", "method" not in cal),
                       qz.get("placement"), qz.get("weight_rounding"), qz.get("bias_correction", True),
                       qz.get("target_sqnr"), qz.get("max_float_layers"), qz.get("allow_float", False),
-                      samples, batch, qz.get("holdout"), plan.preprocess, cal.get("batch_size"))
+                      samples, batch, qz.get("holdout"), plan.preprocess, cal.get("batch_size"),
+                      qz.get("channel_scales"))
     try:
         qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
                                                              plan.calibrate_data, steps, progress)
@@ -495,6 +499,8 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         log(f"methods: {methods_summary(qreport.method_choice, table.method.split('+')[0])}")
     if qreport.method_pick is not None:
         log(f"method: {pick_summary(qreport.method_pick)}")
+    if qreport.channels is not None:
+        log(f"scales: {channels_summary(qreport.channels)}")
     if qreport.placement is not None:
         log(f"int16: {placement_summary(qreport.placement)}")
     if qreport.rounding is not None:
@@ -640,6 +646,9 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     if qz.get("placement", True) and "target_sqnr" not in qz and "max_float_layers" not in qz \
             and placement_applies(opt):
         quantize += ", int16 for the transformer groups that score higher on held-out samples (if any)"
+    if qz.get("channel_scales", True) and "target_sqnr" not in qz and "max_float_layers" not in qz \
+            and not channels_not_applicable(opt):
+        quantize += ", scales per channel where the kernels take them and that scores higher held out"
     if qz.get("weight_rounding", True) and "target_sqnr" not in qz and "max_float_layers" not in qz:
         quantize += ", MatMul/Gemm weights rounded to fit their inputs where that scores higher held out"
     if "target_sqnr" in qz:

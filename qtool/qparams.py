@@ -77,6 +77,23 @@ def asymmetric(lo: float, hi: float, dtype: str = "int8") -> QParams:
     return QParams(scale, zero_point, dtype)
 
 
+def per_channel_activation(lo: np.ndarray, hi: np.ndarray, dtype: str = "int8", centred: bool = False,
+                           axis: int = 1) -> QParams:
+    """One (S, Z) per channel along ``axis`` for an activation whose channel ``c`` spans
+    ``[lo[c], hi[c]]``: each ``asymmetric``, or with ``centred`` each ``symmetric`` about one zero
+    point shared by every channel (0 for int8, 128 for uint8: a depthwise Conv pads with it)."""
+    lo, hi = np.asarray(lo, np.float64).reshape(-1), np.asarray(hi, np.float64).reshape(-1)
+    if centred:
+        qmin, qmax = int_range(dtype)
+        zero = (qmin + qmax + 1) // 2
+        each = [symmetric(max(abs(a), abs(b)), "int8") for a, b in zip(lo, hi)]
+        scale = np.array([q.scale for q in each], np.float32)
+        return QParams(scale, np.full(scale.shape, zero, np.int64), dtype, axis)
+    each = [asymmetric(a, b, dtype) for a, b in zip(lo, hi)]
+    return QParams(np.array([q.scale for q in each], np.float32),
+                   np.array([q.zero_point for q in each], np.int64), dtype, axis)
+
+
 def per_channel_symmetric(weights: np.ndarray, axis: int = 0, dtype: str = "int8") -> QParams:
     """One symmetric scale per slice along ``axis`` (weights: per output channel)."""
     moved = np.moveaxis(np.asarray(weights, dtype=np.float64), axis, 0)

@@ -29,7 +29,8 @@ from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .pixels import PixelInput, fold, metadata as pixel_metadata
 from .qoperator import to_qoperator
-from .qparams import (MIN_THRESHOLD, RANGE_LIMIT, QParams, asymmetric, per_channel_symmetric, quantize_array,
+from .qparams import (MIN_THRESHOLD, RANGE_LIMIT, QParams, asymmetric, per_channel_activation,
+                      per_channel_symmetric, quantize_array,
                       safe_range, symmetric)
 from .table import Table
 from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
@@ -135,6 +136,9 @@ class QuantizeReport:
     method_pick: dict | None = None  # qtool.search.choose_method's summary, when it ran
     placement: dict | None = None  # qtool.placement's summary, when it ran
     rounding: dict | None = None  # qtool.rounding's summary, when it ran
+    channels: dict | None = None  # qtool.channels's summary, when it ran
+    # activations written with one (S, Z) per channel (qtool.channels)
+    channel_scales: list[str] = field(default_factory=list)
     target: str = DEFAULT_TARGET
     # layers whose u8 x s8 pairs can saturate in onnxruntime without VNNI (qtool/targets/x86.py)
     hazards: list[dict] = field(default_factory=list)
@@ -173,6 +177,10 @@ class QuantizeReport:
             out["placement"] = self.placement
         if self.rounding is not None:
             out["weight_rounding"] = self.rounding
+        if self.channels is not None:
+            out["channel_scales_step"] = self.channels
+        if self.channel_scales:
+            out["channel_scales"] = self.channel_scales
         if self.format == "qoperator":
             out["qdq_groups"] = [{"op_type": t, "node": n} for t, n in self.qdq_groups]
         return out
@@ -180,11 +188,15 @@ class QuantizeReport:
 
 def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
              table_name: str = "table", bias_corrections: dict[str, np.ndarray] | None = None,
-             rounded_weights: dict | None = None) -> tuple[onnx.ModelProto, QuantizeReport]:
+             rounded_weights: dict | None = None,
+             channel_ranges: dict | None = None) -> tuple[onnx.ModelProto, QuantizeReport]:
     """``bias_corrections``: node name -> float shift added to its bias before quantization (see
     qtool.bias_correction); a named Conv or ConvTranspose without a bias gets one.
     ``rounded_weights``: weight name -> ``qtool.rounding.Rounded``, integers fitted on the scales
-    quantize gives the weight (used where those scales are the ones it gets)."""
+    quantize gives the weight (used where those scales are the ones it gets).
+    ``channel_ranges``: tensor -> (min, max) per channel (axis 1), for the 8-bit activations
+    ``qtool.channels`` found that may take one (S, Z) per channel: each channel's range within the
+    table's range for the tensor."""
     options.check()
     source = load_model(model_path)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
@@ -210,8 +222,10 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
         pixels = fold(model, options.input_pixels)  # (input name, zero point)
     corrections = dict(bias_corrections or {})
     _add_zero_biases(model, corrections)
+    if options.format != "qdq" or options.target != DEFAULT_TARGET:
+        channel_ranges = None  # QLinearConv and the x86 forms take one scale a tensor (qtool.channels)
     rewritten = _Rewriter(model, table, options, report, table_name, corrections, pixels,
-                          rounded_weights or {}).run()
+                          rounded_weights or {}, channel_ranges=channel_ranges or {}).run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
     report.guarded = report.guarded + guard_float_ops(rewritten)  # the bodies were guarded as rewritten
@@ -244,6 +258,24 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     report.size_after = rewritten.ByteSize()
     return rewritten, report
 
+
+
+# increasing lookups flat at both ends: the open range of their outputs and their inverse
+_SATURATING = {"Sigmoid": ((0.0, 1.0), lambda p: float(np.log(p / (1.0 - p)))),
+               "Tanh": ((-1.0, 1.0), lambda p: float(np.arctanh(p)))}
+
+
+def _other_byte_type(dtype: str) -> str:
+    return "uint8" if dtype == "int8" else "int8"
+
+
+def per_output(activation_scale, channels: int) -> np.ndarray:
+    """An input's scale per output channel: one for all, or for an input quantized per channel
+    (into a depthwise Conv) input channel ``c``'s for the ``channels / C`` outputs that read it."""
+    scale = np.asarray(activation_scale, np.float64)
+    if scale.ndim == 0 or scale.size == 1:
+        return scale.reshape(())
+    return np.repeat(scale.reshape(-1), channels // scale.size)
 
 
 def _add_zero_biases(model: onnx.ModelProto, nodes) -> None:
@@ -330,13 +362,15 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
 class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
                  table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
-                 rounded_weights: dict | None = None, parent: "_Rewriter | None" = None):
+                 rounded_weights: dict | None = None, parent: "_Rewriter | None" = None,
+                 channel_ranges: dict | None = None):
         """``parent``: the rewriter of the graph around ``model``, when ``model`` is the body of
         one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``)."""
         self.model, self.table, self.opt, self.report = model, table, options, report
         self.parent = parent
         self.bias_corrections = bias_corrections
         self.rounded = rounded_weights or {}
+        self.channel_ranges = channel_ranges or {}
         self.pixels = pixels  # (input name, zero point) with --input-pixels
         self.table_name = table_name
         self.graph = model.graph
@@ -676,7 +710,7 @@ class _Rewriter:
         groups = defaultdict(list)
         for n in activations:
             groups[find(n)].append(n)
-        result = {}
+        result, per_tensor = {}, {}
         self.report.qparam_groups = [list(m) for m in groups.values() if len(m) > 1]
         wide = self._int16_tensors(integer)
         for members in groups.values():
@@ -686,9 +720,93 @@ class _Rewriter:
                 lo, hi, threshold = min(lo, e_lo), max(hi, e_hi), max(threshold, e_thr)
             dtype = "int16" if any(name in wide for name in members) else self.opt.activation_type
             qp = self._qparams(lo, hi, threshold, members, dtype)
+            if len(members) == 1 and members[0] in self.channel_ranges and qp.dtype in ("int8", "uint8") \
+                    and not self.opt.symmetric:
+                per_tensor[members[0]] = qp
+                qp = self._channel_qparams(members[0], lo, hi, qp.dtype)
             for name in members:
                 result[name] = qp
+        if per_tensor:
+            self._alternate_types(integer, result, per_tensor)
+            self.report.channel_scales = sorted(n for n, qp in result.items() if qp.axis is not None)
         return result
+
+    def _alternate_types(self, integer, result: dict, per_tensor: dict) -> None:
+        """In place: each activation quantized per channel made int8 or uint8 (the same steps,
+        ``Z`` moved by 128) so that every integer op reading or writing one has different input
+        and output types. onnxruntime fuses DequantizeLinear -> Conv (or Sigmoid, ...) ->
+        QuantizeLinear into QLinearConv (QLinearSigmoid, ...) whatever the scales' shapes, and
+        those kernels then fail on a scale per channel; it fuses only where the types agree, so
+        these groups run as written, dequantized. Per-tensor neighbours count with the type they
+        are written in (uint8 for the portable target). Links run from an op's input to its output;
+        where two ops pin one tensor to both types, that tensor goes back to its scale per tensor."""
+        unsigned = get_target(self.opt.target).unsigned  # to_unsigned then makes per-tensor int8 uint8
+
+        def written(dtype: str) -> str:
+            return "uint8" if unsigned and dtype == "int8" else dtype
+
+        links = []
+        for node in self.graph.node:
+            if node.name in integer and node.input and node.output and node.input[0] in result \
+                    and node.output[0] in result:
+                links.append((node.input[0], node.output[0]))
+        while True:
+            channel = {n for n, qp in result.items() if qp.axis is not None}
+            near: dict[str, list[str]] = defaultdict(list)
+            pins: dict[str, set[str]] = defaultdict(set)  # tensor -> the types it may not take
+            for a, b in links:
+                if a in channel and b in channel:
+                    near[a].append(b)
+                    near[b].append(a)
+                elif a in channel or b in channel:
+                    inside, outside = (a, b) if a in channel else (b, a)
+                    pins[inside].add(written(result[outside].dtype))
+            chosen: dict[str, str] = {}
+            dropped = None
+            order = {n: i for i, n in enumerate(result)}
+            for start in sorted(channel, key=order.__getitem__):
+                if start in chosen:
+                    continue
+                component, queue, parity = [], [start], {start: 0}
+                while queue:
+                    t = queue.pop()
+                    component.append(t)
+                    for u in near[t]:
+                        if u not in parity:
+                            parity[u] = 1 - parity[t]
+                            queue.append(u)
+                        elif parity[u] == parity[t]:
+                            dropped = dropped or u  # an odd cycle: no alternation exists
+                base = None  # the type of parity 0
+                for t in component:
+                    for banned in sorted(pins[t]):
+                        want = _other_byte_type(banned) if parity[t] == 0 else banned
+                        if banned not in ("int8", "uint8"):
+                            continue
+                        if base is None:
+                            base = want
+                        elif base != want:
+                            dropped = dropped or t
+                base = base or _other_byte_type(written(self.opt.activation_type))
+                for t in component:
+                    chosen[t] = base if parity[t] == 0 else _other_byte_type(base)
+            if dropped is None:
+                break
+            result[dropped] = per_tensor[dropped]
+        for t, dtype in chosen.items():
+            qp = result[t]
+            if qp.dtype != dtype:
+                shift = 128 if dtype == "uint8" else -128
+                result[t] = replace(qp, zero_point=np.asarray(qp.zero_point, np.int64) + shift, dtype=dtype)
+
+    def _channel_qparams(self, name: str, lo: float, hi: float, dtype: str) -> QParams:
+        """One (S, Z) per channel (axis 1) from the fitted per-channel range, each within the
+        tensor's own range ``[lo, hi]`` (the calibration method's clipping stays). A tensor read by
+        a Conv (depthwise: qtool.channels) is symmetric, so that its channels share one zero point
+        (padding fills with it)."""
+        c_lo, c_hi = (np.asarray(v, np.float64).reshape(-1) for v in self.channel_ranges[name])
+        read_by_conv = any(u.op_type == "Conv" for u in self.consumers.get(name, []))
+        return per_channel_activation(np.maximum(c_lo, lo), np.minimum(c_hi, hi), dtype, read_by_conv)
 
     def _effective_range(self, name, integer):
         """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part.
@@ -703,9 +821,38 @@ class _Rewriter:
                    and all(integer.get(u.name) is not None and integer[u.name].clamps_below_zero
                            for u in users))
         if not clamped:
+            lo, hi = self._saturated_input(name, users, integer, e.min, e.max)
+            if (lo, hi) != (e.min, e.max):
+                return lo, hi, min(e.threshold, max(abs(lo), abs(hi)))
             return e.min, e.max, e.threshold
         lo = max(e.min, 0.0)
         return lo, e.max, min(e.threshold, max(abs(lo), abs(e.max)))
+
+    def _saturated_input(self, name: str, users, integer, lo: float, hi: float) -> tuple[float, float]:
+        """The input range of a tensor read only by integer Sigmoid or Tanh nodes (increasing, and
+        flat at both ends), cut where their output stops changing: every input below ``f^-1(y_lo +
+        S_y / 4)`` gives the output's lowest step anyway, and above ``f^-1(y_hi - S_y / 4)`` its
+        highest (``[y_lo, y_hi]``, ``S_y``: the output's calibrated range and step). A class score's
+        logits span [-15, 2] where its probabilities span [0, 0.25]: the logits then get the steps
+        of [-7.6, -1.1] (widened to hold 0), 2.6 times finer, and the same output. Where the
+        readers' outputs differ, the widest cut is taken."""
+        if not users or name in self.outputs or self.opt.activation_type == "int16" or self.opt.symmetric:
+            return lo, hi
+        cut_lo, cut_hi = np.inf, -np.inf
+        for user in users:
+            inverse = _SATURATING.get(user.op_type)
+            out = user.output[0] if user.output else ""
+            if inverse is None or integer.get(user.name) is None or user.input[0] != name \
+                    or out not in self.table.tensors or out in self.opt.int16 or user.name in self.opt.int16:
+                return lo, hi
+            y = self.table.tensors[out]
+            f_lo, f_hi = inverse[0]
+            step = asymmetric(y.min, y.max, self.opt.activation_type).scale
+            bottom, top = y.min + step / 4, y.max - step / 4
+            cut_lo = min(cut_lo, inverse[1](bottom) if f_lo < bottom < f_hi else -np.inf)
+            cut_hi = max(cut_hi, inverse[1](top) if f_lo < top < f_hi else np.inf)
+        new_lo, new_hi = max(lo, cut_lo), min(hi, cut_hi)
+        return (new_lo, new_hi) if new_lo < new_hi else (lo, hi)
 
     def _int16_tensors(self, integer) -> set[str]:
         """The activations of the integer ops that ``int16`` names (by node name or op type)."""
@@ -753,14 +900,16 @@ class _Rewriter:
 
     def _fence(self, produced: str, name: str, qp: QParams) -> str:
         """QuantizeLinear then DequantizeLinear after ``produced``; returns the DQ output name."""
-        scale, zero_point = self._qp_inits(name, qp)
+        per_channel = qp.axis is not None
+        scale, zero_point = self._qp_inits(name, qp, (np.size(qp.scale),) if per_channel else ())
+        attrs = {"axis": qp.axis} if per_channel else {}
         q_out = self._fresh(f"{name}_quantized")
         dq_out = name if produced != name else self._fresh(f"{name}_dequantized")
         domain = self._fence_domain(qp)
         self.nodes.append(helper.make_node("QuantizeLinear", [produced, scale, zero_point], [q_out],
-                                           name=self._fresh(f"{name}_QuantizeLinear"), domain=domain))
+                                           name=self._fresh(f"{name}_QuantizeLinear"), domain=domain, **attrs))
         self.nodes.append(helper.make_node("DequantizeLinear", [q_out, scale, zero_point], [dq_out],
-                                           name=self._fresh(f"{name}_DequantizeLinear"), domain=domain))
+                                           name=self._fresh(f"{name}_DequantizeLinear"), domain=domain, **attrs))
         return dq_out
 
     def _fence_domain(self, qp: QParams) -> str:
@@ -825,8 +974,10 @@ class _Rewriter:
                 axis = w_qp.axis if w_qp.axis is not None else 0
                 l1 = np.moveaxis(w_q, axis, 0).reshape(w_q.shape[axis], -1).sum(axis=1) if scale.ndim \
                     else np.full(bias.shape, w_q.sum())
-                reach = l1 * max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point)))
-                needed = bias / (np.float64(x.scale) * np.maximum(2.0 ** 30, (2.0 ** 31 - 1) - reach))
+                zero = np.asarray(x.zero_point, np.int64)
+                reach = l1 * max(x.qmax - int(zero.min()), int(zero.max()) - x.qmin)
+                x_scale = per_output(x.scale, bias.size)
+                needed = bias / (x_scale * np.maximum(2.0 ** 30, (2.0 ** 31 - 1) - reach))
                 if scale.ndim == 0:
                     needed = needed.max(initial=0.0)
                 if not np.any(needed > scale):
@@ -935,7 +1086,8 @@ class _Rewriter:
         ``weight`` (named ``inputs[weight]``), quantized as the op quantizes it."""
         w_spec = REGISTRY[node.op_type].constants(node)[weight]
         w_qp = self._weight_qparams(inputs[weight], w_spec.axis)
-        return np.float64(activation.scale) * np.asarray(w_qp.scale, np.float64)
+        w_scale = np.asarray(w_qp.scale, np.float64)
+        return per_output(activation.scale, max(w_scale.size, 1)) * w_scale
 
     def _assemble(self) -> onnx.ModelProto:
         used = names_read(self.nodes) | self.outputs  # a body may output a constant as it is

@@ -1,7 +1,8 @@
 """``quantize --data`` as one library call: the judged steps in their order, shared by the CLI and jobs.
 
 The order is: the calibration method (per tensor with ``try_methods``, else one method for the
-model), int16 placement in transformers, fitted weight rounding, then
+model), scales per channel where the kernels take them, int16 placement in transformers, fitted
+weight rounding, then
 either the search (``target_sqnr`` / ``max_float_layers``) or bias correction, or a plain
 quantize. Each step fits on the fit samples of DATA and is kept only where the held-out samples
 score higher; its summary goes into the report.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import onnx
 
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
+from .channels import fit as fit_channels
 from .placement import place
 from .quantize import DATA_STEPS_KEY, quantize
 from .rounding import fit as fit_rounding
@@ -37,6 +39,7 @@ class DataSteps:
     holdout: int | None = None
     preprocess: object = None
     calibrate_batch: int | None = None  # the batch size the table was calibrated at (try_methods)
+    channel_scales: bool | None = None  # qtool.channels
 
     @property
     def searching(self) -> bool:
@@ -60,28 +63,32 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
         table, pick = choose_method(model_path, table, options, table_name, data_path, num_samples=n,
                                     batch_size=batch, **common)
         changed = pick.changed
-    placed = rounding = None
-    rounded = None
+    placed = rounding = channeled = None
+    rounded = ranges = None
     if not steps.searching:
+        if steps.channel_scales is not False:
+            ranges, channeled = fit_channels(model_path, table, options, table_name, data_path, n, batch, **common)
         if steps.placement is not False:
             options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
         # fitted on per-channel int8 scales: int4 and blocked weights keep nearest rounding
         if steps.weight_rounding is not False and options.weight_type == "int8" and not options.block_size:
-            rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch, **common)
+            rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch,
+                                             channel_ranges=ranges, **common)
     if steps.searching:
         qmodel, report, _ = search(model_path, table, options, table_name, data_path, steps.target_sqnr,
                                    steps.max_float_layers, n, batch, steps.bias_correction is not False,
                                    allow_float=steps.allow_float, **common)
     elif steps.bias_correction is not False:
         qmodel, report, _ = quantize_corrected(model_path, table, options, table_name, data_path, n, batch,
-                                               rounded_weights=rounded, **common)
+                                               rounded_weights=rounded, channel_ranges=ranges, **common)
     else:
-        qmodel, report = quantize(model_path, table, options, table_name, None, rounded)
+        qmodel, report = quantize(model_path, table, options, table_name, None, rounded, ranges)
     for name, summary in (("method_choice", choice), ("method_pick", pick), ("placement", placed),
-                          ("rounding", rounding)):
+                          ("rounding", rounding), ("channels", channeled)):
         if summary is not None:
             setattr(report, name, summary.to_dict())
-    ran = [name for name, done in (("method", choice or pick), ("placement", placed), ("rounding", rounding),
+    ran = [name for name, done in (("method", choice or pick), ("channel_scales", ranges is not None),
+                                   ("placement", placed), ("rounding", rounding),
                                    ("search", steps.searching),
                                    ("bias_correction", steps.bias_correction is not False)) if done]
     qmodel.metadata_props.append(onnx.StringStringEntryProto(key=DATA_STEPS_KEY, value=",".join(ran)))

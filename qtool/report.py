@@ -139,6 +139,16 @@ def rounding_summary(rp: dict) -> str:
     return f"{what}; {held}" + ("" if rp["kept"] else f": not {rp['gain_db']:g} dB higher, nearest kept")
 
 
+def channels_summary(cp: dict) -> str:
+    """One line on the per-channel scales step (``channels.ChannelPick.to_dict()``)."""
+    if cp["reason"]:
+        return f"per tensor ({cp['reason']})"
+    held = (f"held-out per tensor {cp['heldout_per_tensor_sqnr_db']} -> per channel "
+            f"{cp['heldout_per_channel_sqnr_db']} dB on {cp['heldout_samples']} samples")
+    what = f"{cp['tensors']} activations measured per channel on {cp['fit_samples']} samples"
+    return f"{what}; {held}" + ("" if cp["kept"] else f": not {cp['gain_db']:g} dB higher, per tensor kept")
+
+
 def search_summary(sr: dict) -> str:
     """One line on a mixed-precision search (``SearchResult.to_dict()``)."""
     int16 = sr.get("precision", "float") == "int16"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import onnx
@@ -33,8 +34,8 @@ from .analyze import Evaluator
 from .model import FloatRunner, load_model, prepare
 from .qparams import per_channel_symmetric, symmetric
 from .quantize import quantize
-from .report import finite, progress_bar
-from .search import fit_and_heldout
+from .report import progress_bar
+from .search import JudgedStep
 from .table import Table
 
 DAMP = 0.01
@@ -106,27 +107,19 @@ def grams(float_model: onnx.ModelProto, found: dict, batches) -> dict[str, np.nd
 
 
 @dataclass
-class RoundingPick:
+class RoundingPick(JudgedStep):
+    BEFORE: ClassVar[str] = "nearest"
+    AFTER: ClassVar[str] = "fitted"
     layers: int = 0
-    fit_samples: int = 0
-    heldout: int = 0
-    heldout_nearest_db: float = 0.0
-    heldout_fitted_db: float = 0.0
-    kept: bool = False
-    scored: str = ""
-    seconds: float = 0.0
-    reason: str = ""
+    gain_db: float = GAIN_DB
 
     def to_dict(self) -> dict:
-        return {"layers": self.layers, "fit_samples": self.fit_samples, "heldout_samples": self.heldout,
-                "heldout_nearest_sqnr_db": finite(self.heldout_nearest_db),
-                "heldout_fitted_sqnr_db": finite(self.heldout_fitted_db), "kept": self.kept, "gain_db": GAIN_DB,
-                "scored": self.scored, "seconds": round(self.seconds, 2), "reason": self.reason}
+        return {"layers": self.layers, **self.judged_dict()}
 
 
 def fit(model_path, table: Table, options, table_name: str, data_path, num_samples: int | None = None,
         batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None,
-        bias_corrections=None) -> tuple[dict[str, Rounded] | None, RoundingPick]:
+        bias_corrections=None, channel_ranges=None) -> tuple[dict[str, Rounded] | None, RoundingPick]:
     """The fitted integers of every MatMul/Gemm weight (see the module's docstring), or None where
     they do not score higher on the held-out samples (or there is nothing to fit or judge)."""
     start = time.perf_counter()
@@ -137,11 +130,8 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     if not found:
         pick.reason = "no MatMul or Gemm with a constant weight"
         return None, pick
-    fit_batches, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
-    pick.fit_samples = fit_batches.samples
+    fit_batches, held = pick.split(float_model, data_path, num_samples, holdout, batch_size, preprocess, start)
     if held is None:
-        pick.reason = "no held-out samples to judge it on"
-        pick.seconds = time.perf_counter() - start
         return None, pick
     inits = {i.name: i for i in float_model.graph.initializer}
     sums = grams(float_model, found, fit_batches)
@@ -161,9 +151,9 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     judge = Evaluator(float_model, held)
     pick.heldout, pick.scored = held.samples, judge.scored
     plain = replace(options, format="qdq", strict=False)
-    pick.heldout_nearest_db = judge.sqnr(quantize(model_path, table, plain, table_name, bias_corrections)[0])
-    pick.heldout_fitted_db = judge.sqnr(quantize(model_path, table, plain, table_name, bias_corrections,
-                                                 rounded)[0])
-    pick.kept = pick.heldout_fitted_db >= pick.heldout_nearest_db + GAIN_DB
+    pick.judge(judge.sqnr(quantize(model_path, table, plain, table_name, bias_corrections,
+                                   channel_ranges=channel_ranges)[0]),
+               judge.sqnr(quantize(model_path, table, plain, table_name, bias_corrections, rounded,
+                                   channel_ranges)[0]))
     pick.seconds = time.perf_counter() - start
     return (rounded if pick.kept else None), pick

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import onnx
 
@@ -201,6 +202,47 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     result.seconds = time.perf_counter() - start
     report.search = result.to_dict()
     return final, report, result
+
+
+@dataclass
+class JudgedStep:
+    """A ``quantize --data`` step fitted on the fit samples and kept where the held-out ones score
+    it ``gain_db`` higher: the held-out SQNR without (``before_db``) and with it (``after_db``).
+    Subclasses name the two in their reports (``BEFORE``, ``AFTER``)."""
+
+    BEFORE: ClassVar[str] = "before"
+    AFTER: ClassVar[str] = "after"
+    fit_samples: int = 0
+    heldout: int = 0
+    before_db: float = 0.0
+    after_db: float = 0.0
+    kept: bool = False
+    scored: str = ""
+    seconds: float = 0.0
+    reason: str = ""
+    gain_db: float = 0.0
+
+    def judge(self, before_db: float, after_db: float) -> bool:
+        self.before_db, self.after_db = before_db, after_db
+        self.kept = after_db >= before_db + self.gain_db
+        return self.kept
+
+    def split(self, float_model, data_path, num_samples, holdout, batch_size, preprocess, start: float):
+        """The fit and held-out batches (``fit_and_heldout``); held-out None, with the reason and
+        the seconds so far set, where there is nothing to judge on."""
+        fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
+        self.fit_samples = fit.samples
+        if held is None:
+            self.reason = "no held-out samples to judge it on"
+            self.seconds = time.perf_counter() - start
+        return fit, held
+
+    def judged_dict(self) -> dict:
+        return {"fit_samples": self.fit_samples, "heldout_samples": self.heldout,
+                f"heldout_{self.BEFORE}_sqnr_db": finite(self.before_db),
+                f"heldout_{self.AFTER}_sqnr_db": finite(self.after_db), "kept": self.kept,
+                "gain_db": self.gain_db, "scored": self.scored, "seconds": round(self.seconds, 2),
+                "reason": self.reason}
 
 
 def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess):

@@ -1,6 +1,8 @@
 """Elementwise integer kernels (lookup tables, Mul, Div, Clip, LeakyRelu, PRelu): golden vectors
 computed by hand, then derivations against hand-computed parameters."""
 
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -108,11 +110,21 @@ def test_gelu_exact_and_tanh_approximation_by_hand():
         _unary("Gelu", QParams(0.25, 0), QParams(1 / 50, 0), approximate="fast")
 
 
-def test_lookup_table_refuses_per_channel_and_wide_inputs():
+def test_lookup_table_per_channel_by_hand_and_refusals():
     node = helper.make_node("Sigmoid", ["x"], ["y"])
-    per_channel = QParams(np.array([0.1, 0.2], np.float32), np.array([0, 0]), "int8", 1)
-    with pytest.raises(Unsupported, match="per tensor"):
-        REGISTRY["Sigmoid"].derive(_view(node, [Operand(per_channel)], QParams(0.1, 0)))
+    per_channel = QParams(np.array([0.1, 0.2], np.float32), np.array([0, 3]), "int8", 1)
+    p = REGISTRY["Sigmoid"].derive(_view(node, [Operand(per_channel)], QParams(1 / 256, -128)))
+    x = i8([[[-128, 0, 3, 127], [-128, 0, 3, 127]]])  # [1, 2 channels, 4]
+    y = REGISTRY["Sigmoid"].run(p, x)
+    # channel 0: sigmoid(0.1 * q); channel 1: sigmoid(0.2 * (q - 3)); out q = round(p * 256) - 128
+    by_hand = [[round(256 / (1 + math.exp(-0.1 * q))) - 128 for q in (-128, 0, 3, 127)],
+               [round(256 / (1 + math.exp(-0.2 * (q - 3)))) - 128 for q in (-128, 0, 3, 127)]]
+    by_hand = np.clip(by_hand, -128, 127)
+    assert y.dtype == np.int8 and y[0].tolist() == by_hand.tolist()
+    assert not REGISTRY["Sigmoid"].elementwise(p)  # a table per channel depends on the position
+    along_rows = QParams(np.array([0.1, 0.2], np.float32), np.array([0, 0]), "int8", 0)
+    with pytest.raises(Unsupported, match="per channel \\(axis 1\\)"):
+        REGISTRY["Sigmoid"].derive(_view(node, [Operand(along_rows)], QParams(0.1, 0)))
     with pytest.raises(Unsupported, match="needs an 8- or 16-bit input, got int32"):
         REGISTRY["Sigmoid"].derive(_view(node, [Operand(QParams(0.1, 0, "int32"))], QParams(0.1, 0)))
 

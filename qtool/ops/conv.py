@@ -34,7 +34,7 @@ class ConvParams:
     bias: np.ndarray  # int64 [C_out], zero-point compensated
     requant: Requant  # per output channel
     zero_in: int
-    zero_out: int
+    zero_out: int | np.ndarray  # one per output channel where the output is quantized per channel
     pads: tuple[int, ...]  # top, left, bottom, right (rank 3: front, top, left, back, bottom, right)
     strides: tuple[int, ...]  # (rank 3: depth, height, width)
     dilations: tuple[int, ...]
@@ -88,6 +88,37 @@ def in_accumulator_units(stored: np.ndarray, scale, accumulator_scale) -> np.nda
     return np.rint(stored * scale / accumulator_scale).astype(np.int64)
 
 
+def depthwise_input(qp: QParams, weight: np.ndarray, group: int) -> QParams:
+    """The input's (S, Z) as the kernel takes it: per tensor, or for a depthwise Conv (one input
+    channel per group) one scale per input channel with one zero point for all of them (padding
+    fills with it), returned as one scale per output channel (output channel ``o`` reads input
+    channel ``o // (C_out / group)``)."""
+    if np.ndim(qp.scale) == 0 or np.size(qp.scale) == 1:
+        return per_tensor(qp, "Conv input")
+    zero = np.asarray(qp.zero_point).reshape(-1)
+    if qp.axis != 1 or weight.shape[1] != 1 or group != np.size(qp.scale) or np.any(zero != zero[0]):
+        raise Unsupported("Conv input must be quantized per tensor (per channel only into a depthwise "
+                          "Conv, with one zero point)")
+    scale = np.repeat(np.asarray(qp.scale, np.float64).reshape(-1), weight.shape[0] // group)
+    return QParams(scale, int(zero[0]), qp.dtype)
+
+
+def channel_output(qp: QParams, channels: int, what: str) -> QParams:
+    """The output's (S, Z): per tensor, or one scale and zero point per output channel (axis 1)."""
+    if np.ndim(qp.scale) == 0 or np.size(qp.scale) == 1:
+        return per_tensor(qp, what)
+    if qp.axis != 1 or np.size(qp.scale) != channels:
+        raise Unsupported(f"{what} must be quantized per tensor or per output channel")
+    return QParams(np.asarray(qp.scale, np.float64).reshape(-1), np.asarray(qp.zero_point, np.int64).reshape(-1),
+                   qp.dtype, 1)
+
+
+def zero_column(zero, ndim: int):
+    """A zero point (one, or one per output channel) shaped to broadcast along axis 0 of an
+    accumulator whose channels come first of ``ndim`` axes (after the batch: ``[C, 1, ...]``)."""
+    return zero if np.ndim(zero) == 0 else np.asarray(zero, np.int64).reshape((-1,) + (1,) * (ndim - 1))
+
+
 def weight_scales(view: NodeView, index: int, channels: int, axis: int) -> np.ndarray:
     operand = view.inputs[index]
     if operand is None or operand.value is None or operand.qparams is None:
@@ -116,12 +147,12 @@ class Conv(IntegerOp):
 
     def derive(self, view: NodeView) -> ConvParams:
         self.check(view.node, view.attrs)
-        x = per_tensor(view.inputs[0].qparams, "Conv input")
-        y = per_tensor(view.output, "Conv output")
         weight = view.inputs[1].value
         if weight.ndim not in (3, 4, 5):
             raise Unsupported("only 1-D, 2-D and 3-D convolutions are supported")
         channels = weight.shape[0]
+        x = depthwise_input(view.inputs[0].qparams, weight, view.attr("group", 1))
+        y = channel_output(view.output, channels, "Conv output")
         channel_scale = x.scale * weight_scales(view, 1, channels, 0)
         rank = weight.ndim - 2
         pads = tuple(view.attr("pads", [0] * 2 * rank))
@@ -265,7 +296,7 @@ def _requantized(p: ConvParams, acc: np.ndarray) -> np.ndarray:
     overflow, zero point, saturation."""
     y = requantize(acc + p.bias[None, :, None], p.requant.multiplier[None, :, None], p.requant.rshift[None, :, None],
                    p.rounding)
-    return saturate(y + p.zero_out, p.dtype)
+    return saturate(y + zero_column(p.zero_out, 2), p.dtype)
 
 
 def run_volume(p: ConvParams, x: np.ndarray) -> np.ndarray:
@@ -369,8 +400,8 @@ class ConvPlan:
             if int(l1.max(initial=0)) * x_max >= FLOAT32_EXACT:
                 continue
             column = Requant(p.requant.multiplier.reshape(-1, 1, 1), p.requant.rshift.reshape(-1, 1, 1))
-            fused = offset_requant(p.bias.reshape(-1, 1, 1), column, p.zero_out, p.dtype, p.rounding,
-                                   (l1 * x_max).reshape(-1, 1, 1))
+            fused = offset_requant(p.bias.reshape(-1, 1, 1), column, zero_column(p.zero_out, 3), p.dtype,
+                                   p.rounding, (l1 * x_max).reshape(-1, 1, 1))
             if fused is not None:
                 tails[dtype] = Tail.of(fused)
         row_parts = parallel.ranges(out_hw[0], shape[0] * c_out * out_hw[0] * out_hw[1])
@@ -387,8 +418,8 @@ class ConvPlan:
         if p.zero_in != 0 or int(l1.max(initial=0)) * 255 >= FLOAT32_EXACT:
             return None
         column = Requant(p.requant.multiplier.reshape(-1, 1, 1), p.requant.rshift.reshape(-1, 1, 1))
-        fused = offset_requant(p.bias.reshape(-1, 1, 1), column, p.zero_out, p.dtype, p.rounding,
-                               (l1 * 32768).reshape(-1, 1, 1))
+        fused = offset_requant(p.bias.reshape(-1, 1, 1), column, zero_column(p.zero_out, 3), p.dtype,
+                               p.rounding, (l1 * 32768).reshape(-1, 1, 1))
         return None if fused is None else Tail.of(fused)
 
     def engine(self, dtype: np.dtype) -> "ortconv.OrtConv | None":

@@ -55,6 +55,27 @@ class LutParams:
     table: np.ndarray | None
     in_dtype: str
     wide: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
+    # [C, 256] where the input or the output is quantized per channel (axis 1): one table per
+    # channel, row c indexed as ``table``; ``table`` is then None. Not dumped either: they follow
+    # from the op and the per-channel (S, Z) written with it
+    channel_tables: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
+
+
+def _channel(qp: QParams, c: int) -> QParams:
+    """Channel ``c``'s (S, Z) of ``qp`` (per tensor: ``qp`` itself)."""
+    if np.ndim(qp.scale) == 0:
+        return qp
+    return QParams(float(np.asarray(qp.scale).reshape(-1)[c]), int(np.asarray(qp.zero_point).reshape(-1)[c]),
+                   qp.dtype)
+
+
+def _per_channel(qp: QParams) -> int:
+    """How many channels ``qp`` holds along axis 1 (0: per tensor)."""
+    if np.ndim(qp.scale) == 0 or np.size(qp.scale) == 1:
+        return 0
+    if qp.axis != 1:
+        raise Unsupported("a lookup table's input and output are quantized per tensor or per channel (axis 1)")
+    return int(np.size(qp.scale))
 
 
 class LookupTable(IntegerOp):
@@ -64,8 +85,12 @@ class LookupTable(IntegerOp):
         raise NotImplementedError
 
     def derive(self, view: NodeView) -> LutParams:
-        x = per_tensor(view.inputs[0].qparams, f"{self.op_type} input")
-        y = per_tensor(view.output, f"{self.op_type} output")
+        x_qp, y_qp = view.inputs[0].qparams, view.output
+        channels = {_per_channel(x_qp), _per_channel(y_qp)} - {0}
+        if channels:
+            return self._derive_channels(view, x_qp, y_qp, channels)
+        x = per_tensor(x_qp, f"{self.op_type} input")
+        y = per_tensor(y_qp, f"{self.op_type} output")
         if x.dtype not in TABLE_TYPES:
             raise Unsupported(f"a lookup table needs an 8- or 16-bit input, got {x.dtype}")
         q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
@@ -75,18 +100,44 @@ class LookupTable(IntegerOp):
             return LutParams(None, x.dtype, table)
         return LutParams(table, x.dtype)
 
+    def _derive_channels(self, view: NodeView, x_qp: QParams, y_qp: QParams, channels: set) -> LutParams:
+        """One 256-entry table per channel: channel c's input (S, Z) to its output's."""
+        if len(channels) > 1:
+            raise Unsupported(f"{self.op_type} input and output have different channel counts")
+        if x_qp.dtype not in ("int8", "uint8"):
+            raise Unsupported("a table per channel needs an 8-bit input")
+        rows = []
+        for c in range(channels.pop()):
+            x, y = _channel(x_qp, c), _channel(y_qp, c)
+            q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
+            real = dequantize_array(q, x).astype(np.float64)
+            rows.append(quantize_real(self.f(real, view), y, view.rounding))
+        return LutParams(None, x_qp.dtype, channel_tables=np.stack(rows))
+
     def elementwise(self, p: LutParams) -> bool:
-        return True
+        return p.channel_tables is None  # a table per channel depends on where the element is
 
     def run(self, p: LutParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         if x.dtype != np.dtype(p.in_dtype):
             raise TypeError(f"{self.op_type} table is for {p.in_dtype} input, got {x.dtype}")
+        if p.channel_tables is not None:
+            return per_channel_lookup(p.channel_tables, x)
         if x.itemsize == 1:
             return lookup(by_byte(p.table, p.in_dtype), x)
         if x.itemsize == 2:
             return lookup(by_pattern(p.wide, x.dtype), x)
         return np.take(p.wide, x.astype(np.int32) - np.iinfo(x.dtype).min)
+
+
+def per_channel_lookup(tables: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``tables[c, q - qmin]`` for each element ``q`` of 8-bit ``x`` [N, C, ...] in channel ``c``."""
+    if x.ndim < 2 or x.shape[1] != tables.shape[0]:
+        raise ValueError(f"{tables.shape[0]} channel tables for an input of shape {x.shape}")
+    rows = tables.shape[0]
+    index = x.astype(np.int32) - np.iinfo(x.dtype).min  # [0, 256)
+    index += (np.arange(rows, dtype=np.int32) * 256).reshape((1, rows) + (1,) * (x.ndim - 2))
+    return np.take(tables.reshape(-1), index)
 
 
 _erf = np.frompyfunc(math.erf, 1, 1)

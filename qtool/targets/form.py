@@ -36,6 +36,8 @@ def to_unsigned(model: onnx.ModelProto) -> int:
         zero = inits[node.input[2]]
         if zero.data_type != int8 and node.input[2] not in shifted:
             continue
+        if node.input[0] not in inits and len(zero.dims) == 1 and zero.dims[0] > 1:
+            continue  # an activation per channel: its type was chosen (quantize._alternate_types)
         names = [node.input[2]]
         if node.op_type == "DequantizeLinear" and node.input[0] in inits:
             names.append(node.input[0])  # a weight: its values move with its zero point

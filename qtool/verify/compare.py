@@ -104,7 +104,8 @@ class Comparison:
         self.got_sq += got_sq
         self.err_sq += err_sq
         if self.qparams is not None and np.size(ref):
-            self.max_lsb = max(self.max_lsb, max(hi, -lo) / float(self.qparams.scale))
+            # per channel: in steps of the finest channel's scale (the most a step can be off)
+            self.max_lsb = max(self.max_lsb, max(hi, -lo) / float(np.min(self.qparams.scale)))
 
     def _meaningful(self, ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``ref`` and ``got`` without the entries whose reference is no real value (two

@@ -1,0 +1,179 @@
+"""One scale and zero point per channel (qtool/channels.py): the tensors that may take them, the
+judged step of quantize --data, the integer kernels (Conv output, depthwise Conv input, a lookup
+per channel) against onnxruntime running the QDQ model as written, onnxruntime's own optimized
+session on the model (no QLinear fusion of a per-channel group), the same bytes every run, the
+CLI's refusals.
+
+The model is a depthwise block as BatchNorm folding leaves it: a Conv whose output channels span
+0.02 to 4, HardSwish, a depthwise Conv that scales each channel back up, Sigmoid, HardSwish and a
+pointwise Conv. One scale for the first Conv's output loses its small channels, which the
+depthwise Conv then amplifies.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.analyze import as_written_session
+from qtool.calibrate import calibrate
+from qtool.channels import GAIN_DB, candidates, fit
+from qtool.executor import IntegerExecutor
+from qtool.model import load_model, prepare
+from qtool.quantize import QuantizeOptions, quantize
+from qtool.verify import verify
+from test_cli import assert_user_error, invoke
+
+C = 8
+
+
+def block(path, seed=0):
+    rng = np.random.default_rng(seed)
+    gains = np.geomspace(0.02, 4.0, C)
+    w0 = rng.normal(0, 0.4, (C, 3, 3, 3)) * gains[:, None, None, None]
+    b0 = rng.normal(0, 0.5, C) * gains
+    dw = rng.normal(1.0, 0.3, (C, 1, 3, 3)) / gains[:, None, None, None] / 9
+    pw = rng.normal(0, C ** -0.5, (4, C, 1, 1))
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+             (("w0", w0), ("b0", b0), ("dw", dw), ("db", rng.normal(0, 0.1, C)), ("pw", pw))]
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["a"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("HardSwish", ["a"], ["b"], name="hs0"),
+             helper.make_node("Conv", ["b", "dw", "db"], ["c"], name="dw", pads=[1, 1, 1, 1], group=C),
+             helper.make_node("Sigmoid", ["c"], ["d"], name="sig"),
+             helper.make_node("HardSwish", ["d"], ["e"], name="hs1"),
+             helper.make_node("Conv", ["e", "pw"], ["y"], name="pw")]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 12, 12])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def images(path, n, seed):
+    np.savez(path, x=np.random.default_rng(seed).normal(0, 1, (n, 3, 12, 12)).astype(np.float32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("channels")
+    model = block(folder / "block.onnx")
+    data, held = images(folder / "data.npz", 32, 1), images(folder / "held.npz", 16, 2)
+    return folder, model, data, held, calibrate(model, data, progress=False)
+
+
+def _fences(qmodel):
+    """tensor -> (zero point type, channels) of each activation's QuantizeLinear."""
+    inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+    return {n.input[0]: (str(inits[n.input[2]].dtype), inits[n.input[2]].size)
+            for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_candidates(made):
+    _, model, *_ = made
+    assert candidates(prepare(load_model(model), "m")) == ["a", "b", "c", "d"]
+
+
+def test_the_step_is_judged_kept_and_the_model_verifies(made):
+    folder, model, data, held, table = made
+    ranges, pick = fit(model, table, QuantizeOptions(), "t", data, progress=False)
+    assert pick.tensors == 4 and pick.fit_samples == 16 and pick.heldout == 16, pick.to_dict()
+    assert pick.after_db >= pick.before_db + GAIN_DB and pick.kept, pick.to_dict()
+    assert set(ranges) == {"a", "b", "c", "d"} and all(lo.shape == (C,) for lo, _ in ranges.values())
+    qmodel, report = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges)
+    fences = _fences(qmodel)
+    # 'd' sits between two links that pin it to both types (int8 after 'c', uint8 before the
+    # per-tensor 'e'): it goes back to one scale; the others alternate so that no Conv or
+    # Sigmoid reads and writes one type
+    assert report.channel_scales == ["a", "b", "c"]
+    assert fences["x"] == ("uint8", 1) and fences["e"] == ("uint8", 1) and fences["d"] == ("uint8", 1)
+    assert fences["a"] == ("int8", C) and fences["b"] == ("uint8", C) and fences["c"] == ("int8", C)
+    assert report.kept_float == []
+    plain, _ = quantize(model, table, QuantizeOptions(), "t")
+    onnx.save(qmodel, folder / "channels.onnx")
+    onnx.save(plain, folder / "plain.onnx")
+    by_channel = verify(model, folder / "channels.onnx", held, progress=False)
+    by_tensor = verify(model, folder / "plain.onnx", held, progress=False)
+    assert by_channel.float_nodes == [] and by_tensor.float_nodes == []
+    assert by_channel.outputs[0].sqnr > by_tensor.outputs[0].sqnr + 6, (by_channel.outputs[0].sqnr,
+                                                                        by_tensor.outputs[0].sqnr)
+
+
+def test_kernels_equal_onnxruntime_as_written_and_its_optimized_session_runs(made):
+    folder, model, data, held, table = made
+    ranges, _ = fit(model, table, QuantizeOptions(), "t", data, progress=False)
+    qmodel, _ = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges)
+    x = np.load(held)["x"]
+    names = ["a_quantized", "b_quantized", "c_quantized", "d_quantized", "e_quantized"]
+    names = [n for n in names if n in {o for node in qmodel.graph.node for o in node.output}]
+    reference = onnx.ModelProto()
+    reference.CopyFrom(qmodel)
+    reference.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    session = as_written_session(reference)
+    got = session.run(names, {"x": x})
+    run = IntegerExecutor(qmodel).run({"x": x}, keep_integer=True)
+    assert len(names) == 5
+    for name, theirs in zip(names, got):
+        ours = run.integer[name.removesuffix("_quantized")]
+        assert ours.dtype == theirs.dtype
+        diff = np.abs(ours.astype(np.int64) - theirs.astype(np.int64))
+        # onnxruntime computes each op in float between DequantizeLinear and QuantizeLinear: ties
+        # and a float sum's last bit may round the other way
+        assert diff.max() <= 1 and np.mean(diff == 0) > 0.99, (name, diff.max(), np.mean(diff == 0))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    optimized = ort.InferenceSession(qmodel.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    y = optimized.run(None, {"x": x})[0]
+    steps = np.abs(y - IntegerExecutor(qmodel).run({"x": x}).outputs["y"])
+    scale = float(numpy_helper.to_array({i.name: i for i in qmodel.graph.initializer}[
+        next(n.input[1] for n in qmodel.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "y")]))
+    assert steps.max() <= 1.01 * scale
+
+
+def test_fast_paths_give_the_plain_integers(made, monkeypatch):
+    import qtool.executor as executor_module
+
+    _, model, data, held, table = made
+    ranges, _ = fit(model, table, QuantizeOptions(), "t", data, progress=False)
+    qmodel, _ = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges)
+    x = np.load(held)["x"]
+    fast = IntegerExecutor(qmodel)
+    expected = fast.run({"x": x}).outputs["y"]
+    assert fast._fast
+    monkeypatch.setattr(executor_module, "FAST_FROM", 1e9)
+    plain = IntegerExecutor(qmodel)
+    got = plain.run({"x": x}, pace=(16, 0)).outputs["y"]
+    assert not plain._fast and np.array_equal(got, expected)
+
+
+def test_cli_step_report_bytes_and_refusals(made):
+    folder, model, data, held, _ = made
+    table = folder / "t.yaml"
+    assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
+    outs = []
+    for k in range(2):
+        out = folder / f"cli{k}.onnx"
+        result = invoke("quantize", model, "-t", table, "-o", out, "--data", data, "--json")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["channel_scales_step"]["kept"] and report["channel_scales"] == ["a", "b", "c"]
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]  # same data, same bytes
+    result = invoke("quantize", model, "-t", table, "-o", folder / "human.onnx", "--data", data)
+    assert "scales:  4 activations measured per channel on 16 samples" in result.stderr + result.stdout
+    result = invoke("quantize", model, "-t", table, "-o", folder / "off.onnx", "--data", data,
+                    "--no-channel-scales", "--json")
+    assert result.exit_code == 0 and "channel_scales" not in json.loads(result.stdout)
+    assert all(size == 1 for _, size in _fences(onnx.load(folder / "off.onnx")).values())
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", folder / "r.onnx", "--channel-scales"),
+                      "--channel-scales needs samples", "--data")
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", folder / "r.onnx", "--data", data,
+                             "--channel-scales", "--format", "qoperator"),
+                      "--channel-scales does not apply here", "QLinearConv")
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", folder / "r.onnx", "--data", data,
+                             "--channel-scales", "--target-sqnr", "20"),
+                      "--channel-scales does not combine with the search")
