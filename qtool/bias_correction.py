@@ -124,10 +124,14 @@ def correct_biases(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, batche
     work = onnx.ModelProto()
     work.CopyFrom(qmodel)
     inits = {i.name: i for i in work.graph.initializer}
+    pieces = _Pieces(work, batches) if _Pieces.applies(work) else None
     with progress_bar(len(found), "bias correction", progress, unit="op") as bar:
         for target, (want, rms) in zip(found, reference):
-            got, _ = _channel_means(_prefix(work, target.output), [target.output], [target.axis],
-                                    batches)[0]
+            if pieces is not None:
+                got, _ = pieces.means(target.output, target.axis, target.bias)
+            else:
+                got, _ = _channel_means(_prefix(work, target.output), [target.output], [target.axis],
+                                        batches)[0]
             steps = np.rint((want - got) / target.scale)
             bias = inits[target.bias]
             q = numpy_helper.to_array(bias).astype(np.int64)
@@ -141,6 +145,103 @@ def correct_biases(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, batche
             bar.update(1)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class _Pieces:
+    """The QDQ model run piece by piece for ``correct_biases``: the tensors whose values can no
+    longer change are kept (per batch), and each target's output is computed from them by the
+    nodes between, not by the whole prefix again. A tensor is final once every target above it is
+    corrected; targets go in graph order, and a target's ancestors come before it, so every node
+    computed for target ``i`` except target ``i`` itself (its bias is about to move) is final then.
+    The same onnxruntime kernels on the same inputs: the same means as the prefixes, in a time of
+    about one pass over the model instead of one per target. Kept values are dropped once every
+    node reading them is final."""
+
+    def __init__(self, model: onnx.ModelProto, batches):
+        self.model, self.batches = model, batches
+        self.nodes = list(model.graph.node)
+        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output}
+        self.readers: dict[str, set[int]] = {}
+        for i, n in enumerate(self.nodes):
+            for name in n.input:
+                self.readers.setdefault(name, set()).add(i)
+        self.inits = {i.name for i in model.graph.initializer}
+        typed = model if model.graph.value_info else onnx.shape_inference.infer_shapes(model)
+        self.types = {vi.name: vi.type.tensor_type.elem_type
+                      for vi in [*typed.graph.value_info, *typed.graph.output, *typed.graph.input]}
+        pixels = pixel_inputs(model)
+        self.values = [dict(feeds_for(pixels, feeds)) for feeds in batches]  # graph inputs, then kept tensors
+        self.final: set[int] = set()
+
+    @staticmethod
+    def applies(model: onnx.ModelProto) -> bool:
+        """Not for a graph with If/Loop/Scan (their bodies read outer tensors a piece would have to
+        pass in by name): those run by prefixes."""
+        return not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                       for n in model.graph.node for a in n.attribute)
+
+    def means(self, tensor: str, axis: int, bias: str) -> tuple[np.ndarray, float]:
+        """Per-channel mean and RMS of ``tensor`` (a target's output, its bias initializer ``bias``)."""
+        known = self.values[0]
+        piece, stack = set(), [tensor]
+        while stack:
+            name = stack.pop()
+            if not name or name in known or name in self.inits:
+                continue
+            index = self.producer[name]
+            if index not in piece:
+                piece.add(index)
+                stack.extend(self.nodes[index].input)
+        order = sorted(piece)
+        inputs = list(dict.fromkeys(n for i in order for n in self.nodes[i].input if n in known))
+        # the target runs again for the next piece, from kept inputs, with its corrected bias: it
+        # and the node reading that bias are not final
+        target = self.producer[tensor]
+        moving = {target} | {i for i in piece if bias in self.nodes[i].input}
+        done = self.final | (piece - moving)
+        keep = [o for i in order if i not in moving for o in self.nodes[i].output
+                if o and any(r not in done for r in self.readers.get(o, ()))]
+        used = {n for i in order for n in self.nodes[i].input}
+        graph = helper.make_graph(
+            [self.nodes[i] for i in order], "piece",
+            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(known[n].dtype), None)
+             for n in inputs],
+            [helper.make_tensor_value_info(n, self.types.get(n, onnx.TensorProto.FLOAT), None)
+             for n in [tensor, *keep]],
+            [i for i in self.model.graph.initializer if i.name in used])
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        model.ir_version = self.model.ir_version
+        mean = _Mean(axis)
+        try:
+            session = as_written_session(model)
+            for values in self.values:
+                got = session.run([tensor, *keep], {n: values[n] for n in inputs})
+                mean.add(got[0])
+                values.update(zip(keep, got[1:]))
+        except Exception as e:
+            raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None
+        self.final |= piece - moving
+        for name in list(known):  # nothing left to read it
+            if name in self.readers and self.readers[name] <= self.final:
+                for values in self.values:
+                    del values[name]
+        return mean.result()
+
+
+class _Mean:
+    """Per-channel mean (float64) along ``axis`` and overall RMS of the arrays added, batch by batch."""
+
+    def __init__(self, axis: int):
+        self.axis, self.total, self.squares, self.count = axis, None, 0.0, 0
+
+    def add(self, y: np.ndarray) -> None:
+        y = np.moveaxis(y.astype(np.float64), self.axis, -1).reshape(-1, y.shape[self.axis])
+        self.total = y.sum(axis=0) if self.total is None else self.total + y.sum(axis=0)
+        self.squares += float((y * y).sum())
+        self.count += y.shape[0]
+
+    def result(self) -> tuple[np.ndarray, float]:
+        return self.total / self.count, (self.squares / (self.count * len(self.total))) ** 0.5
 
 
 def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
@@ -167,21 +268,16 @@ def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
 def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
                    batches: list[dict]) -> list[tuple[np.ndarray, float]]:
     """Per-channel mean (float64) and overall RMS of each tensor over all batches."""
+    means = [_Mean(axis) for axis in axes]
     try:
         session = as_written_session(with_outputs(model, names))
         pixels = pixel_inputs(model)
-        sums = [None] * len(names)
-        squares = [0.0] * len(names)
-        counts = [0] * len(names)
         for feeds in batches:
-            for i, (y, axis) in enumerate(zip(session.run(names, feeds_for(pixels, feeds)), axes)):
-                y = np.moveaxis(y.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
-                sums[i] = y.sum(axis=0) if sums[i] is None else sums[i] + y.sum(axis=0)
-                squares[i] += float((y * y).sum())
-                counts[i] += y.shape[0]
+            for mean, y in zip(means, session.run(names, feeds_for(pixels, feeds))):
+                mean.add(y)
     except Exception as e:
         raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None
-    return [(s / c, (q / (c * len(s))) ** 0.5) for s, q, c in zip(sums, squares, counts)]
+    return [mean.result() for mean in means]
 
 
 def quantize_corrected(model_path, table, options, table_name: str, data_path,

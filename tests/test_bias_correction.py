@@ -250,3 +250,42 @@ def test_a_model_fixed_at_batch_one_is_fed_one_sample_a_run(demo_model, demo_tab
     path, table = _fixed_batch_model(demo_model, demo_calib, 1, tmp_path)
     _, report, _ = quantize_corrected(path, table, QuantizeOptions(), "t", demo_calib, 8, 8, progress=False)
     assert report.bias_correction["samples"] == 8 and report.bias_correction["heldout_samples"] == 8
+
+
+def _both_ways(model_path, table, data, batch_size, monkeypatch):
+    """correct_biases by pieces (kept tensors) and by whole prefixes, on the same QDQ model."""
+    from qtool import bias_correction as bc
+    from qtool.analyze import split_batches
+
+    float_model = prepare(load_model(model_path))
+    fit, _ = split_batches(float_model, data, 8, 8, batch_size, None)
+    every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in bc.CHANNEL_AXIS}
+    work, _ = quantize(model_path, table, QuantizeOptions(), "t", every)
+    assert bc._Pieces.applies(work)
+    pieces = bc.correct_biases(float_model, work, fit, progress=False)
+    monkeypatch.setattr(bc._Pieces, "applies", staticmethod(lambda model: False))
+    prefixes = bc.correct_biases(float_model, work, fit, progress=False)
+    return pieces, prefixes
+
+
+def test_pieces_give_the_prefixes_shifts_bit_for_bit(demo_model, demo_table, demo_calib, monkeypatch):
+    # the same onnxruntime kernels on the same inputs: each target's mean, so each shift, is equal;
+    # the demo has a residual block (a tensor kept for a later Add while the branch is corrected)
+    pieces, prefixes = _both_ways(demo_model, demo_table, demo_calib, 8, monkeypatch)
+    assert list(pieces.deltas) == list(prefixes.deltas) and len(pieces.deltas) == 5
+    assert any(np.any(d != 0) for d in prefixes.deltas.values())
+    for node, delta in prefixes.deltas.items():
+        np.testing.assert_array_equal(pieces.deltas[node], delta, err_msg=node)
+
+
+def test_pieces_equal_prefixes_on_ppocr_rec(tmp_path, monkeypatch):
+    from test_real_models import _model, _strokes
+
+    model = _model("ch_PP-OCRv4_rec_infer.onnx")
+    data = tmp_path / "lines.npz"
+    np.savez(data, x=_strokes(16, 0, 48, 320))
+    table = calibrate(model, data, progress=False)
+    pieces, prefixes = _both_ways(model, table, data, 8, monkeypatch)
+    assert len(prefixes.deltas) > 30
+    for node, delta in prefixes.deltas.items():
+        np.testing.assert_array_equal(pieces.deltas[node], delta, err_msg=node)
