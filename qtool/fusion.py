@@ -38,6 +38,7 @@ HARDSWISH_OPSET = 14
 LAYERNORM_OPSET = 17
 GELU_OPSET = 20
 SELECT_OPSET = 13  # Squeeze's axes as an input
+SOFTMAX_OPSET = 13  # Softmax over one axis
 
 
 def _scalar(inits: dict[str, onnx.TensorProto], name: str) -> float | None:
@@ -248,9 +249,117 @@ def _match_layernorm(g: _Graph, div: onnx.NodeProto):
     return sub.input[0], gamma, beta, -len(axes), eps, nodes, perm
 
 
+def _through_broadcasts(g: _Graph, name: str) -> tuple[str, list[onnx.NodeProto]]:
+    """The tensor under a chain of Reshape / Expand / Unsqueeze nodes (each read only by the next;
+    jax2tf writes a reduced tensor back to the input's rank so), and those nodes, producers first."""
+    nodes = []
+    node = g.private(name)
+    while node is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze"):
+        nodes.insert(0, node)
+        name = node.input[0]
+        node = g.private(name)
+    return name, nodes
+
+
+def _row_mean(g: _Graph, name: str) -> tuple[str, int, float | None, list[onnx.NodeProto]] | None:
+    """(x, axis, 1/N or None, nodes) when ``name`` is ``ReduceSum(x, [axis]) * (1/N)`` (N to be
+    checked by the caller) or ``ReduceMean(x, [axis])``, one axis, as written (possibly negative)."""
+    node = g.producer.get(name)
+    scale, nodes = None, []
+    if node is not None and node.op_type == "Mul" and (found := g.constant_operand(node)) is not None:
+        scale, nodes = found[1], [node]
+        node = g.private(found[0])
+    if node is None or node.op_type not in ("ReduceSum", "ReduceMean") or (node.op_type == "ReduceSum") != (
+            scale is not None):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axes = attrs.get("axes")
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in g.inits:
+            return None
+        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    if not axes or len(axes) != 1:
+        return None
+    return node.input[0], int(axes[0]), scale, [node, *nodes]
+
+
+def _match_layernorm_moments(g: _Graph, node: onnx.NodeProto):
+    """LayerNorm written from the moments, as jax2tf exports flax's LayerNorm (Magika):
+    ``(x - B(m)) * (Reciprocal(Sqrt(B(max(0, m2 - m*m)) + eps)) * gamma) [+ beta]`` with ``m`` and
+    ``m2`` the means of ``x`` and ``x*x`` over one axis (``ReduceSum * 1/N`` or ``ReduceMean``) and
+    ``B`` Reshape/Expand back to the input's rank. ``gamma`` (and ``beta``) hold one value per row
+    position along that axis and 1 elsewhere; their rank is the input's, which gives the axis.
+    -> (x, gamma row, beta row or None, eps, the nodes, perm or None): ``perm`` moves the axis last
+    when it is not (the group becomes Transpose, LayerNormalization, Transpose back)."""
+    if node.op_type != "Mul" or len(node.input) != 2:
+        return None
+    for centred_name, scale_name in (node.input, node.input[::-1]):
+        sub, scale = g.private(centred_name), g.private(scale_name)
+        if sub is None or sub.op_type != "Sub" or scale is None or scale.op_type != "Mul":
+            continue
+        found = g.constant_operand_any(scale)
+        if found is None or found[1] not in g.inits:
+            continue
+        gamma = onnx.numpy_helper.to_array(g.inits[found[1]]).astype(np.float64)
+        reciprocal = g.private(found[0])
+        sqrt = g.private(reciprocal.input[0]) if reciprocal is not None and reciprocal.op_type == "Reciprocal" else None
+        add_eps = g.private(sqrt.input[0]) if sqrt is not None and sqrt.op_type == "Sqrt" else None
+        eps = None if add_eps is None or add_eps.op_type != "Add" else g.constant_operand(add_eps)
+        if eps is None or eps[1] < 0:
+            continue
+        variance, spread = _through_broadcasts(g, eps[0])
+        guard = g.private(variance)
+        nodes = []
+        if guard is not None and guard.op_type == "Max" and (bound := g.constant_operand(guard)) is not None \
+                and bound[1] == 0.0:
+            nodes.append(guard)
+            guard = g.private(bound[0])
+        if guard is None or guard.op_type != "Sub":
+            continue
+        second = _row_mean(g, guard.input[0])
+        square = g.producer.get(guard.input[1])
+        x_mean, spread_mean = _through_broadcasts(g, sub.input[1])
+        first = _row_mean(g, x_mean)
+        if second is None or first is None or square is None or square.op_type != "Mul" \
+                or list(square.input) != [x_mean, x_mean] or first[0] != sub.input[0]:
+            continue
+        x, axis, inverse, mean_nodes = first
+        x_square = g.private(second[0])
+        if (x_square is None or x_square.op_type != "Mul" or list(x_square.input) != [x, x]
+                or second[1] != axis or second[2] != inverse):
+            continue
+        rank = gamma.ndim
+        axis = axis % rank if -rank <= axis < rank else None
+        if axis is None or gamma.shape[axis] < 2 or gamma.size != gamma.shape[axis]:
+            continue
+        if inverse is not None and not math.isclose(inverse, 1.0 / gamma.shape[axis], rel_tol=1e-6):
+            continue
+        group = [*mean_nodes, *spread_mean, sub, square, x_square, *second[3], guard, *nodes, *spread,
+                 add_eps, sqrt, reciprocal, scale, node]
+        # every tensor inside is read inside only (the mean twice: its broadcast and its square)
+        inside = {n.name for n in group}
+        if any(o in g.outputs or any(c.name not in inside for c in g.consumers.get(o, []))
+               for n in group[:-1] for o in n.output):
+            continue
+        beta = None
+        readers = g.consumers.get(node.output[0], [])
+        if len(readers) == 1 and node.output[0] not in g.outputs and readers[0].op_type == "Add":
+            found = g.constant_operand_any(readers[0])
+            if found is not None and found[0] == node.output[0]:
+                value = onnx.numpy_helper.to_array(g.inits[found[1]]).astype(np.float64)
+                if value.size in (1, gamma.size) and (value.size == 1 or value.shape == gamma.shape):
+                    beta = np.broadcast_to(value.reshape(-1), (gamma.size,)).copy()
+                    group.append(readers[0])
+        perm = None if axis == rank - 1 else [i for i in range(rank) if i != axis] + [axis]
+        return x, gamma.reshape(-1), beta, eps[1], group, perm
+    return None
+
+
 def find_layernorm(model: onnx.ModelProto) -> list:
     g = _Graph(model)
-    return [match for node in model.graph.node if (match := _match_layernorm(g, node)) is not None]
+    found = [match for node in model.graph.node if (match := _match_layernorm(g, node)) is not None]
+    moments = [match for node in model.graph.node if (match := _match_layernorm_moments(g, node)) is not None]
+    return found + [("moments", *match) for match in moments]
 
 
 def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
@@ -259,7 +368,11 @@ def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
     the Transpose of the input, then the LayerNormalization."""
     inits = {t.name: t for t in model.graph.initializer}
     groups = []
-    for x, gamma, beta, axis, eps, nodes, perm in matches:
+    for match in matches:
+        if match[0] == "moments":
+            groups.append(_moments_group(model, inits, *match[1:]))
+            continue
+        x, gamma, beta, axis, eps, nodes, perm = match
         last = nodes[-1]
         new = []
         if perm is not None:
@@ -273,6 +386,27 @@ def fuse_layernorm(model: onnx.ModelProto, matches) -> None:
                                     axis=axis, epsilon=float(eps)))
         groups.append((nodes, new))
     _replace(model, groups)
+
+
+def _moments_group(model, inits, x, gamma, beta, eps, nodes, perm):
+    """The nodes that replace a LayerNorm written from the moments: LayerNormalization over the
+    last axis, between two Transposes when the normalized axis is another."""
+    last = nodes[-1]
+    new, out = [], last.output[0]
+    if perm is not None:
+        transposed = _fresh_name(model, f"{last.name}_transposed")
+        new.append(helper.make_node("Transpose", [x], [transposed], name=transposed, perm=perm))
+        x = transposed
+        out = _fresh_name(model, f"{last.name}_normalized")
+    inputs = [x, _fresh_init(model, inits, f"{last.name}_scale", gamma.astype(np.float32))]
+    if beta is not None:
+        inputs.append(_fresh_init(model, inits, f"{last.name}_bias", beta.astype(np.float32)))
+    new.append(helper.make_node("LayerNormalization", inputs, [out], name=out if perm is not None else last.name,
+                                axis=-1, epsilon=float(eps)))
+    if perm is not None:
+        back = [int(i) for i in np.argsort(perm)]
+        new.append(helper.make_node("Transpose", [out], [last.output[0]], name=last.name, perm=back))
+    return nodes, new
 
 
 def _per_channel(value: np.ndarray, channels: int) -> np.ndarray | None:
@@ -448,6 +582,20 @@ def _cube(g: _Graph, name: str, x: str) -> list[onnx.NodeProto] | None:
     return [square, node] if square is not None and list(square.input) == [x, x] else None
 
 
+def _product(g: _Graph, name: str, depth: int = 4) -> tuple[list[str], list[onnx.NodeProto]]:
+    """The factors of ``name`` through Mul nodes only their product reads (at most ``depth``
+    levels), and those nodes in graph order (producers first)."""
+    node = _private_op(g, name, "Mul")
+    if node is None or depth == 0 or len(node.input) != 2:
+        return [name], []
+    leaves, nodes = [], []
+    for operand in node.input:
+        more, inner = _product(g, operand, depth - 1)
+        leaves += more
+        nodes += inner
+    return leaves, nodes + [node]
+
+
 def _gelu_inner(g: _Graph, name: str, x: str) -> tuple[str, list[onnx.NodeProto]] | None:
     """(approximate, the nodes) when ``name`` is ``1 + Erf(x / sqrt(2))`` or ``1 + Tanh(sqrt(2/pi)
     * (x + 0.044715 * x^3))``, every intermediate read only by the next node."""
@@ -465,9 +613,17 @@ def _gelu_inner(g: _Graph, name: str, x: str) -> tuple[str, list[onnx.NodeProto]
     total = None if scaled is None else _private_op(g, scaled[0], "Add")
     if total is None or x not in total.input:
         return None
-    cubic = _scaled(g, total.input[1] if total.input[0] == x else total.input[0], 0.044715)
+    term = total.input[1] if total.input[0] == x else total.input[0]
+    cubic = _scaled(g, term, 0.044715)
     cube = None if cubic is None else _cube(g, cubic[0], x)
-    return None if cube is None else ("tanh", [*cube, cubic[1], total, scaled[1], inner, add])
+    if cube is not None:
+        return "tanh", [*cube, cubic[1], total, scaled[1], inner, add]
+    leaves, nodes = _product(g, term)  # 0.044715 innermost (jax2tf: x * (x * (0.044715 * x)))
+    constants = [name for name in leaves if name in g.inits]
+    if sorted(n for n in leaves if n not in g.inits) != [x, x, x] or len(constants) != 1 \
+            or not _near(g, constants[0], 0.044715):
+        return None
+    return "tanh", [*nodes, total, scaled[1], inner, add]
 
 
 def _match_gelu(g: _Graph, node: onnx.NodeProto):
@@ -507,6 +663,66 @@ def fuse_gelu(model: onnx.ModelProto, matches) -> None:
         attrs = {"approximate": approximate} if approximate != "none" else {}
         groups.append((nodes, helper.make_node("Gelu", [x], [nodes[-1].output[0]], name=nodes[-1].name, **attrs)))
     _replace(model, groups)
+
+
+def _one_axis(g: _Graph, node: onnx.NodeProto) -> int | None:
+    """The single axis a reduction reads (attribute or constant input), or None."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axes = attrs.get("axes")
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in g.inits:
+            return None
+        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    return int(axes[0]) if axes is not None and len(axes) == 1 else None
+
+
+def _match_softmax(g: _Graph, div: onnx.NodeProto):
+    """``Div(e, B(ReduceSum(e)))`` with ``e = Exp(Sub(x, B(max(ReduceMax(x), -inf))))`` over one
+    axis (``B``: Reshape/Expand back to the input's rank; jax2tf's softmax) -> (x, axis, nodes)."""
+    if div.op_type != "Div" or len(div.input) != 2:
+        return None
+    total, spread_total = _through_broadcasts(g, div.input[1])
+    reduce_sum = g.private(total)
+    exp = g.producer.get(div.input[0])
+    if reduce_sum is None or reduce_sum.op_type != "ReduceSum" or exp is None or exp.op_type != "Exp" \
+            or reduce_sum.input[0] != exp.output[0]:
+        return None
+    sub = g.private(exp.input[0])
+    if sub is None or sub.op_type != "Sub":
+        return None
+    peak, spread_peak = _through_broadcasts(g, sub.input[1])
+    guard, nodes = g.private(peak), []
+    if guard is not None and guard.op_type == "Max" and (bound := g.constant_operand(guard)) is not None \
+            and bound[1] == -math.inf:
+        nodes.append(guard)
+        guard = g.private(bound[0])
+    x = sub.input[0]
+    if guard is None or guard.op_type != "ReduceMax" or guard.input[0] != x:
+        return None
+    axis = _one_axis(g, guard)
+    if axis is None or _one_axis(g, reduce_sum) != axis:
+        return None
+    keep = {a.name: helper.get_attribute_value(a) for a in guard.attribute}.get("keepdims", 1)
+    keep_sum = {a.name: helper.get_attribute_value(a) for a in reduce_sum.attribute}.get("keepdims", 1)
+    if (keep == 0) != bool(spread_peak) or (keep_sum == 0) != bool(spread_total):
+        return None  # a reduced tensor without its axis must be broadcast back, one with it need not
+    group = [guard, *nodes, *spread_peak, sub, exp, reduce_sum, *spread_total, div]
+    inside = {n.name for n in group}
+    if any(o in g.outputs or any(c.name not in inside for c in g.consumers.get(o, []))
+           for n in group[:-1] for o in n.output):
+        return None
+    return x, axis, group
+
+
+def find_softmax(model: onnx.ModelProto) -> list:
+    g = _Graph(model)
+    return [match for node in model.graph.node if (match := _match_softmax(g, node)) is not None]
+
+
+def fuse_softmax(model: onnx.ModelProto, matches) -> None:
+    """In place: each match becomes one Softmax node (opset >= 13) writing its Div's output."""
+    _replace(model, [(nodes, helper.make_node("Softmax", [x], [nodes[-1].output[0]], name=nodes[-1].name,
+                                              axis=axis)) for x, axis, nodes in matches])
 
 
 def _match_select(g: _Graph, node: onnx.NodeProto):

@@ -240,7 +240,8 @@ def check_float_model(model: onnx.ModelProto, source: str) -> None:
 FUSIONS = ((fusion.find_hardswish, fusion.fuse_hardswish, fusion.HARDSWISH_OPSET),
            (fusion.find_layernorm, fusion.fuse_layernorm, fusion.LAYERNORM_OPSET),
            (fusion.find_gelu, fusion.fuse_gelu, fusion.GELU_OPSET),
-           (fusion.find_select, fusion.fuse_select, fusion.SELECT_OPSET))
+           (fusion.find_select, fusion.fuse_select, fusion.SELECT_OPSET),
+           (fusion.find_softmax, fusion.fuse_softmax, fusion.SOFTMAX_OPSET))
 
 
 def _fuse(model: onnx.ModelProto, source: str) -> onnx.ModelProto:

@@ -102,6 +102,26 @@ class MaxPool(IntegerOp):
         return p.rescale(p.window.patches(x, p.fill).max(axis=2))
 
 
+@register
+class GlobalMaxPool(IntegerOp):
+    """The largest value of each channel over its spatial axes: with one (S, Z) in and out the
+    largest level is the level of the largest value (a rescale where they differ)."""
+
+    op_type = "GlobalMaxPool"
+    shares_qparams = True
+
+    def derive(self, view: NodeView) -> Rescale:
+        x = per_tensor(view.inputs[0].qparams, "GlobalMaxPool input")
+        y = per_tensor(view.output, "GlobalMaxPool output")
+        return rescale(x, y, view)
+
+    def run(self, p: Rescale, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        if x.ndim < 3:
+            raise ValueError(f"GlobalMaxPool needs [N, C, ...], got shape {x.shape}")
+        return p(x.max(axis=tuple(range(2, x.ndim)), keepdims=True))
+
+
 @dataclass(frozen=True)
 class AverageSetup:
     """What an average's derivation needs besides the element count. GlobalAveragePool's count
