@@ -58,6 +58,10 @@ class _Graph:
             for name in node.input:
                 self.consumers[name].append(node)
         self.outputs = {o.name for o in model.graph.output}
+        # ranks where shape inference (or the model) declares them
+        self.ranks = {vi.name: len(vi.type.tensor_type.shape.dim)
+                      for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]
+                      if vi.type.tensor_type.HasField("shape")}
 
     def private(self, name: str) -> onnx.NodeProto | None:
         """The producer of ``name`` when exactly one node reads it and it is no graph output."""
@@ -328,11 +332,21 @@ def _match_layernorm_moments(g: _Graph, node: onnx.NodeProto):
         if (x_square is None or x_square.op_type != "Mul" or list(x_square.input) != [x, x]
                 or second[1] != axis or second[2] != inverse):
             continue
-        rank = gamma.ndim
-        axis = axis % rank if -rank <= axis < rank else None
-        if axis is None or gamma.shape[axis] < 2 or gamma.size != gamma.shape[axis]:
+        # gamma aligns with x's trailing dims: its one dim of size > 1 must be the reduced axis,
+        # counted from the end. x's rank (declared, else gamma's where the axis is counted from
+        # the start and equals gamma's own index) places a positive axis and the Transposes.
+        rows = [j for j, d in enumerate(gamma.shape) if d > 1]
+        if len(rows) != 1 or gamma.shape[rows[0]] != gamma.size:
             continue
-        if inverse is not None and not math.isclose(inverse, 1.0 / gamma.shape[axis], rel_tol=1e-6):
+        rank = g.ranks.get(x) or (gamma.ndim if axis >= 0 and axis == rows[0] else None)
+        from_end = axis if axis < 0 else (axis - rank if rank is not None else None)
+        if from_end is None or from_end != rows[0] - gamma.ndim or (rank is not None and rank < gamma.ndim):
+            continue
+        last = from_end == -1
+        if not last and rank is None:  # the Transposes need the rank
+            continue
+        axis = rank + from_end if rank is not None else -1
+        if inverse is not None and not math.isclose(inverse, 1.0 / gamma.size, rel_tol=1e-6):
             continue
         group = [*mean_nodes, *spread_mean, sub, square, x_square, *second[3], guard, *nodes, *spread,
                  add_eps, sqrt, reciprocal, scale, node]
@@ -350,7 +364,7 @@ def _match_layernorm_moments(g: _Graph, node: onnx.NodeProto):
                 if value.size in (1, gamma.size) and (value.size == 1 or value.shape == gamma.shape):
                     beta = np.broadcast_to(value.reshape(-1), (gamma.size,)).copy()
                     group.append(readers[0])
-        perm = None if axis == rank - 1 else [i for i in range(rank) if i != axis] + [axis]
+        perm = None if last else [i for i in range(rank) if i != axis] + [axis]
         return x, gamma.reshape(-1), beta, eps[1], group, perm
     return None
 

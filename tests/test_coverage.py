@@ -389,10 +389,13 @@ def test_an_output_whose_size_changes_fails_verification_in_one_line(tmp_path):
     assert "its size depends on values that quantization changed" in result.output
 
 
-def test_layernorm_as_mean_of_squares_minus_square_of_mean_keeps_its_statistics_float(tmp_path):
+@pytest.mark.parametrize("gamma", [True, False])
+def test_layernorm_as_mean_of_squares_minus_square_of_mean(tmp_path, gamma):
     """A LayerNorm exported as E[x^2] - E[x]^2 (JAX/TF): quantized, the two near-equal terms
-    would cancel to rounding and the 1 / sqrt(var + eps) that follows span 1 to 1/sqrt(eps); its
-    statistics and the normalizing Mul stay float, and the model keeps its accuracy."""
+    would cancel to rounding and the 1 / sqrt(var + eps) that follows span 1 to 1/sqrt(eps). With
+    its gamma it is one LayerNormalization at prepare (qtool/fusion.py), integer; without one (a
+    form the fusion leaves) its statistics and the normalizing Mul stay float. Either way the
+    model keeps its accuracy."""
     f = TensorProto.FLOAT
     nodes = [helper.make_node("Mul", ["x", "w"], ["h"], name="scale_in"),  # an integer op before
              helper.make_node("ReduceSum", ["h", "axes"], ["s1"], keepdims=1, name="sum"),
@@ -410,6 +413,9 @@ def test_layernorm_as_mean_of_squares_minus_square_of_mean_keeps_its_statistics_
              helper.make_node("Sub", ["h", "mean"], ["centered"], name="center"),
              helper.make_node("Mul", ["centered", "scale"], ["normed"], name="normalize"),
              helper.make_node("Add", ["normed", "beta"], ["y"], name="beta")]
+    if not gamma:
+        nodes = [n for n in nodes if n.name != "gamma"]
+        nodes[-2].input[1] = "rstd"
     rng = np.random.default_rng(4)
     inits = {"w": np.float32(1.5), "axes": np.array([-1], np.int64), "inv_n": np.float32(1 / 16),
              "zero": np.float32(0), "eps": np.float32(1e-6), "gamma": rng.uniform(0.5, 2, 16).astype(np.float32),
@@ -420,10 +426,12 @@ def test_layernorm_as_mean_of_squares_minus_square_of_mean_keeps_its_statistics_
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     x = (rng.normal(0, 1, (64, 16)) * rng.uniform(0.2, 1, (64, 1)) + rng.normal(3, 0.5, (64, 1))).astype(np.float32)
     path, data, qpath, output = quantized(tmp_path, model, x)
-    # mean, mean_sq, square_mean, gamma and normalize (the report names the first three)
-    assert re.search(r"Mul x5: inside a LayerNormalization \(float by default\) \('mean', 'mean_sq', "
-                     r"'square_mean', \.\.\.\)", output), output
-    assert "Mul x1" not in output.split("float:")[1] or "scale_in" not in output.split("float:")[1]
+    if gamma:
+        assert "integer: 2 ops (LayerNormalization 1, Mul 1)" in output and "float:   0 ops" in output, output
+    else:  # mean, mean_sq, square_mean and normalize (the report names the first three)
+        assert re.search(r"Mul x4: inside a LayerNormalization \(float by default\) \('mean', 'mean_sq', "
+                         r"'square_mean', \.\.\.\)", output), output
+        assert "scale_in" not in output.split("float:")[1]
     import json
 
     result = invoke("verify", path, qpath, "--data", data, "--json", "-q")
