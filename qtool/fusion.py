@@ -21,7 +21,9 @@ without a bias are the same functions and become the same node.
 
 PyTorch writes ``x[:, i]`` and ``select`` (the Q, K and V of a packed attention projection) as a
 Gather by a constant scalar index; as Slice and Squeeze the same values move by integer
-data-movement ops, where a Gather of an activation would run float.
+data-movement ops, where a Gather of an activation would run float. A Gather by a constant list
+of indices (YOLOX's Focus reorders a SpaceToDepth's channels so) becomes a Slice per run of
+consecutive indices and a Concat.
 """
 
 from __future__ import annotations
@@ -755,9 +757,33 @@ def _match_select(g: _Graph, node: onnx.NodeProto):
     return int(value), axis
 
 
+def _match_pick(g: _Graph, node: onnx.NodeProto):
+    """(runs, axis) of a Gather that picks slices of an activation by a constant 1-D list of
+    non-negative indices (YOLOX's Focus: the channels of a SpaceToDepth reordered): ``runs`` are
+    the [start, end) ranges of consecutive indices, in order."""
+    if node.op_type != "Gather" or len(node.input) != 2 or node.input[0] in g.inits:
+        return None
+    data = g.producer.get(node.input[0])
+    index = g.inits.get(node.input[1])
+    if data is None or data.op_type == "Shape" or index is None or len(index.dims) != 1:
+        return None
+    value = onnx.numpy_helper.to_array(index).reshape(-1)
+    if value.dtype.kind not in "iu" or not value.size or value.min() < 0:
+        return None
+    runs = []
+    for i in value.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    return [tuple(r) for r in runs], axis
+
+
 def find_select(model: onnx.ModelProto) -> list:
     g = _Graph(model)
-    return [(node, match) for node in model.graph.node if (match := _match_select(g, node)) is not None]
+    return [(node, match) for node in model.graph.node
+            if (match := _match_select(g, node) or _match_pick(g, node)) is not None]
 
 
 def fuse_select(model: onnx.ModelProto, matches) -> None:
@@ -769,6 +795,9 @@ def fuse_select(model: onnx.ModelProto, matches) -> None:
     replaced = {}
     for node, (index, axis) in matches:
         base = node.name or node.output[0]
+        if isinstance(index, list):  # a list of indices: a Slice per run of them, joined by a Concat
+            replaced[id(node)] = _picked(model, inits, node, base, index, axis)
+            continue
         ints = {}
         for key, value in (("start", index), ("end", index + 1 if index != -1 else np.iinfo(np.int64).max),
                            ("axis", axis)):
@@ -781,3 +810,20 @@ def fuse_select(model: onnx.ModelProto, matches) -> None:
     kept = [new for n in model.graph.node for new in replaced.get(id(n), [n])]
     del model.graph.node[:]
     model.graph.node.extend(kept)
+
+
+def _picked(model, inits, node, base, runs, axis) -> list[onnx.NodeProto]:
+    """``Gather(x, [i0, i1, ...], axis)``: one Slice a run of consecutive indices, a Concat of
+    them along the axis (one run: the Slice alone, writing the Gather's output)."""
+    axis_name = _fresh_init(model, inits, f"{base}/axis", np.array([axis], np.int64))
+    nodes, parts = [], []
+    for k, (start, end) in enumerate(runs):
+        out = node.output[0] if len(runs) == 1 else f"{node.output[0]}/part{k}"
+        nodes.append(helper.make_node(
+            "Slice", [node.input[0], _fresh_init(model, inits, f"{base}/start{k}", np.array([start], np.int64)),
+                      _fresh_init(model, inits, f"{base}/end{k}", np.array([end], np.int64)), axis_name],
+            [out], name=node.name if len(runs) == 1 else f"{base}/slice{k}"))
+        parts.append(out)
+    if len(runs) > 1:
+        nodes.append(helper.make_node("Concat", parts, [node.output[0]], name=node.name, axis=axis))
+    return nodes

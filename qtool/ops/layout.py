@@ -1,4 +1,5 @@
-"""Data-movement ops: Transpose, Squeeze, Unsqueeze, Slice, Split, Concat and Pad.
+"""Data-movement ops: Transpose, Squeeze, Unsqueeze, Slice, Split, Concat, Pad, SpaceToDepth and
+DepthToSpace.
 
 None of them computes: threshold propagation joins inputs and outputs into one (S, Z) group
 (``shares_qparams``), so the integers move unchanged. Each still applies ``rescale`` in case the
@@ -64,6 +65,55 @@ class Transpose(IntegerOp):
     def run(self, p: AxesParams, x: np.ndarray) -> np.ndarray:
         check_integer(x)
         return p.rescale(np.transpose(x, p.axes))
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    rescale: Rescale
+    block: int
+    crd: bool  # DepthToSpace mode CRD (else DCR, the default)
+
+
+@register
+class SpaceToDepth(IntegerOp):
+    """[N, C, H, W] -> [N, C*b*b, H/b, W/b]: each b x b block of a channel becomes b*b channels."""
+
+    op_type = "SpaceToDepth"
+    shares_qparams = True
+
+    def derive(self, view: NodeView) -> BlockParams:
+        return BlockParams(_same(view, "SpaceToDepth"), int(view.attr("blocksize")), False)
+
+    def run(self, p: BlockParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        n, c, h, w = x.shape
+        b = p.block
+        blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+        return p.rescale(blocks.reshape(n, c * b * b, h // b, w // b))
+
+
+@register
+class DepthToSpace(IntegerOp):
+    """[N, C*b*b, H, W] -> [N, C, H*b, W*b], the channels read as (b, b, C) (DCR) or (C, b, b) (CRD)."""
+
+    op_type = "DepthToSpace"
+    shares_qparams = True
+
+    def derive(self, view: NodeView) -> BlockParams:
+        mode = view.attr("mode", "DCR")
+        if mode not in ("DCR", "CRD"):
+            raise Unsupported(f"DepthToSpace mode '{mode}'")
+        return BlockParams(_same(view, "DepthToSpace"), int(view.attr("blocksize")), mode == "CRD")
+
+    def run(self, p: BlockParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        n, c, h, w = x.shape
+        b = p.block
+        if p.crd:
+            moved = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+        else:
+            moved = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+        return p.rescale(moved.reshape(n, c // (b * b), h * b, w * b))
 
 
 @register
