@@ -93,12 +93,17 @@ class LookupTable(IntegerOp):
         y = per_tensor(y_qp, f"{self.op_type} output")
         if x.dtype not in TABLE_TYPES:
             raise Unsupported(f"a lookup table needs an 8- or 16-bit input, got {x.dtype}")
-        q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
-        real = dequantize_array(q, x).astype(np.float64)  # float32, as DequantizeLinear computes
-        table = quantize_real(self.f(real, view), y, view.rounding)
-        if q.size > 256:
+        table = self._table(x, y, view)
+        if table.size > 256:
             return LutParams(None, x.dtype, table)
         return LutParams(table, x.dtype)
+
+    def _table(self, x: QParams, y: QParams, view: NodeView) -> np.ndarray:
+        """``f`` on every value of ``x``'s type, in ``y``'s: the input dequantized in float32, as
+        DequantizeLinear computes, ``f`` in float64, rounded once."""
+        q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
+        real = dequantize_array(q, x).astype(np.float64)
+        return quantize_real(self.f(real, view), y, view.rounding)
 
     def _derive_channels(self, view: NodeView, x_qp: QParams, y_qp: QParams, channels: set) -> LutParams:
         """One 256-entry table per channel: channel c's input (S, Z) to its output's."""
@@ -106,12 +111,7 @@ class LookupTable(IntegerOp):
             raise Unsupported(f"{self.op_type} input and output have different channel counts")
         if x_qp.dtype not in ("int8", "uint8"):
             raise Unsupported("a table per channel needs an 8-bit input")
-        rows = []
-        for c in range(channels.pop()):
-            x, y = _channel(x_qp, c), _channel(y_qp, c)
-            q = np.arange(x.qmin, x.qmax + 1, dtype=np.int64)
-            real = dequantize_array(q, x).astype(np.float64)
-            rows.append(quantize_real(self.f(real, view), y, view.rounding))
+        rows = [self._table(_channel(x_qp, c), _channel(y_qp, c), view) for c in range(channels.pop())]
         return LutParams(None, x_qp.dtype, channel_tables=np.stack(rows))
 
     def elementwise(self, p: LutParams) -> bool:
