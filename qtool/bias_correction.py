@@ -296,7 +296,7 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
     fit, held = split_batches(float_model, data_path, fit_count, held_count, batch_size, preprocess)
     every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in CHANNEL_AXIS}
     qdq = replace(options, format="qdq", strict=False)
-    work, _ = quantize(model_path, table, qdq, table_name, every, rounded_weights, channel_ranges)
+    work, _ = quantize(model_path, table, qdq, table_name, every, rounded_weights, channel_ranges, scored_only=True)
     correction = correct_biases(float_model, work, fit, progress)
     if held is not None and correction.deltas:
         evaluator = Evaluator(float_model, held)
@@ -306,7 +306,7 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
         for factor in FACTORS:
             correction.factor = factor
             candidate, _ = quantize(model_path, table, qdq, table_name, correction.applied, rounded_weights,
-                                    channel_ranges)
+                                    channel_ranges, scored_only=True)
             correction.scores[factor] = db = evaluator.sqnr(candidate)
             if db > best_db:
                 best, best_db = factor, db

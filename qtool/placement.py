@@ -141,7 +141,8 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
 
     def build(chosen: list[str]) -> onnx.ModelProto:
         names = tuple(n for g in chosen for n in found[g])
-        return quantize(model_path, table, replace(options, int16=names, strict=False), table_name)[0]
+        return quantize(model_path, table, replace(options, int16=names, strict=False), table_name,
+                        scored_only=True)[0]
 
     models = {(): build([])}
     result.fit_int8_db = best = evaluator.sqnr(models[()])

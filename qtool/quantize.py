@@ -188,15 +188,18 @@ class QuantizeReport:
 
 def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = QuantizeOptions(),
              table_name: str = "table", bias_corrections: dict[str, np.ndarray] | None = None,
-             rounded_weights: dict | None = None,
-             channel_ranges: dict | None = None) -> tuple[onnx.ModelProto, QuantizeReport]:
+             rounded_weights: dict | None = None, channel_ranges: dict | None = None,
+             scored_only: bool = False) -> tuple[onnx.ModelProto, QuantizeReport]:
     """``bias_corrections``: node name -> float shift added to its bias before quantization (see
     qtool.bias_correction); a named Conv or ConvTranspose without a bias gets one.
     ``rounded_weights``: weight name -> ``qtool.rounding.Rounded``, integers fitted on the scales
     quantize gives the weight (used where those scales are the ones it gets).
     ``channel_ranges``: tensor -> (min, max) per channel (axis 1), for the 8-bit activations
     ``qtool.channels`` found that may take one (S, Z) per channel: each channel's range within the
-    table's range for the tensor."""
+    table's range for the tensor.
+    ``scored_only``: the model is a candidate a judged step only runs in onnxruntime to score
+    (QDQ): the executor's lowering, and what it gives (the float-op list, the hazards, the integer
+    parameters), are left out. They change no node of the graph, so the score is the same."""
     options.check()
     source = load_model(model_path)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
@@ -239,6 +242,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     if pixels is not None:
         rewritten.metadata_props.append(pixel_metadata(pixels[0], options.input_pixels, pixels[1]))
     _check(rewritten)
+    report.format = options.format
+    if scored_only and options.format == "qdq":
+        return rewritten, report
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
@@ -249,7 +255,6 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     params = integer_params(rewritten, executor)
     rewritten.metadata_props.append(onnx.StringStringEntryProto(
         key=PARAMS_KEY, value=json.dumps(params, separators=(",", ":"))))
-    report.format = options.format
     if options.format == "qoperator":
         converted = to_qoperator(rewritten, lookup_tables(executor))
         rewritten = converted.model

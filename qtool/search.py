@@ -370,7 +370,7 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
         tables[method] = calibrate(model_path, data_path, method, batch_size=calibrate_batch,
                                    progress=False, preprocess=preprocess)
     qdq_options = replace(options, format="qdq", strict=False)
-    built = {m: quantize(model_path, t, qdq_options, table_name, bias_corrections)
+    built = {m: quantize(model_path, t, qdq_options, table_name, bias_corrections, scored_only=True)
              for m, t in tables.items()}
     models = {m: model for m, (model, _) in built.items()}
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
@@ -517,7 +517,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
             fitted = table if method == table.method else collect(
                 model_path, data_path, method, batch_size=batch_size, progress=False,
                 preprocess=preprocess, feeds=fit).table()
-            models[method], _ = quantize(model_path, fitted, qdq_options, table_name)
+            models[method], _ = quantize(model_path, fitted, qdq_options, table_name, scored_only=True)
             pick.fit_db[method] = evaluator.sqnr(models[method])
             bar.update(1)
     best = max(candidates, key=lambda m: (pick.fit_db[m], m == table.method))

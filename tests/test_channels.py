@@ -177,3 +177,15 @@ def test_cli_step_report_bytes_and_refusals(made):
     assert_user_error(invoke("quantize", model, "-t", table, "-o", folder / "r.onnx", "--data", data,
                              "--channel-scales", "--target-sqnr", "20"),
                       "--channel-scales does not combine with the search")
+
+
+def test_a_scored_only_build_is_the_same_graph(made):
+    """The judged steps score candidates built without the executor's lowering and parameters
+    (``quantize(..., scored_only=True)``): the graph, what onnxruntime runs, is the same."""
+    _, model, data, _, table = made
+    ranges, _ = fit(model, table, QuantizeOptions(), "t", data, progress=False)
+    full, report = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges)
+    scored, _ = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges, scored_only=True)
+    assert full.graph.SerializeToString() == scored.graph.SerializeToString()
+    keys = {p.key for p in scored.metadata_props}
+    assert "qtool.params" in {p.key for p in full.metadata_props} and "qtool.params" not in keys
