@@ -148,17 +148,24 @@ def _replace(model: onnx.ModelProto, groups: list[tuple[list[onnx.NodeProto], on
     model.graph.node.extend(kept)
 
 
+def _written_axes(g: _Graph, node: onnx.NodeProto) -> tuple[int, ...] | None:
+    """A reduction's axes as written: the attribute, or from opset 18 a constant input; () where
+    none is given, None where the input is not a constant."""
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in g.inits:
+            return None
+        return tuple(int(a) for a in onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1))
+    return tuple(int(a) for a in next((helper.get_attribute_value(a) for a in node.attribute
+                                       if a.name == "axes"), []))
+
+
 def _reduced_axes(g: _Graph, node: onnx.NodeProto) -> tuple[int, ...] | None:
     """A ReduceMean's axes when it keeps dims and they are the last ones, counted from the end
     (-k, ..., -1); None otherwise (positive axes need the rank, which is not read here)."""
     if node.op_type != "ReduceMean":
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axes = attrs.get("axes")
-    if len(node.input) > 1 and node.input[1]:  # opset 18: an input
-        if node.input[1] not in g.inits:
-            return None
-        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    axes = _written_axes(g, node)
     if not axes or attrs.get("keepdims", 1) != 1:
         return None
     axes = tuple(sorted(int(a) for a in axes))
@@ -178,11 +185,7 @@ def _row_constant(g: _Graph, name: str, k: int) -> np.ndarray | None:
 def _raw_axes(g: _Graph, node: onnx.NodeProto) -> tuple[int, ...] | None:
     """A ReduceMean's axes as written (attribute or constant input) when it keeps dims."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axes = attrs.get("axes")
-    if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in g.inits:
-            return None
-        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    axes = _written_axes(g, node)
     if node.op_type != "ReduceMean" or not axes or attrs.get("keepdims", 1) != 1:
         return None
     return tuple(int(a) for a in axes)
@@ -278,12 +281,7 @@ def _row_mean(g: _Graph, name: str) -> tuple[str, int, float | None, list[onnx.N
     if node is None or node.op_type not in ("ReduceSum", "ReduceMean") or (node.op_type == "ReduceSum") != (
             scale is not None):
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axes = attrs.get("axes")
-    if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in g.inits:
-            return None
-        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
+    axes = _written_axes(g, node)
     if not axes or len(axes) != 1:
         return None
     return node.input[0], int(axes[0]), scale, [node, *nodes]
@@ -683,13 +681,8 @@ def fuse_gelu(model: onnx.ModelProto, matches) -> None:
 
 def _one_axis(g: _Graph, node: onnx.NodeProto) -> int | None:
     """The single axis a reduction reads (attribute or constant input), or None."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axes = attrs.get("axes")
-    if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in g.inits:
-            return None
-        axes = onnx.numpy_helper.to_array(g.inits[node.input[1]]).reshape(-1).tolist()
-    return int(axes[0]) if axes is not None and len(axes) == 1 else None
+    axes = _written_axes(g, node)
+    return axes[0] if axes is not None and len(axes) == 1 else None
 
 
 def _match_softmax(g: _Graph, div: onnx.NodeProto):
