@@ -86,7 +86,12 @@ def test_a_target_every_op_at_once_misses_is_not_ranked_for(demo_model, demo_tab
     assert set(result.phases) == {"quantize", "score", "judge"} and all(v >= 0 for v in result.phases.values())
     line = search_summary(report.search)
     assert f"every op int16 at once: {round(result.whole_db, 3)} dB, below the target: no ranking" in line
-    assert "(quantize " in line
+    # phases under 0.05 s are left out of the line (the demo's can be); the rest are named with their time
+    shown = {k: v for k, v in result.phases.items() if v >= 0.05}
+    assert all(f"{k} {v:.1f} s" in line for k, v in shown.items())
+    assert all(f"{k} " not in line.split(" runs in ")[1] for k in set(result.phases) - set(shown))
+    timed = search_summary({**report.search, "phases": {"quantize": 1.25, "score": 0.01, "judge": 3.0}})
+    assert timed.endswith("runs in {:.1f} s (quantize 1.2 s, judge 3.0 s)".format(report.search["seconds"]))
 
 
 def test_a_target_every_op_reaches_is_narrowed_without_scoring_them_all_again(demo_model, demo_table, demo_calib):
