@@ -59,7 +59,13 @@ def numpy_native(dtype) -> bool:
 def is_plain(dtype) -> bool:
     """A numpy dtype (or its name as ``str(dtype)`` gives it) the integer kernels take. Compared by
     name: ``np.dtype("int4")`` is numpy's 4-byte integer, not ml_dtypes' 4-bit one."""
-    return str(dtype) in PLAIN_TYPES
+    plain = _PLAIN_SEEN.get(dtype)  # str() of a numpy dtype is slow, and lowering asks often
+    if plain is None:
+        plain = _PLAIN_SEEN.setdefault(dtype, str(dtype) in PLAIN_TYPES)
+    return plain
+
+
+_PLAIN_SEEN: dict = {}
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,7 @@ class IntegerExecutor:
         self.output_names = [o.name for o in model.graph.output]
         self.input_names = [i.name for i in graph_inputs(model)]
         self.pixels = pixel_inputs(model)  # quantize --input-pixels: float data become pixels
+        self._qparams_memo: dict[tuple, QParams] = {}
         self.lowering = None  # _qparams_of, which QOperatorLowering calls, checks for it
         self.lowering = QOperatorLowering(model, self.constants, self.rounding, self.multiplier_bits,
                                           self._qparams_of)
@@ -176,7 +177,23 @@ class IntegerExecutor:
     def _qparams_of(self, node: onnx.NodeProto) -> QParams:
         """(S, Z) of a QuantizeLinear/DequantizeLinear node from its constant inputs. Raises
         ``Unsupported`` for the forms qtool/boundary.py computes instead (blocked, scales computed
-        at run time, types other than 8, 16 and 32-bit integers): no integer kernel takes them."""
+        at run time, types other than 8, 16 and 32-bit integers): no integer kernel takes them.
+
+        Lowering asks for a node's (S, Z) once per reader: kept, keyed by what decides them (its
+        constant inputs and attributes), when it has a zero point (else the type comes from
+        ``lowering``, which may learn it later)."""
+        key = None
+        if len(node.input) > 2 and node.input[2]:
+            key = (node.op_type, *node.input, *((a.name, a.i) for a in node.attribute))
+            known = self._qparams_memo.get(key)
+            if known is not None:
+                return known
+        qp = self._derive_qparams(node)
+        if key is not None:
+            self._qparams_memo[key] = qp
+        return qp
+
+    def _derive_qparams(self, node: onnx.NodeProto) -> QParams:
         attrs = node_attrs(node)
         if attrs.get("block_size", 0):
             raise Unsupported(f"'{node.input[0]}' is quantized in blocks of {attrs['block_size']}")

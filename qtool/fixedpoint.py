@@ -82,8 +82,17 @@ def quantize_multiplier(scale: float, bits: int = 32) -> tuple[int, int]:
 def quantize_multipliers(scales, bits: int = 32) -> Requant:
     """Per-channel ``quantize_multiplier``: int64 arrays shaped like ``scales``."""
     flat = np.asarray(scales, dtype=np.float64).reshape(-1)
-    pairs = [quantize_multiplier(s, bits) for s in flat]
     shape = np.shape(scales)
+    if bits == 32 and flat.size and np.all(np.isfinite(flat) & (flat > 0)):
+        # quantize_multiplier's 32-bit steps on every channel at once: frexp and the scaling by
+        # 2**31 are exact in float64, so the floor rounds the same value
+        m, e = np.frexp(flat)
+        multiplier = np.floor(m * 2.0**31 + 0.5).astype(np.int64)
+        carry = multiplier == 2**31
+        multiplier[carry] //= 2
+        rshift = 31 - (e.astype(np.int64) + carry)
+        return Requant(multiplier.reshape(shape), rshift.reshape(shape))
+    pairs = [quantize_multiplier(s, bits) for s in flat]
     multiplier = np.array([p[0] for p in pairs], dtype=np.int64).reshape(shape)
     rshift = np.array([p[1] for p in pairs], dtype=np.int64).reshape(shape)
     return Requant(multiplier, rshift)
@@ -221,7 +230,7 @@ class OffsetRequant:
 
 
 def offset_requant(bias, requant: Requant, zero_out, dtype: str, mode: str,
-                   x_bound) -> tuple[OffsetRequant, np.ndarray] | None:
+                   x_bound, exact: bool = False) -> tuple[OffsetRequant, np.ndarray] | None:
     """``OffsetRequant`` equal to ``saturate(requantize(x + bias, M, r, mode) + zero_out, dtype)``
     for every ``|x| <= x_bound``, and the channels whose ``x + bias`` may leave int32: the caller
     must scan those (``requantize`` raises there). None where no such form is proven.
@@ -230,14 +239,26 @@ def offset_requant(bias, requant: Requant, zero_out, dtype: str, mode: str,
     the offset) broadcast to one entry per channel. Checked per channel
     in Python integers: the mode is half_up; ``1 <= r <= 63`` (``x`` not always 0);
     ``|x * M| + |offset| < 2**63``, so no int64 step overflows.
+
+    The checks run on Python integers (``exact``), or on int64 where a float64 bound puts every
+    intermediate below 2**62: the same integers either way, the latter without Python's loops.
     """
     if mode != "half_up":
         return None
     arrays = [np.asarray(v, dtype=np.int64) for v in (bias, requant.multiplier, requant.rshift, x_bound)]
     shape = np.broadcast(*arrays).shape
-    # one entry per channel as Python integers (an object array: numpy runs the loops, the
-    # arithmetic is Python's, exact at any size, so no bound below can overflow while checked)
-    b, m, r, xb = (np.broadcast_to(a, shape).reshape(-1).astype(object) for a in arrays)
+    flat = [np.broadcast_to(a, shape).reshape(-1) for a in arrays]
+    per_channel = np.ndim(zero_out) > 0  # one zero point per channel: folded, or no form
+    if per_channel:
+        zero_out = np.broadcast_to(np.asarray(zero_out, dtype=np.int64), shape).reshape(-1)
+    if exact or not _int64_holds(*flat, zero_out):
+        # one entry per channel as Python integers (an object array: numpy runs the loops, the
+        # arithmetic is Python's, exact at any size, so no bound below can overflow while checked)
+        flat = [a.astype(object) for a in flat]
+        if per_channel:
+            zero_out = zero_out.astype(object)
+        exact = True
+    b, m, r, xb = flat
     unproven = np.flatnonzero(((b - xb) < INT32_MIN) | ((b + xb) > INT32_MAX))
     live = xb != 0  # a channel whose x is always 0 is a constant
     if np.any(live & ((r < 1) | (r > 63))):
@@ -248,31 +269,59 @@ def offset_requant(bias, requant: Requant, zero_out, dtype: str, mode: str,
     def fits(zero) -> bool:
         return bool(np.all(~live | (xb * np.abs(m) + np.abs(b * m + half + zero * scale) < 2**63)))
 
-    per_channel = np.ndim(zero_out) > 0  # one zero point per channel: folded, or no form
-    if per_channel:
-        zero_out = np.broadcast_to(np.asarray(zero_out, dtype=np.int64), shape).reshape(-1).astype(object)
     fold = fits(zero_out)
     if not fold and (per_channel or not fits(0)):
         return None
     zero = zero_out if fold else 0
-    constants = np.zeros(len(b), dtype=object)
-    for c in np.flatnonzero(~live):  # x is 0: the channel's output is its bias requantized
-        if INT32_MIN <= b[c] <= INT32_MAX:
-            constants[c] = int(requantize(np.array([b[c]], dtype=np.int64), m[c], r[c], mode)[0])
+    constants = np.zeros(len(b), dtype=object if exact else np.int64)
+    # x is 0: the channel's output is its bias requantized
+    dead = np.flatnonzero(~live & (b >= INT32_MIN) & (b <= INT32_MAX))
+    if dead.size:
+        values = requantize(np.array(b[dead].tolist(), dtype=np.int64), np.array(m[dead].tolist(), dtype=np.int64),
+                            np.array(r[dead].tolist(), dtype=np.int64), mode)
+        constants[dead] = values.tolist()
     multiplier = np.where(live, m, 0)
     offset = np.where(live, b * m + half + zero * scale, constants + zero)
     rshift = np.where(live, r, 0)
     # One shift for every channel where the int64 bound allows: floor(v / 2**r) equals
     # floor(v * 2**k / 2**(r + k)), and numpy shifts by a scalar about twice as fast.
-    common = max(rshift)
-    scaled_m, scaled_o = np.left_shift(multiplier, common - rshift), np.left_shift(offset, common - rshift)
-    if np.all(xb * np.abs(scaled_m) + np.abs(scaled_o) < 2**63):
-        multiplier, offset, rshift = scaled_m, scaled_o, common
+    common = np.max(rshift)
+    if _common_shift_fits(xb, multiplier, offset, common - rshift, exact):
+        multiplier, offset = np.left_shift(multiplier, common - rshift), np.left_shift(offset, common - rshift)
+        rshift = common
     fields = [np.array(v.tolist(), dtype=np.int64).reshape(shape) for v in (multiplier, offset)]
     fields.append(np.int64(rshift) if np.ndim(rshift) == 0 else
                   np.array(rshift.tolist(), dtype=np.int64).reshape(shape))
     return (OffsetRequant(*fields, zero_out=0 if fold else zero_out, dtype=str(np.dtype(dtype))),
             np.array(unproven, dtype=np.int64))
+
+
+def _int64_holds(bias, multiplier, rshift, x_bound, zero_out) -> bool:
+    """Every product, sum and shift ``offset_requant`` forms stays below 2**62 in magnitude, by a
+    float64 bound (its relative error, under 2**-50, is far inside the factor 2 left over)."""
+    if not bias.size:
+        return False
+    top = lambda a: float(np.max(np.abs(np.asarray(a, dtype=np.float64))))  # noqa: E731
+    if int(np.max(rshift)) > 61 or int(np.min(rshift)) < -63:
+        return False
+    b, m, xb, z = top(bias), top(multiplier), top(x_bound), top(zero_out)
+    return (xb * m + b * m + (z + 1.0) * 2.0 ** int(np.max(rshift)) < 2.0**62) and b + xb < 2.0**62
+
+
+def _common_shift_fits(xb, multiplier, offset, k, exact: bool) -> bool:
+    """``|x * M| + |offset| < 2**63`` with ``M`` and ``offset`` shifted left by ``k`` per channel.
+    On int64 a float64 bound decides where it is clearly inside (below 2**62) or outside (2**64
+    and up); between the two, and in ``exact`` mode, Python integers do."""
+    if not exact:
+        bound = ((np.asarray(xb, dtype=np.float64) * np.abs(multiplier.astype(np.float64))
+                  + np.abs(offset.astype(np.float64))) * np.exp2(k.astype(np.float64)))
+        if np.all(bound < 2.0**62):
+            return True
+        if np.any(bound >= 2.0**64):
+            return False
+        xb, multiplier, offset, k = (a.astype(object) for a in (xb, multiplier, offset, k))
+    scaled_m, scaled_o = np.left_shift(multiplier, k), np.left_shift(offset, k)
+    return bool(np.all(xb * np.abs(scaled_m) + np.abs(scaled_o) < 2**63))
 
 
 def saturate(x, dtype: str) -> np.ndarray:

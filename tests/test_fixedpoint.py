@@ -70,6 +70,22 @@ def test_per_channel_multipliers_match_scalar():
     assert r.rshift.tolist() == [34, 30, 29, 70]
 
 
+def test_per_channel_multipliers_are_the_scalar_ones_at_every_exponent_and_at_the_carry():
+    # the vectorized 32-bit path against quantize_multiplier one scale at a time, over 90 octaves,
+    # the mantissas just under 1 (the multiplier rounds up to 2**31 and halves) and a 2-D shape
+    rng = np.random.default_rng(0)
+    below_one = np.nextafter(1.0, 0.0) * 2.0 ** np.arange(-20, 20)
+    for scales in (np.exp(rng.uniform(-60, 30, 2000)), below_one, np.float32(rng.uniform(0, 1, (3, 5)) + 1e-6)):
+        r = quantize_multipliers(scales)
+        pairs = [quantize_multiplier(s) for s in np.ravel(scales)]
+        assert r.multiplier.shape == r.rshift.shape == np.shape(scales)
+        assert r.multiplier.ravel().tolist() == [m for m, _ in pairs]
+        assert r.rshift.ravel().tolist() == [s for _, s in pairs]
+    assert quantize_multipliers(below_one).multiplier.tolist() == [2**30] * len(below_one)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        quantize_multipliers(np.array([0.5, 0.0]))
+
+
 scales = st.floats(min_value=1e-30, max_value=2.0**31 - 1, allow_nan=False, allow_infinity=False)
 
 
@@ -208,6 +224,44 @@ def test_offset_requant_equals_requantize_within_its_bound(channels, zero_out, d
     want = _reference_tail(x[rows], bias[rows, None], multiplier[rows, None], rshift[rows, None], zero_out,
                            dtype)
     assert got.dtype == np.dtype(dtype) and got.tolist() == want.tolist()
+
+
+def _same_offset_requant(args, zero_out):
+    fast, exact = (offset_requant(*args[:2], zero_out, *args[2:], exact=e) for e in (False, True))
+    assert (fast is None) == (exact is None)
+    if fast is not None:
+        (a, ua), (b, ub) = fast, exact
+        for field in ("multiplier", "offset", "rshift"):
+            assert np.asarray(getattr(a, field)).tolist() == np.asarray(getattr(b, field)).tolist(), field
+            assert np.asarray(getattr(a, field)).dtype == np.int64
+        assert (a.zero_out == b.zero_out if np.ndim(a.zero_out) == 0 else
+                np.asarray(a.zero_out).tolist() == np.asarray(b.zero_out).tolist())
+        assert a.dtype == b.dtype and ua.tolist() == ub.tolist()
+    return fast
+
+
+@settings(max_examples=400)
+@given(st.lists(st.tuples(int32, st.integers(1, 2**31 - 1), st.integers(1, 63),
+                          st.one_of(st.integers(0, 2**24), st.integers(2**24, 2**40))), min_size=1, max_size=6),
+       st.one_of(st.integers(-2**15, 2**16), st.lists(st.integers(-128, 255), min_size=6, max_size=6)))
+def test_offset_requant_on_int64_builds_what_python_integers_build(channels, zero_out):
+    # the int64 path (taken where a float bound keeps everything under 2**62) and the Python
+    # integers give the same fields, and the same None, on both sides of every bound
+    bias, multiplier, rshift, bound = (np.array(v, dtype=np.int64) for v in zip(*channels))
+    if isinstance(zero_out, list):
+        zero_out = np.array(zero_out[:len(bias)], dtype=np.int64)
+    _same_offset_requant((bias, Requant(multiplier, rshift), "int16", "half_up", bound), zero_out)
+
+
+def test_offset_requant_on_int64_for_a_conv_as_lowered():
+    # the usual sizes (a 31-bit multiplier, shifts 35-45, a bound of 2**20): the int64 path is
+    # taken, the common shift applies, and the result is the Python integers' one
+    rng = np.random.default_rng(3)
+    bias = rng.integers(-2**20, 2**20, 64)[:, None, None]
+    requant = Requant(rng.integers(2**30, 2**31, 64)[:, None, None], rng.integers(35, 46, 64)[:, None, None])
+    built = _same_offset_requant((bias, requant, "int8", "half_up", np.full((64, 1, 1), 2**20)),
+                                 rng.integers(-128, 128, 64)[:, None, None])
+    assert built is not None and np.ndim(built[0].rshift) == 0 and built[0].offset.shape == (64, 1, 1)
 
 
 def test_offset_requant_worst_cases():
