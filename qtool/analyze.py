@@ -16,8 +16,10 @@ each variant computes exactly what its graph says.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,7 +280,29 @@ class Evaluator:
     input (the logits) instead, and where an output joins tensors (a Concat, qtool/joins.py) each
     part on its own. A detector whose boxes survive while its class scores are lost scores low."""
 
+    # The judged steps of quantize --data each build the evaluators of the same fit and held-out
+    # samples, and score the model a step left unchanged again: the float references and the
+    # scores are kept by content (the float model's bytes, the samples' bytes, the scored
+    # model's bytes), so a second evaluator or score of the same things costs a hash.
+    _KEPT: OrderedDict = OrderedDict()
+    KEPT_EVALUATORS = 4
+    KEPT_SCORES = 64
+
     def __init__(self, float_model: onnx.ModelProto, batches: list[dict]):
+        key = (_digest(float_model.SerializeToString()), _batches_digest(batches))
+        kept = self._KEPT.get(key)
+        if kept is not None:
+            self._KEPT.move_to_end(key)
+            self.__dict__.update(kept)
+            self.batches = batches
+            return
+        self._build(float_model, batches)
+        self._scores = OrderedDict()
+        self._KEPT[key] = {k: v for k, v in self.__dict__.items() if k != "batches"}
+        while len(self._KEPT) > self.KEPT_EVALUATORS:
+            self._KEPT.popitem(last=False)
+
+    def _build(self, float_model: onnx.ModelProto, batches: list[dict]) -> None:
         self.batches = batches
         self.items = scored_items(float_model)  # (label, node whose input 0 is scored | None, output)
         joins = {name: join for name, join in find_joins(float_model).items()
@@ -348,6 +372,14 @@ class Evaluator:
 
     def scores(self, model: onnx.ModelProto) -> list[float]:
         """The SQNR of each scored piece (an output, its logits, or one part of a join)."""
+        key = _digest(model.SerializeToString())
+        if key not in self._scores:
+            self._scores[key] = self._score(model)
+            while len(self._scores) > self.KEPT_SCORES:
+                self._scores.popitem(last=False)
+        return list(self._scores[key])
+
+    def _score(self, model: onnx.ModelProto) -> list[float]:
         got = self.outputs(model)
         out = []
         for piece in self.pieces:
@@ -361,6 +393,25 @@ class Evaluator:
 
     def sqnr(self, model: onnx.ModelProto) -> float:
         return min(self.scores(model))
+
+
+def _batches_digest(batches: list[dict]) -> bytes:
+    """The batches' names, types, shapes and values, in order."""
+    chunks = []
+    for feeds in batches:
+        for name, value in feeds.items():
+            value = np.ascontiguousarray(value)
+            chunks += [name.encode(), f"{value.dtype.str}{value.shape}".encode(), value.tobytes()]
+        chunks.append(b"/")
+    return _digest(*chunks)
+
+
+def _digest(*chunks: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=20)
+    for chunk in chunks:
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+    return h.digest()
 
 
 def scored_items(model: onnx.ModelProto) -> list[tuple[str, str | None, str]]:

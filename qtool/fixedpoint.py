@@ -331,10 +331,17 @@ def saturate(x, dtype: str) -> np.ndarray:
 
 
 def int_range(dtype: str) -> tuple[int, int]:
+    known = _RANGE_OF.get(dtype)  # np.dtype() and str() of it take microseconds: remembered
+    if known is not None:
+        return known
     try:
-        return _INT_RANGES[str(np.dtype(dtype))]
+        found = _INT_RANGES[str(np.dtype(dtype))]
     except KeyError:
         raise ValueError(f"unsupported integer type {dtype!r}; choose one of {', '.join(_INT_RANGES)}")
+    return _RANGE_OF.setdefault(dtype, found)
+
+
+_RANGE_OF: dict = {}
 
 
 def bit_length(x) -> np.ndarray:

@@ -125,3 +125,33 @@ def test_a_large_model_is_scored_in_groups_first(demo, demo_model, demo_heldout,
     assert f"{grouped.skipped} ops in groups that gained at most" in text and "--all-ops" in text
     assert analyze(demo_model, qmodel, demo_heldout, num_samples=64, batch_size=64, progress=False,
                    every_op=True).to_dict() == every.to_dict()
+
+
+def test_an_evaluator_of_the_same_samples_and_a_score_of_the_same_model_are_not_run_again(
+        demo, demo_model, demo_heldout, monkeypatch):
+    # quantize --data's steps build evaluators of the same samples and score unchanged models
+    # again: the second costs a hash. Other samples, another float model or another scored model
+    # run anew, and what is kept equals what a run gives.
+    float_model, qmodel = demo[0], demo[1]
+    x = np.load(demo_heldout)["input"]
+    batches = [{"input": x[:8]}, {"input": x[8:16]}]
+    runs = []
+    original = Evaluator._run
+    monkeypatch.setattr(Evaluator, "_run", lambda self, *a: runs.append(1) or original(self, *a))
+    monkeypatch.setattr(Evaluator, "_KEPT", type(Evaluator._KEPT)())
+    first = Evaluator(float_model, batches)
+    db = first.sqnr(qmodel)
+    assert len(runs) == 2  # the references, then the model
+    again = Evaluator(float_model, [{"input": x[:8].copy()}, {"input": x[8:16].copy()}])
+    assert again.sqnr(qmodel) == db and len(runs) == 2
+    other = Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}])
+    assert len(runs) == 3
+    changed = onnx.ModelProto()
+    changed.CopyFrom(qmodel)
+    changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
+    changed_db = again.sqnr(changed)
+    assert len(runs) == 4 and changed_db != db
+    other_db = other.sqnr(qmodel)
+    monkeypatch.setattr(Evaluator, "_KEPT", type(Evaluator._KEPT)())
+    assert Evaluator(float_model, batches).sqnr(qmodel) == db
+    assert Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}]).sqnr(qmodel) == other_db
