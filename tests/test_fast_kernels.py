@@ -435,3 +435,42 @@ def test_int16_beside_a_constant_is_looked_up_by_its_65536_entry_table(numba_on,
     # operands it does not take: two full tensors, a constant with more axes than the input
     assert lookup_with_scalar(_add, add, x, x) is None
     assert lookup_with_scalar(_add, add, x[0, 0, 0], np.zeros((1, 1, 1, 1), np.int16)) is None
+
+
+@needs_numba
+@pytest.mark.parametrize("in_type, out_type", [("int8", "int8"), ("uint8", "uint8"), ("int16", "int16"),
+                                               ("int8", "int16")])
+@pytest.mark.parametrize("opset, axis, shape", [(14, -1, (3, 4, 17)), (14, 2, (2, 3, 1)), (11, 1, (2, 3, 5)),
+                                                (11, 2, (2, 3, 4, 5)), (14, 1, (2, 6, 5))])
+def test_compiled_softmax_equals_the_numpy_form(in_type, out_type, opset, axis, shape, monkeypatch):
+    # the attention Softmax of the executor: one compiled pass against _softmax (numpy), on
+    # random rows, rows at the extremes of the input type, 8- and 32-bit multipliers; an axis
+    # other than the last (opset 13 on) keeps the numpy form
+    from onnx import helper
+
+    from qtool.ops import NodeView, Operand
+    from qtool.ops.softmax import Softmax, _softmax
+    from qtool.qparams import QParams
+
+    rng = np.random.default_rng(sum(shape) + opset)
+    info = np.iinfo(in_type)
+    x = QParams(np.float32(0.05 if in_type != "int16" else 0.0004), 0 if in_type != "uint8" else 131, in_type)
+    y = (QParams(np.float32(1 / 255), -128 if out_type == "int8" else 0, out_type) if out_type != "int16"
+         else QParams(np.float32(1 / 32767), 0, "int16"))
+    q = rng.integers(info.min, int(info.max) + 1, size=shape).astype(in_type)
+    q.reshape(-1)[:3] = (info.min, info.max, info.max)  # a tie for the largest, the widest span
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=axis)
+    for bits in (32, 8):
+        params = Softmax().derive(NodeView(node, [Operand(x)], y, opset=opset, multiplier_bits=bits))
+        want = _softmax(params, q)
+        fast = compiled.softmax(params, q)
+        if opset >= 13 and axis % len(shape) != len(shape) - 1:
+            assert fast is None
+        else:
+            assert fast is not None and fast.dtype == want.dtype and np.array_equal(fast, want)
+        assert np.array_equal(Softmax().run(params, q), want)
+        monkeypatch.setattr(compiled, "ENABLED", False)
+        assert compiled.softmax(params, q) is None and np.array_equal(Softmax().run(params, q), want)
+        monkeypatch.setattr(compiled, "ENABLED", True)
+    other = dataclasses.replace(params, rounding="half_to_even")
+    assert compiled.softmax(other, q) is None

@@ -124,3 +124,26 @@ def mul_int16(a, b, zero_a, zero_b, multiplier, rshift, zero_out):  # pragma: no
     acc = (np.int64(a) - zero_a) * (np.int64(b) - zero_b) * multiplier
     y = ((acc + (np.int64(1) << (rshift - 1))) >> rshift) + zero_out
     return np.int16(min(max(y, -32768), 32767))
+
+
+@numba.njit(nogil=True, cache=True)
+def softmax_rows(x, table, multiplier, rshift, zero, lo, hi, out):  # pragma: no cover
+    """qtool/ops/softmax.py's integer Softmax along the last axis of [rows, L] ``x`` (half_up,
+    ``1 <= rshift <= 63``): ``E = table[q - max + span]``, ``floor(E * M / sum E)``, the rounding
+    shift, ``Z_y`` and saturation, a row at a time in one buffer. ``E <= 2**30`` and
+    ``M < 2**31``, so ``E * M`` and the added half stay below 2**62."""
+    rows, length = x.shape
+    span = table.size - 1
+    half = np.int64(1) << (rshift - 1)
+    e = np.empty(length, dtype=np.int64)
+    for i in range(rows):
+        top = np.int64(x[i, 0])
+        for j in range(1, length):
+            top = max(top, np.int64(x[i, j]))
+        total = np.int64(0)
+        for j in range(length):
+            e[j] = table[np.int64(x[i, j]) - top + span]
+            total += e[j]
+        for j in range(length):
+            ratio = e[j] * multiplier // total
+            out[i, j] = min(max(((ratio + half) >> rshift) + zero, lo), hi)

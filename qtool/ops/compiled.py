@@ -186,6 +186,25 @@ def mul_levels(p, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     return _loops.mul_int16(a, b, p.zero_a, p.zero_b, p.multiplier, p.rshift, p.zero_out)
 
 
+def softmax(p, x: np.ndarray) -> np.ndarray | None:
+    """qtool/ops/softmax.py's ``_softmax`` without hidden positions, along the last axis (after
+    the flattening of opsets before 13), half_up, a shift of 1 to 63, as one compiled pass; None
+    where numba is missing or the case is another. The same integers: the table, the floor
+    division and the rounding shift of the numpy form, element by element."""
+    axis = p.axis % max(x.ndim, 1)
+    if not available() or p.rounding != "half_up" or not 1 <= p.rshift <= 63 or x.ndim == 0 \
+            or (not p.flatten and axis != x.ndim - 1) or x.size == 0:
+        return None
+    rows = x.reshape(-1, x.shape[-1]) if not p.flatten else x.reshape(int(np.prod(x.shape[:axis])), -1)
+    from ..fixedpoint import int_range
+
+    lo, hi = int_range(p.dtype)
+    out = np.empty(rows.shape, dtype=p.dtype)
+    _loops.softmax_rows(np.ascontiguousarray(rows), p.exp_values, np.int64(p.multiplier), np.int64(p.rshift),
+                        np.int64(p.zero_out), np.int64(lo), np.int64(hi), out)
+    return out.reshape(x.shape)
+
+
 def requantizer(exact):
     """``exact`` (an ``OffsetRequant``) compiled where numba is installed, else ``exact`` itself."""
     return CompiledRequant(exact) if available() else exact

@@ -28,6 +28,7 @@ from ..fixedpoint import quantize_multiplier, rounding_rshift, saturate
 from ..masks import masked_positions
 from ..qparams import dequantize_array
 from . import NOT_DUMPED, IntegerOp, NodeView, Unsupported, check_integer, per_tensor, register
+from . import compiled
 from .lut import TABLE_TYPES
 
 EXP_BITS = 30
@@ -83,6 +84,11 @@ class Softmax(IntegerOp):
                              table if wide else None)
 
     def run(self, p: SoftmaxParams, x: np.ndarray) -> np.ndarray:
+        check_integer(x)
+        if x.dtype == np.dtype(p.in_dtype):
+            fast = compiled.softmax(p, x)
+            if fast is not None:
+                return fast
         return _softmax(p, x)
 
 
