@@ -289,8 +289,10 @@ class Evaluator:
     KEPT_SCORES = 64
 
     def __init__(self, float_model: onnx.ModelProto, batches: list[dict]):
-        key = (_digest(float_model.SerializeToString()), _batches_digest(batches))
-        kept = self._KEPT.get(key)
+        key = _batches_digest(batches)
+        if key is not None:
+            key = (_digest(float_model.SerializeToString()), key)
+        kept = None if key is None else self._KEPT.get(key)
         if kept is not None:
             self._KEPT.move_to_end(key)
             self.__dict__.update(kept)
@@ -298,6 +300,12 @@ class Evaluator:
             return
         self._build(float_model, batches)
         self._scores = OrderedDict()
+        if key is None:
+            return
+        # shared with every later evaluator of these samples: read-only
+        for value in [v for run in self.reference for v in run] + [w for _, where in self.pieces for w in where]:
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
         self._KEPT[key] = {k: v for k, v in self.__dict__.items() if k != "batches"}
         while len(self._KEPT) > self.KEPT_EVALUATORS:
             self._KEPT.popitem(last=False)
@@ -395,12 +403,15 @@ class Evaluator:
         return min(self.scores(model))
 
 
-def _batches_digest(batches: list[dict]) -> bytes:
-    """The batches' names, types, shapes and values, in order."""
+def _batches_digest(batches: list[dict]) -> bytes | None:
+    """The batches' names, types, shapes and values, in order; None where a value is no plain
+    array (an object array's bytes are addresses)."""
     chunks = []
     for feeds in batches:
         for name, value in feeds.items():
             value = np.ascontiguousarray(value)
+            if value.dtype.hasobject:
+                return None
             chunks += [name.encode(), f"{value.dtype.str}{value.shape}".encode(), value.tobytes()]
         chunks.append(b"/")
     return _digest(*chunks)

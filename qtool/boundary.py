@@ -59,7 +59,10 @@ def numpy_native(dtype) -> bool:
 def is_plain(dtype) -> bool:
     """A numpy dtype (or its name as ``str(dtype)`` gives it) the integer kernels take. Compared by
     name: ``np.dtype("int4")`` is numpy's 4-byte integer, not ml_dtypes' 4-bit one."""
-    plain = _PLAIN_SEEN.get(dtype)  # str() of a numpy dtype is slow, and lowering asks often
+    try:
+        plain = _PLAIN_SEEN.get(dtype)  # str() of a numpy dtype is slow, and lowering asks often
+    except TypeError:  # unhashable: asked as it is
+        return str(dtype) in PLAIN_TYPES
     if plain is None:
         plain = _PLAIN_SEEN.setdefault(dtype, str(dtype) in PLAIN_TYPES)
     return plain

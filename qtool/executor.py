@@ -190,6 +190,9 @@ class IntegerExecutor:
                 return known
         qp = self._derive_qparams(node)
         if key is not None:
+            for value in (qp.scale, qp.zero_point):  # per channel: one array for every reader
+                if isinstance(value, np.ndarray):
+                    value.flags.writeable = False
             self._qparams_memo[key] = qp
         return qp
 

@@ -331,14 +331,19 @@ def saturate(x, dtype: str) -> np.ndarray:
 
 
 def int_range(dtype: str) -> tuple[int, int]:
-    known = _RANGE_OF.get(dtype)  # np.dtype() and str() of it take microseconds: remembered
+    try:
+        known = _RANGE_OF.get(dtype)  # np.dtype() and str() of it take microseconds: remembered
+    except TypeError:  # unhashable: looked up as it is
+        known, dtype_key = None, None
+    else:
+        dtype_key = dtype
     if known is not None:
         return known
     try:
         found = _INT_RANGES[str(np.dtype(dtype))]
     except KeyError:
         raise ValueError(f"unsupported integer type {dtype!r}; choose one of {', '.join(_INT_RANGES)}")
-    return _RANGE_OF.setdefault(dtype, found)
+    return found if dtype_key is None else _RANGE_OF.setdefault(dtype_key, found)
 
 
 _RANGE_OF: dict = {}

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtool.fixedpoint import (INT32_MAX, INT32_MIN, ROUNDING_MODES, Requant, offset_requant,
+from qtool.fixedpoint import (INT32_MAX, INT32_MIN, ROUNDING_MODES, Requant, _int64_holds, offset_requant,
                               quantize_multiplier, quantize_multipliers, requantize, rounding_rshift,
                               saturate)
 
@@ -251,17 +251,29 @@ def test_offset_requant_on_int64_builds_what_python_integers_build(channels, zer
     if isinstance(zero_out, list):
         zero_out = np.array(zero_out[:len(bias)], dtype=np.int64)
     _same_offset_requant((bias, Requant(multiplier, rshift), "int16", "half_up", bound), zero_out)
+    # both paths are reached: small cases go through int64, the largest through Python integers
+    if int(bound.max()) <= 2**24 and np.abs(bias).max() < 2**28 and int(rshift.max()) <= 40 \
+            and np.max(np.abs(zero_out)) < 2**16:  # under 2**55 + 2**59 + 2**56
+        assert _int64_holds(bias, multiplier, rshift, bound, zero_out)
+    if int(bound.max()) * 2**31 > 2**62 and int(multiplier.max()) > 2**30:
+        assert not _int64_holds(bias, multiplier, rshift, bound, zero_out)
 
 
-def test_offset_requant_on_int64_for_a_conv_as_lowered():
+def test_offset_requant_on_int64_for_a_conv_as_lowered(monkeypatch):
     # the usual sizes (a 31-bit multiplier, shifts 35-45, a bound of 2**20): the int64 path is
     # taken, the common shift applies, and the result is the Python integers' one
+    import qtool.fixedpoint as fixedpoint
+
+    taken = []
+    original = fixedpoint._int64_holds
+    monkeypatch.setattr(fixedpoint, "_int64_holds", lambda *a: taken.append(original(*a)) or taken[-1])
     rng = np.random.default_rng(3)
     bias = rng.integers(-2**20, 2**20, 64)[:, None, None]
     requant = Requant(rng.integers(2**30, 2**31, 64)[:, None, None], rng.integers(35, 46, 64)[:, None, None])
     built = _same_offset_requant((bias, requant, "int8", "half_up", np.full((64, 1, 1), 2**20)),
                                  rng.integers(-128, 128, 64)[:, None, None])
     assert built is not None and np.ndim(built[0].rshift) == 0 and built[0].offset.shape == (64, 1, 1)
+    assert taken == [True]  # the default call went through int64 (the exact one does not ask)
 
 
 def test_offset_requant_worst_cases():
