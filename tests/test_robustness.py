@@ -303,7 +303,7 @@ CASES = [
          {}, ["--keep-float: 'conv9' is neither an op type nor a node name of the prepared model"]),
     Case("verify-bad-tolerance", [*VER, "--tolerance", "abc"], {}, ["tolerance", "'abc'"]),
     Case("console-non-integer-num-samples", [*CAL, "--num-samples", "many"], {},
-         ["Invalid value for '--num-samples'", "valid integer"], console=True),
+         ["Invalid value for '--num-samples'", "is not a valid int"], console=True),
     Case("console-merge-without-files", ["merge", "-o", "{tmp}/t.yaml"], {},
          ["Missing argument"], console=True),
 
