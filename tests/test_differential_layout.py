@@ -119,6 +119,15 @@ CASES = {
     "resize_linear_align_sizes": (helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear",
                                                    coordinate_transformation_mode="align_corners"),
                                   {"x": (8, 2, 5, 7)}, {"sizes": _i64(8, 2, 9, 4)}, False),
+    "resize_cubic_2x": (helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic"),
+                        {"x": (8, 3, 5, 6)}, {"scales": _f32(1, 1, 2, 2)}, False),
+    "resize_cubic_odd_exclude": (helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic",
+                                                  coordinate_transformation_mode="pytorch_half_pixel",
+                                                  cubic_coeff_a=-0.5, exclude_outside=1),
+                                 {"x": (8, 3, 6, 5)}, {"scales": _f32(1, 1, 1.7, 0.6)}, False),
+    "resize_cubic_align_sizes": (helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="cubic",
+                                                  coordinate_transformation_mode="align_corners"),
+                                 {"x": (8, 2, 5, 7)}, {"sizes": _i64(8, 2, 9, 4)}, False),
     "convtranspose_bias_pads": (
         helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1],
                          output_padding=[1, 1]),
@@ -204,7 +213,8 @@ def test_single_op_matches_onnxruntime(tmp_path, case, symmetric, bits):
     qmodel, data = _quantize(tmp_path, node, inputs, inits, symmetric, bits)
     seen = {}
     executor, diffs = step_differences(qmodel, data, seen)
-    ties = rounding_ties(qmodel, executor, node, inits, seen) if case.startswith("resize_linear") else None
+    ties = rounding_ties(qmodel, executor, node, inits, seen) if case.startswith(("resize_linear", "resize_cubic")) \
+        else None
     _check(case, executor, diffs, node, bits, moves_only, ties)
 
 
@@ -230,6 +240,20 @@ def test_resize_nearest_modes_move_data_exactly(tmp_path, coordinate, nearest_mo
 def test_resize_linear_modes_within_one_lsb(tmp_path, coordinate, scales):
     node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear",
                             coordinate_transformation_mode=coordinate)
+    inits = {"scales": _f32(*scales)}
+    qmodel, data = _quantize(tmp_path, node, {"x": (4, 2, 6, 5)}, inits, False, 32)
+    seen = {}
+    executor, diffs = step_differences(qmodel, data, seen)
+    ties = rounding_ties(qmodel, executor, node, inits, seen)
+    _check(coordinate, executor, diffs, node, 32, False, ties)
+
+
+@pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 1.5, 0.7), (1, 1, 0.5, 3)])
+@pytest.mark.parametrize("coordinate", COORDINATE_MODES)
+@pytest.mark.parametrize("exclude_outside", [0, 1])
+def test_resize_cubic_modes_within_one_lsb(tmp_path, coordinate, scales, exclude_outside):
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic",
+                            coordinate_transformation_mode=coordinate, exclude_outside=exclude_outside)
     inits = {"scales": _f32(*scales)}
     qmodel, data = _quantize(tmp_path, node, {"x": (4, 2, 6, 5)}, inits, False, 32)
     seen = {}

@@ -10,7 +10,8 @@ from qtool.ops import REGISTRY, NodeView, Operand, Rescale, Unsupported, Weight
 from qtool.ops.convtranspose import ConvTransposeParams
 from qtool.ops.gemm import ActMatMulParams
 from qtool.ops.layout import PadParams, SliceParams, SplitParams, pad_value
-from qtool.ops.resize import FRACTION_BITS, linear_taps, nearest_index, original_coordinates
+from qtool.ops.resize import (CUBIC_BITS, FRACTION_BITS, cubic_coefficients, cubic_taps, linear_taps, nearest_index,
+                              original_coordinates)
 from qtool.qparams import QParams
 
 IDENTITY = Rescale(0, 0, None, "half_up", "int8")
@@ -229,7 +230,7 @@ def test_resize_linear_lsb_bound_on_random_data():
 
 def test_resize_unsupported_forms():
     op = REGISTRY["Resize"]
-    for attrs, reason in [({"mode": b"cubic"}, "cubic"),
+    for attrs, reason in [({"mode": b"area"}, "area"),
                           ({"coordinate_transformation_mode": b"tf_crop_and_resize"}, "tf_crop"),
                           ({"antialias": 1}, "antialias")]:
         node = helper.make_node("Resize", ["x", "", "scales"], ["y"])
@@ -238,8 +239,54 @@ def test_resize_unsupported_forms():
     node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
     with pytest.raises(Unsupported, match="last two axes"):
         op.derive(_view(node, [X, None, _raw(np.float32([1, 2, 2, 2]))], Y))
+    cubic = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic")
+    with pytest.raises(Unsupported, match="cubic Resize only on the last two axes"):
+        op.derive(_view(cubic, [X, None, _raw(np.float32([1, 2, 2, 2]))], Y))
     with pytest.raises(Unsupported, match="constant"):
         op.derive(_view(node, [X, None, Operand(None, None)], Y))
+
+
+def test_cubic_weights_by_hand():
+    # a = -0.75 at t = 0.5: (-0.09375, 0.59375, 0.59375, -0.09375); t = 0: (0, 1, 0, 0); the rows
+    # sum to 2**CUBIC_BITS exactly, the largest weight taking the rounding remainder
+    w = cubic_coefficients(np.array([0.5, 0.0, 0.25]), -0.75)
+    assert np.allclose(w[0], [-0.09375, 0.59375, 0.59375, -0.09375]) and w[1].tolist() == [0, 1, 0, 0]
+    assert np.allclose(w.sum(axis=1), 1.0)
+    index, iw = cubic_taps(np.float32([-0.25, 0.5, 2.75]), 3, -0.75, False)
+    assert index.tolist() == [[0, 0, 0, 1], [0, 0, 1, 2], [1, 2, 2, 2]]  # clamped to the edges
+    assert (iw.sum(axis=1) == 2**CUBIC_BITS).all()
+    # exclude_outside: taps beyond the input weigh 0, the rest scaled to sum to 1
+    index, iw = cubic_taps(np.float32([0.5]), 3, -0.75, True)
+    assert iw[0, 0] == 0 and iw.sum() == 2**CUBIC_BITS
+    assert abs(iw[0, 1] / 2**CUBIC_BITS - 0.59375 / (1 + 0.09375)) < 2**-CUBIC_BITS
+
+
+def test_resize_cubic_against_float64_on_random_data():
+    # against the cubic value in float64 (the same taps and ONNX coefficients, unrounded): within
+    # the one final rounding plus the weights' rounding (8 * 2**-17 of the 255-step span); values
+    # past the input's range saturate, as the output type does
+    rng = np.random.default_rng(5)
+    x = rng.integers(-128, 128, size=(2, 3, 7, 6)).astype(np.int8)
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic",
+                            coordinate_transformation_mode="half_pixel")
+    scales = np.float32([1, 1, 1.7, 2.3])
+    y, _ = _resize(node, x, [None, _raw(scales)], QParams(0.5, 3), QParams(0.5, 3))
+    oh, ow = int(7 * np.float32(1.7)), int(6 * np.float32(2.3))
+    assert y.shape == (2, 3, oh, ow)
+
+    def taps(out_len, in_len, scale):
+        c = (np.arange(out_len, dtype=np.float32) + np.float32(0.5)) / np.float32(scale) - np.float32(0.5)
+        base = np.floor(c.astype(np.float64))
+        return np.clip(base[:, None].astype(int) + np.arange(-1, 3), 0, in_len - 1), \
+            cubic_coefficients(c.astype(np.float64) - base, -0.75)
+
+    (yi, yw), (xi, xw) = taps(oh, 7, scales[2]), taps(ow, 6, scales[3])
+    d = x.astype(np.float64) - 3
+    rows = sum(d[:, :, yi[:, k], :] * yw[:, k, None] for k in range(4))
+    v = np.clip(sum(rows[..., xi[:, k]] * xw[:, k] for k in range(4)) + 3, -128, 127)
+    err = np.abs(y - v)
+    assert err.max() <= 0.5 + 255 * 8 * 2.0**-17 + 1e-4
+    assert err.max() > 0.45  # the bound is not vacuous: rounding alone reaches ~0.5
 
 
 # -- ConvTranspose -------------------------------------------------------------------------------
