@@ -74,6 +74,11 @@ def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] 
             total += math.prod(dims) * 4
         elif unsized is not None:
             unsized.append(name)
+    if unsized is not None:
+        # outputs whose type inference never reached (behind a com.microsoft QuantizeLinear, as
+        # int16 QDQ models write it): measured like the unsized ones, not left out
+        typed_names = {name for name, vi in infos.items() if vi.type.tensor_type.elem_type}
+        unsized.extend(o for node in typed.graph.node for o in node.output if o and o not in typed_names)
     return total // max(1, batch)
 
 
