@@ -101,7 +101,10 @@ def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelP
     total, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
     if unsized and len(data):
         probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
-        values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1))
+        try:
+            values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1))
+        except Exception:  # onnxruntime cannot run this model (the integer executor may): no measure
+            values = {}
         total += sum(np.asarray(values[n]).nbytes for n in unsized if n in values)
         del values, probe
         release_freed()  # a probe's session, before the command builds its own

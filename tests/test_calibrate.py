@@ -343,3 +343,22 @@ def test_the_batch_estimate_of_an_int16_model_counts_what_type_inference_does_no
     assert estimates["int8"][1] == 0 and estimates["int16"][1] > 0
     # the same DequantizeLinear outputs in float, plus the int16 tensors themselves
     assert estimates["int16"][0] >= estimates["int8"][0]
+
+
+def test_the_batch_estimate_goes_on_when_onnxruntime_cannot_run_the_probe(demo_model, demo_table, demo_calib,
+                                                                          monkeypatch):
+    # exec runs the integer executor, not onnxruntime: a model onnxruntime refuses still gets an
+    # estimate (the typed tensors' bytes) instead of an error from the probe
+    import qtool.sizing as sizing
+    from qtool.data import load_dataset
+    from qtool.quantize import QuantizeOptions, quantize
+
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(activation_type="int16"))
+    data = load_dataset(demo_calib, qmodel)
+    typed_only = sizing.activation_sizes(qmodel, data)[0]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("onnxruntime: no kernel for this op")
+
+    monkeypatch.setattr(sizing, "FloatRunner", refuse)
+    assert sizing.sample_bytes(qmodel, data) == typed_only > 0
