@@ -137,7 +137,7 @@ def test_an_evaluator_of_the_same_samples_and_a_score_of_the_same_model_are_not_
     batches = [{"input": x[:8]}, {"input": x[8:16]}]
     runs = []
     original = Evaluator._run
-    monkeypatch.setattr(Evaluator, "_run", lambda self, *a: runs.append(1) or original(self, *a))
+    monkeypatch.setattr(Evaluator, "_run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
     monkeypatch.setattr(Evaluator, "_KEPT", type(Evaluator._KEPT)())
     first = Evaluator(float_model, batches)
     db = first.sqnr(qmodel)
