@@ -20,6 +20,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,15 +284,30 @@ class Evaluator:
     part on its own. A detector whose boxes survive while its class scores are lost scores low."""
 
     # The judged steps of quantize --data each build the evaluators of the same fit and held-out
-    # samples, and score the model a step left unchanged again: the float references and the
-    # scores are kept by content (the float model's bytes, the samples' bytes, the scored
-    # model's bytes), so a second evaluator or score of the same things costs a hash.
-    _KEPT: OrderedDict = OrderedDict()
+    # samples, and score the model a step left unchanged again. Inside ``keeping()`` the float
+    # references and the scores are kept by content (the float model's bytes, the samples'
+    # bytes, the scored model's bytes), so a second evaluator or score of the same things costs a
+    # hash; outside it (and after it) nothing is kept between evaluators.
+    _KEPT: OrderedDict | None = None
     KEPT_EVALUATORS = 4
     KEPT_SCORES = 64
 
+    @classmethod
+    @contextmanager
+    def keeping(cls):
+        """Evaluators made inside share what they computed (see above); the store is dropped at
+        the end. Nested uses share the outermost one."""
+        if cls._KEPT is not None:
+            yield
+            return
+        cls._KEPT = OrderedDict()
+        try:
+            yield
+        finally:
+            cls._KEPT = None
+
     def __init__(self, float_model: onnx.ModelProto, batches: list[dict]):
-        key = _batches_digest(batches)
+        key = _batches_digest(batches) if Evaluator._KEPT is not None else None
         if key is not None:
             key = (_digest(float_model.SerializeToString()), key)
         kept = None if key is None else self._KEPT.get(key)
@@ -302,7 +318,7 @@ class Evaluator:
             return
         self._build(float_model, batches)
         self._scores = OrderedDict()
-        if key is None:
+        if key is None or Evaluator._KEPT is None:
             return
         # shared with every later evaluator of these samples: read-only
         for value in [v for run in self.reference for v in run] + [w for _, where in self.pieces for w in where]:

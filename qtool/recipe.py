@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from .analyze import Evaluator
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
@@ -50,7 +51,14 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
                        progress: bool = True):
     """Quantize MODEL with the judged steps of ``steps`` fitted on DATA: returns the model, its
     report (each step's summary in it), the table the model was quantized from and whether that
-    table differs from ``table`` (a method choice changed it)."""
+    table differs from ``table`` (a method choice changed it). The steps share their float
+    references and scores for the duration (``Evaluator.keeping``)."""
+    with Evaluator.keeping():
+        return _quantize_with_data(model_path, table, options, table_name, data_path, steps, progress)
+
+
+def _quantize_with_data(model_path, table: Table, options, table_name: str, data_path, steps: DataSteps,
+                        progress: bool):
     common = dict(progress=progress, preprocess=steps.preprocess, holdout=steps.holdout)
     n, batch = steps.num_samples, steps.batch_size
     choice = pick = None

@@ -138,20 +138,26 @@ def test_an_evaluator_of_the_same_samples_and_a_score_of_the_same_model_are_not_
     runs = []
     original = Evaluator._run
     monkeypatch.setattr(Evaluator, "_run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
-    monkeypatch.setattr(Evaluator, "_KEPT", type(Evaluator._KEPT)())
-    first = Evaluator(float_model, batches)
-    db = first.sqnr(qmodel)
-    assert len(runs) == 2  # the references, then the model
-    again = Evaluator(float_model, [{"input": x[:8].copy()}, {"input": x[8:16].copy()}])
-    assert again.sqnr(qmodel) == db and len(runs) == 2
-    other = Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}])
-    assert len(runs) == 3
-    changed = onnx.ModelProto()
-    changed.CopyFrom(qmodel)
-    changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
-    changed_db = again.sqnr(changed)
-    assert len(runs) == 4 and changed_db != db
-    other_db = other.sqnr(qmodel)
-    monkeypatch.setattr(Evaluator, "_KEPT", type(Evaluator._KEPT)())
+    assert Evaluator._KEPT is None  # nothing kept outside Evaluator.keeping()
+    outside = Evaluator(float_model, batches)
+    outside.sqnr(qmodel)
+    Evaluator(float_model, batches)
+    assert len(runs) == 3 and Evaluator._KEPT is None
+    runs.clear()
+    with Evaluator.keeping():
+        first = Evaluator(float_model, batches)
+        db = first.sqnr(qmodel)
+        assert len(runs) == 2  # the references, then the model
+        again = Evaluator(float_model, [{"input": x[:8].copy()}, {"input": x[8:16].copy()}])
+        assert again.sqnr(qmodel) == db and len(runs) == 2
+        other = Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}])
+        assert len(runs) == 3
+        changed = onnx.ModelProto()
+        changed.CopyFrom(qmodel)
+        changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
+        changed_db = again.sqnr(changed)
+        assert len(runs) == 4 and changed_db != db
+        other_db = other.sqnr(qmodel)
+    assert Evaluator._KEPT is None  # dropped at the end
     assert Evaluator(float_model, batches).sqnr(qmodel) == db
     assert Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}]).sqnr(qmodel) == other_db
