@@ -394,10 +394,6 @@ class Evaluator:
         return sum(float((self._values(piece, runs, b).astype(np.float64) ** 2).sum())
                    for b in range(len(runs)))
 
-    def outputs(self, model: onnx.ModelProto) -> list[list[np.ndarray]]:
-        """Per batch, the scored tensors of ``model`` (in the order of ``items``)."""
-        return self._run(model)
-
     def scores(self, model: onnx.ModelProto) -> list[float]:
         """The SQNR of each scored piece (an output, its logits, or one part of a join)."""
         serialized = model.SerializeToString()

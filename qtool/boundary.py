@@ -18,6 +18,7 @@ before any cast to an integer (a cast of NaN is undefined in C and differs betwe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,15 +61,14 @@ def is_plain(dtype) -> bool:
     """A numpy dtype (or its name as ``str(dtype)`` gives it) the integer kernels take. Compared by
     name: ``np.dtype("int4")`` is numpy's 4-byte integer, not ml_dtypes' 4-bit one."""
     try:
-        plain = _PLAIN_SEEN.get(dtype)  # str() of a numpy dtype is slow, and lowering asks often
+        return _plain(dtype)  # str() of a numpy dtype is slow, and lowering asks often: remembered
     except TypeError:  # unhashable: asked as it is
         return str(dtype) in PLAIN_TYPES
-    if plain is None:
-        plain = _PLAIN_SEEN.setdefault(dtype, str(dtype) in PLAIN_TYPES)
-    return plain
 
 
-_PLAIN_SEEN: dict = {}
+@functools.lru_cache(maxsize=None)
+def _plain(dtype) -> bool:
+    return str(dtype) in PLAIN_TYPES
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ Conventions (../shared/DESIGN.md, "Fixed-point requantization"):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -332,21 +333,17 @@ def saturate(x, dtype: str) -> np.ndarray:
 
 def int_range(dtype: str) -> tuple[int, int]:
     try:
-        known = _RANGE_OF.get(dtype)  # np.dtype() and str() of it take microseconds: remembered
+        return _int_range(dtype)  # np.dtype() and str() of it take microseconds: remembered
     except TypeError:  # unhashable: looked up as it is
-        known, dtype_key = None, None
-    else:
-        dtype_key = dtype
-    if known is not None:
-        return known
+        return _int_range.__wrapped__(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _int_range(dtype) -> tuple[int, int]:
     try:
-        found = _INT_RANGES[str(np.dtype(dtype))]
+        return _INT_RANGES[str(np.dtype(dtype))]
     except KeyError:
         raise ValueError(f"unsupported integer type {dtype!r}; choose one of {', '.join(_INT_RANGES)}")
-    return found if dtype_key is None else _RANGE_OF.setdefault(dtype_key, found)
-
-
-_RANGE_OF: dict = {}
 
 
 def bit_length(x) -> np.ndarray:
