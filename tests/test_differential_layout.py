@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.analyze import as_written_session
 from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
 from qtool.model import FloatRunner
@@ -292,3 +293,30 @@ def test_act_matmul_uses_both_zero_points(tmp_path):
     params = executor.steps[[s.kind for s in executor.steps].index("integer")].params
     assert params.zero_a < -100 and params.zero_b > 100
     assert max(int(d.max()) for d in diffs.values()) <= 1
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_sizes_from_a_shape_node_run_integer(tmp_path, mode):
+    # as decoders are exported: sizes = Concat(Shape(x)[:2], [H, W]); the batch stays symbolic,
+    # so the sizes exist only at run time and the integer Resize takes them there
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Slice", ["shape", "zero", "two"], ["lead"]),
+             helper.make_node("Concat", ["lead", "hw"], ["sizes"], axis=0),
+             helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode)]
+    inits = {"zero": _i64(0), "two": _i64(2), "hw": _i64(11, 8)}
+    graph = helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 6, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 11, 8])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+    data = {"x": RNG.normal(0.2, 1.0, (4, 2, 6, 5)).astype(np.float32)}
+    np.savez(tmp_path / "d.npz", **data)
+    qmodel, report = quantize(path, calibrate(path, tmp_path / "d.npz", progress=False), QuantizeOptions())
+    assert report.quantized == {"Resize": 1}
+    executor = IntegerExecutor(qmodel, arithmetic="host")
+    assert [s.node.op_type for s in executor.steps if s.kind == "integer"] == ["Resize"]
+    got = executor.run(data).outputs["y"]
+    want = as_written_session(qmodel).run(None, data)[0]  # onnxruntime on the QDQ model as written
+    scale = float(numpy_helper.to_array(next(i for i in qmodel.graph.initializer if i.name.startswith("y_scale"))))
+    assert got.shape == (4, 2, 11, 8)
+    assert np.abs(got - want).max() <= scale * 1.01  # within 1 LSB, as with constant sizes

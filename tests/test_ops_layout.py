@@ -242,8 +242,41 @@ def test_resize_unsupported_forms():
     cubic = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic")
     with pytest.raises(Unsupported, match="cubic Resize only on the last two axes"):
         op.derive(_view(cubic, [X, None, _raw(np.float32([1, 2, 2, 2]))], Y))
-    with pytest.raises(Unsupported, match="constant"):
-        op.derive(_view(node, [X, None, Operand(None, None)], Y))
+    with pytest.raises(Unsupported, match="roi"):
+        op.derive(_view(helper.make_node("Resize", ["x", "roi", "scales"], ["y"]),
+                        [X, Operand(None, None), _raw(np.float32([1, 1, 2, 2]))], Y))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_targets_computed_at_run_time_give_the_constant_targets_result(mode):
+    # a decoder's sizes come from a Shape node: the plan is made at run time for what arrives
+    op = REGISTRY["Resize"]
+    x = np.random.default_rng(3).integers(-128, 128, (2, 3, 5, 4)).astype(np.int8)
+    for index, target in [(2, np.float32([1, 1, 2, 1.5])), (3, np.int64([2, 3, 9, 7]))]:
+        inputs = ["x", "", "scales", "sizes"][:index + 1]
+        if index == 3:
+            inputs[2] = ""
+        node = helper.make_node("Resize", inputs, ["y"], mode=mode)
+        fixed = op.derive(_view(node, [X, None] + [None] * (index - 2) + [_raw(target)], Y))
+        late = op.derive(_view(node, [X, None] + [None] * (index - 2) + [Operand(None, None)], Y))
+        assert late.at_run and not fixed.at_run and late.named == (index,)
+        want = op.run(op.specialize(fixed, [x.shape, target.shape]), x, target)
+        plan = op.specialize(late, [x.shape, target.shape])
+        got = op.run(plan, x, target)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert got.shape[-2:] != x.shape[-2:]
+        op.run(plan, x, target)
+        assert len(plan.plans) == 1  # the same shape and target: the plan made once
+    if mode != "nearest":
+        node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode)
+        late = op.derive(_view(node, [X, None, None, Operand(None, None)], Y))
+        plan = op.specialize(late, [x.shape, (4,)])
+        with pytest.raises(ValueError, match=r"^Resize .*changes a leading axis"):
+            op.run(plan, x, np.int64([2, 6, 10, 8]))
+        with pytest.raises(ValueError, match=r"^Resize scales must be positive"):
+            op.run(op.specialize(op.derive(_view(helper.make_node("Resize", ["x", "", "s"], ["y"], mode=mode),
+                                                 [X, None, Operand(None, None)], Y)), [x.shape, (4,)]),
+                   x, np.float32([1, 1, 0, 2]))
 
 
 def test_cubic_weights_by_hand():

@@ -94,3 +94,54 @@ def test_a_model_prepared_again_gets_the_same_preparation_as_a_model_of_its_own(
     other.graph.node[0].name = "another model"
     prepare(other, "e")
     assert calls == ["a", "b", "e"]
+
+
+def _vit_like(height=8, width=6):
+    """What a ViT exporter writes: a position table resized (cubic) to the patch grid read off the
+    input's fixed H and W, and a decoder Resize to H x W whose batch comes from Shape; the batch
+    is open."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "two"], ["h"], axis=0),
+        helper.make_node("Slice", ["shape", "three", "four"], ["w"]),
+        helper.make_node("Div", ["h", "two"], ["gh"]),
+        helper.make_node("Unsqueeze", ["gh", "zero"], ["gh1"]),
+        helper.make_node("Concat", ["one_one", "gh1", "w"], ["grid"], axis=0),
+        helper.make_node("Resize", ["pos", "", "", "grid"], ["pos_resized"], mode="cubic"),
+        helper.make_node("Resize", ["x", "", "halve"], ["half"], mode="nearest"),
+        helper.make_node("Add", ["half", "pos_resized"], ["mixed"]),  # [N, 1, h/2, w]
+        helper.make_node("Slice", ["shape", "zero", "two_1d"], ["lead"]),
+        helper.make_node("Concat", ["lead", "hw"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["mixed", "", "", "sizes"], ["y"], mode="linear"),
+    ]
+    inits = {"two": np.array(2, np.int64), "two_1d": np.array([2], np.int64), "three": np.array([3], np.int64), "four": np.array([4], np.int64),
+             "zero": np.array([0], np.int64), "one_one": np.array([1, 1], np.int64),
+             "pos": rng.normal(0, 1, (1, 1, 3, 3)).astype(np.float32),
+             "halve": np.array([1, 1, 0.5, 1], np.float32), "hw": np.array([height, width], np.int64)}
+    graph = helper.make_graph(nodes, "vit", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, height, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_the_fixed_dimensions_of_a_shape_fold_and_what_they_feed_with_them():
+    import onnxruntime as ort
+
+    from qtool.model import fold_static_shapes, prepare
+
+    model = _vit_like()
+    prepared = prepare(model)
+    ops = [n.op_type for n in prepared.graph.node]
+    # the position table's cubic Resize folded (its grid came from the fixed H and W); the batch's
+    # Slice of the Shape stays, and so does the decoder Resize it sizes
+    assert sorted(ops) == ["Add", "Concat", "Resize", "Resize", "Shape", "Slice"]
+    assert not any("pos" in n.input for n in prepared.graph.node)
+    x = np.random.default_rng(2).normal(0, 1, (3, 1, 8, 6)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(run(prepared), run(model))
+    # an open H leaves every pick of the Shape in place
+    open_h = _vit_like()
+    open_h.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    assert fold_static_shapes(open_h) == 1  # the Slice of W (index 3) alone
+    assert [n.op_type for n in open_h.graph.node].count("Gather") == 1

@@ -35,7 +35,7 @@ is a convex combination of its neighbours, so the output range lies in the input
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -73,6 +73,19 @@ class ResizeSetup:
     cubic_a: float = -0.75  # cubic_coeff_a
     exclude_outside: bool = False
     in_bound: int = 0  # the largest |q_x - Z_x| of the input type (cubic: narrows the multiplier)
+    # the inputs that reach ``run`` after the data, by index (2: scales, 3: sizes), and whether
+    # their values are read there (computed at run time: a decoder's sizes from a Shape node)
+    named: tuple[int, ...] = ()
+    at_run: bool = False
+
+
+@dataclass
+class RunTimePlan:
+    """A Resize whose scales or sizes are computed at run time: its plans, one for each input
+    shape and target met (few: the sizes follow from shapes)."""
+
+    setup: ResizeSetup
+    plans: dict
 
 
 @dataclass(frozen=True)
@@ -117,14 +130,26 @@ def output_shape(setup: ResizeSetup, shape: tuple[int, ...]) -> tuple[list[int],
     """Output dimensions and per-axis float32 scales as onnxruntime computes them."""
     if setup.sizes is not None:
         if len(setup.sizes) != len(shape):
-            raise ValueError(f"Resize sizes {list(setup.sizes)} do not match input rank {len(shape)}")
+            raise ValueError(f"Resize sizes {list(setup.sizes)} do not match the input's rank {len(shape)}")
         scales = [np.float32(np.float32(o) / np.float32(i)) if i else np.float32(1)
                   for o, i in zip(setup.sizes, shape)]
         return list(setup.sizes), scales
     if len(setup.scales) != len(shape):
-        raise ValueError(f"Resize scales {list(setup.scales)} do not match input rank {len(shape)}")
+        raise ValueError(f"Resize scales {list(setup.scales)} do not match the input's rank {len(shape)}")
     scales = [np.float32(s) for s in setup.scales]
     return [int(s * np.float32(i)) for s, i in zip(scales, shape)], scales
+
+
+def _targets(scales, sizes) -> tuple[tuple[float, ...] | None, tuple[int, ...] | None]:
+    """Resize's scales and sizes inputs as tuples (None when absent or empty)."""
+    scales = None if scales is None or np.size(scales) == 0 else tuple(
+        float(s) for s in np.asarray(scales).astype(np.float32).reshape(-1))
+    sizes = None if sizes is None or np.size(sizes) == 0 else tuple(int(s) for s in np.asarray(sizes).reshape(-1))
+    if scales is None and sizes is None:
+        raise Unsupported("Resize needs scales or sizes")
+    if scales is not None and min(scales) <= 0:
+        raise Unsupported("Resize scales must be positive")
+    return scales, sizes
 
 
 def original_coordinates(mode: str, out_len: int, in_len: int, scale: np.float32) -> np.ndarray:
@@ -204,7 +229,7 @@ class Resize(IntegerOp):
     shares_qparams = True
 
     def constants(self, node):
-        return {1: Raw(), 2: Raw(), 3: Raw()}
+        return {1: Raw(), 2: Raw(at_run=True), 3: Raw(at_run=True)}
 
     def check(self, node, attrs):
         mode = _text(attrs.get("mode"), "nearest")
@@ -229,15 +254,12 @@ class Resize(IntegerOp):
         self.check(view.node, view.attrs)
         x = per_tensor(view.inputs[0].qparams, "Resize input")
         y = per_tensor(view.output, "Resize output")
-        scales = raw_input(view, 2, "Resize scales")
-        sizes = raw_input(view, 3, "Resize sizes")
-        scales = None if scales is None or scales.size == 0 else tuple(
-            float(s) for s in scales.astype(np.float32).reshape(-1))
-        sizes = None if sizes is None or sizes.size == 0 else tuple(int(s) for s in sizes.reshape(-1))
-        if scales is None and sizes is None:
-            raise Unsupported("Resize needs scales or sizes")
-        if scales is not None and min(scales) <= 0:
-            raise Unsupported("Resize scales must be positive")
+        raw_input(view, 1, "Resize roi")  # a constant (tf_crop_and_resize, which reads it, is refused)
+        named = tuple(i for i in (2, 3) if i < len(view.node.input) and view.node.input[i])
+        at_run = any(view.inputs[i].value is None for i in named)
+        scales = sizes = None
+        if not at_run:
+            scales, sizes = _targets(*(view.inputs[i].value if i in named else None for i in (2, 3)))
         mode = view.attr("mode", "nearest")
         requant = None
         if mode in ("linear", "cubic"):
@@ -250,10 +272,15 @@ class Resize(IntegerOp):
                            rescale(x, y, view), requant, x.zero_point, y.zero_point, view.rounding,
                            y.dtype, float(view.attr("cubic_coeff_a", np.float32(-0.75))),
                            bool(view.attr("exclude_outside", 0)),
-                           max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point))))
+                           max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point))),
+                           named, at_run)
 
-    def specialize(self, setup: ResizeSetup, shapes) -> NearestPlan | LinearPlan | CubicPlan:
-        shape = tuple(shapes[0])
+    def specialize(self, setup: ResizeSetup, shapes) -> NearestPlan | LinearPlan | CubicPlan | RunTimePlan:
+        if setup.at_run:
+            return RunTimePlan(setup, {})
+        return self._plan(setup, tuple(shapes[0]))
+
+    def _plan(self, setup: ResizeSetup, shape: tuple[int, ...]) -> NearestPlan | LinearPlan | CubicPlan:
         out, scales = output_shape(setup, shape)
         if setup.mode == "nearest":
             index = []
@@ -263,7 +290,7 @@ class Resize(IntegerOp):
                 index.append(None if o == i and np.array_equal(idx, np.arange(i)) else idx)
             return NearestPlan(setup.rescale, tuple(index))
         if len(shape) < 2 or tuple(out[:-2]) != shape[:-2]:
-            raise ValueError(f"{setup.mode} Resize from {shape} to {out} changes a leading axis")
+            raise ValueError(f"Resize ({setup.mode}) from {list(shape)} to {out} changes a leading axis")
         if setup.mode == "cubic":
             taps = []
             for o, i, s in zip(out[-2:], shape[-2:], scales[-2:]):
@@ -285,8 +312,18 @@ class Resize(IntegerOp):
         return LinearPlan(tuple(out[:-2]), y0, y1, wy0, wy1, x0, x1, wx0, wx1, setup.requant,
                           setup.zero_in, setup.zero_out, setup.rounding, setup.dtype)
 
-    def run(self, p: NearestPlan | LinearPlan | CubicPlan, x: np.ndarray) -> np.ndarray:
+    def run(self, p: NearestPlan | LinearPlan | CubicPlan | RunTimePlan, x: np.ndarray, *targets) -> np.ndarray:
         check_integer(x)
+        if isinstance(p, RunTimePlan):
+            values = dict(zip(p.setup.named, targets))
+            try:
+                scales, sizes = _targets(values.get(2), values.get(3))
+            except Unsupported as e:
+                raise ValueError(str(e)) from None  # "Resize ...": the executor's one-line error
+            key = (x.shape, scales, sizes)
+            if key not in p.plans:
+                p.plans[key] = self._plan(replace(p.setup, scales=scales, sizes=sizes, at_run=False), x.shape)
+            p = p.plans[key]
         if isinstance(p, NearestPlan):
             for axis, idx in enumerate(p.index):
                 if idx is not None:
