@@ -322,6 +322,26 @@ def test_resize_cubic_against_float64_on_random_data():
     assert err.max() > 0.45  # the bound is not vacuous: rounding alone reaches ~0.5
 
 
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_int16_interpolates_full_range_values_within_one_lsb(mode):
+    # int16 sums pass int32 (32767 * 4**11 for linear): the multiplier is narrowed, no overflow;
+    # against float64 bilinear/cubic on the same integers, S_x = S_y: within the final rounding
+    rng = np.random.default_rng(8)
+    x = rng.choice(np.int16([-32768, -32767, 32767, 0, 12345]), size=(1, 2, 5, 4)).astype(np.int16)
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode)
+    q = QParams(0.001, 0, "int16")
+    y, _ = _resize(node, x, [None, _raw(np.float32([1, 1, 2, 2]))], q, q)
+    assert y.dtype == np.int16 and y.shape == (1, 2, 10, 8)
+    c = np.clip((np.arange(10) + 0.5) / 2 - 0.5, 0, 4), np.clip((np.arange(8) + 0.5) / 2 - 0.5, 0, 3)
+    if mode == "linear":
+        lo = [np.floor(v).astype(int) for v in c]
+        hi = [np.minimum(a + 1, n - 1) for a, n in zip(lo, (5, 4))]
+        f = [v - a for v, a in zip(c, lo)]
+        d = x.astype(np.float64)
+        rows = d[:, :, lo[0]] * (1 - f[0])[:, None] + d[:, :, hi[0]] * f[0][:, None]
+        v = rows[..., lo[1]] * (1 - f[1]) + rows[..., hi[1]] * f[1]
+        assert np.abs(y - v).max() <= 0.5 + 1e-6 + 65535 * 2.0**-11
+    assert int(np.abs(y.astype(np.int64)).max()) > 2**14  # full-range values went through
 # -- ConvTranspose -------------------------------------------------------------------------------
 
 def _ct_params(weight, zero_in=0, bias=None, pads=(0, 0, 0, 0), strides=(1, 1), dilations=(1, 1),

@@ -145,3 +145,18 @@ def test_the_fixed_dimensions_of_a_shape_fold_and_what_they_feed_with_them():
     open_h.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
     assert fold_static_shapes(open_h) == 1  # the Slice of W (index 3) alone
     assert [n.op_type for n in open_h.graph.node].count("Gather") == 1
+
+
+def test_a_copy_without_weight_bytes_keeps_the_graph_and_leaves_the_original_whole():
+    from qtool.model import without_weight_bytes
+
+    model = _model(13)
+    before = model.SerializeToString()
+    light = without_weight_bytes(model)
+    assert model.SerializeToString() == before
+    big = {t.name for t in model.graph.initializer if np.prod(t.dims) > LARGE_TENSOR}
+    assert big == {"g"}  # the Gemm weight (the Conv's is a Constant node, kept)
+    for t, s in zip(light.graph.initializer, model.graph.initializer):
+        assert (t.name, list(t.dims), t.data_type) == (s.name, list(s.dims), s.data_type)
+        assert (t.raw_data == b"") == (t.name in big) and (t.name in big or t.raw_data == s.raw_data)
+    assert light.graph.node == model.graph.node and len(light.SerializeToString()) < len(before) - 16 * 16 * 10 * 4

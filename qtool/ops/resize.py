@@ -19,7 +19,8 @@ is a convex combination of its neighbours, so the output range lies in the input
   accumulated value is off by at most ``255 / 2**K + 510 / 4**(K+1) < 0.125`` input LSB at K = 11.
   With S_x = S_y the result is the exact interpolation rounded once after an error below 0.125, so
   it differs from a float reference by at most 1 LSB, and not at all when every fraction is a
-  multiple of 2**-K (2x upsampling: fractions 0.25 / 0.75). ``|acc| <= 255 * 4**11 < 2**31``.
+  multiple of 2**-K (2x upsampling: fractions 0.25 / 0.75). ``|acc| <= 255 * 4**11 < 2**31``;
+  an int16 input's sums reach ``32767 * 4**11`` (int64), and the multiplier is narrowed for them.
 * cubic (on the last two axes, as linear): each output coordinate ``c`` (not clamped) has the four
   taps ``floor(c) - 1 .. floor(c) + 2``, clamped to the input (edge values), weighted by the cubic
   convolution kernel of ONNX's ``cubic_coeff_a`` at ``t = c - floor(c)``; with ``exclude_outside``
@@ -72,7 +73,7 @@ class ResizeSetup:
     dtype: str
     cubic_a: float = -0.75  # cubic_coeff_a
     exclude_outside: bool = False
-    in_bound: int = 0  # the largest |q_x - Z_x| of the input type (cubic: narrows the multiplier)
+    in_bound: int = 0  # the largest |q_x - Z_x| of the input type (narrows the multiplier)
     # the inputs that reach ``run`` after the data, by index (2: scales, 3: sizes), and whether
     # their values are read there (computed at run time: a decoder's sizes from a Shape node)
     named: tuple[int, ...] = ()
@@ -309,7 +310,9 @@ class Resize(IntegerOp):
                 coords = original_coordinates(setup.coordinate_mode, o, i, s)
             taps.append(linear_taps(coords, i))
         (y0, y1, wy0, wy1), (x0, x1, wx0, wx1) = taps
-        return LinearPlan(tuple(out[:-2]), y0, y1, wy0, wy1, x0, x1, wx0, wx1, setup.requant,
+        # an int16 input's sums pass int32 (32767 * 4**11): the multiplier narrowed for them
+        requant = narrowed(setup.requant, setup.in_bound * 4**FRACTION_BITS)
+        return LinearPlan(tuple(out[:-2]), y0, y1, wy0, wy1, x0, x1, wx0, wx1, requant,
                           setup.zero_in, setup.zero_out, setup.rounding, setup.dtype)
 
     def run(self, p: NearestPlan | LinearPlan | CubicPlan | RunTimePlan, x: np.ndarray, *targets) -> np.ndarray:

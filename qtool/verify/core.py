@@ -19,9 +19,9 @@ from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
-    run_or_one_at_a_time
+    release_freed, run_or_one_at_a_time
 from ..ops import blas, parallel
-from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes
+from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
@@ -257,6 +257,8 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
                                      held=fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path)),
                                      runner=runner, sizes=sizes)
+    model = without_weight_bytes(model)  # onnxruntime has the weights; from here on verify reads the graph
+    release_freed()
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
                                           else (None, None, []))
     dequantized = {s.outputs[0]: s.qparams[0] for s in executor.steps if s.kind == "dequantize"}
