@@ -484,8 +484,9 @@ def print_table(rows: list[dict]) -> None:
         sqnr = f"{sqnr:.2f}" if isinstance(sqnr, float) else str(sqnr)
         metric = r.get("message", "")
         if "metric" in r:
-            metric = f"{r['metric']} " + ("n/a (nothing above the threshold)" if math.isnan(r["value"])
-                                           else f"{r['value']:.3f}")
+            value = r["value"]  # a figure, or a text of several (the saliency metric's)
+            metric = f"{r['metric']} " + (value if isinstance(value, str) else "n/a (nothing above the threshold)"
+                                           if math.isnan(value) else f"{value:.3f}")
         print(f"{r['key']:<12} {r['family'][:50]:<50} {r['stage']:<9} {str(r.get('float_nodes', '')):>11} "
               f"{sqnr:>8}  {metric}")
     print(f"\ntracebacks: {sum(r.get('tracebacks', 0) for r in rows)}; models: {len(rows)}, done: "
