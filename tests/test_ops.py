@@ -180,6 +180,31 @@ def test_global_average_pool_derives_per_input_shape():
     assert (int(p.requant.multiplier), int(p.requant.rshift)) == (2**30, 32)
 
 
+@pytest.mark.parametrize("op_type", ["GlobalAveragePool", "AveragePool"])
+def test_an_int16_average_over_a_large_map_is_the_rounded_mean(op_type):
+    # the sum of 500 x 500 int16 values passes 2**32: the multiplier is narrowed for count * 32768
+    # (it overflowed before: "accumulator exceeds int32"); the mean of a constant map is itself
+    q = QParams(8.0 / 32767, 0, "int16")
+    attrs = {"kernel_shape": [500, 500]} if op_type == "AveragePool" else {}
+    node = helper.make_node(op_type, ["x"], ["y"], **attrs)
+    op = REGISTRY[op_type]
+    x = np.full((1, 2, 500, 500), 20000, dtype=np.int16)
+    x[0, 1] = -32768
+    x[0, 1, :, ::3] = -32767  # mean -32767.67 (500 columns: 167 of them -32767)
+    p = op.specialize(op.derive(_view(node, [Operand(q)], q)), [x.shape])
+    assert op.run(p, x).reshape(-1).tolist() == [20000, round(float(x[0, 1].astype(np.float64).mean()))]
+
+
+def test_an_int16_mean_too_long_for_its_multiplier_is_refused_not_wrapped():
+    node = helper.make_node("ReduceMean", ["x"], ["y"], axes=[1], keepdims=0)
+    op = REGISTRY["ReduceMean"]
+    p = op.derive(NodeView(node, [Operand(QParams(1 / 32767, 0, "int16"))], QParams(1 / 32767 / 0.999, 0, "int16"),
+                           "half_up", 32, opset=17))
+    assert op.run(p, np.full((1, 4096), 32767, dtype=np.int16)).tolist() == [round(32767 * 0.999)]
+    with pytest.raises(OverflowError, match="accumulator"):
+        op.run(p, np.full((1, 2**26 + 2**24), 32767, dtype=np.int16))  # it gave -19695
+
+
 def test_relu_with_different_output_scale_requantizes():
     node = helper.make_node("Relu", ["x"], ["y"])
     op = REGISTRY["Relu"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
+from ..fixedpoint import Requant, narrowed, quantize_multipliers, requantize, saturate
 from . import IntegerOp, NodeView, Rescale, Unsupported, check_integer, per_tensor, register, rescale
 from .conv import _im2col
 
@@ -133,6 +133,7 @@ class AverageSetup:
     multiplier_bits: int
     rounding: str
     dtype: str
+    in_bound: int = 0  # the largest |q_x - Z_x| of the input type: count * it bounds the sum
 
     @classmethod
     def of(cls, view: NodeView) -> "AverageSetup":
@@ -140,10 +141,12 @@ class AverageSetup:
         x = per_tensor(view.inputs[0].qparams, f"{op} input")
         y = per_tensor(view.output, f"{op} output")
         return cls(x.scale / y.scale, x.zero_point, y.zero_point, view.multiplier_bits, view.rounding,
-                   y.dtype)
+                   y.dtype, max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point))))
 
     def params(self, window: "Window | None", count: int) -> "AvgPoolParams":
-        requant = quantize_multipliers(self.scale_ratio / count, self.multiplier_bits)
+        # an int16 map's sum passes int32 from 2**16 elements on: the multiplier narrowed for it
+        requant = narrowed(quantize_multipliers(self.scale_ratio / count, self.multiplier_bits),
+                           count * self.in_bound)
         return AvgPoolParams(window, requant, self.zero_in, self.zero_out, self.rounding, self.dtype)
 
 

@@ -91,7 +91,9 @@ class ReduceMean(_Reduce):
         check_integer(x)
         acc = self._sum(p, x.astype(np.int64) - p.zero_in)
         n = max(1, x.size // max(1, acc.size))  # values per output element
-        quotient = divide_away(acc * np.int64(p.requant.multiplier), n)  # |acc| < 2**40: narrowed multiplier
+        if acc.size and int(np.abs(acc).max()) >= ACC_BOUND:  # the multiplier is narrowed for 2**40
+            raise OverflowError(f"ReduceMean accumulator over {n} values exceeds 2**40")
+        quotient = divide_away(acc * np.int64(p.requant.multiplier), n)
         return saturate(rounding_rshift(quotient, p.requant.rshift, p.rounding) + p.zero_out, p.dtype)
 
 
