@@ -10,7 +10,7 @@ from qtool.ops import REGISTRY, NodeView, Operand, Rescale, Unsupported, Weight
 from qtool.ops.convtranspose import ConvTransposeParams
 from qtool.ops.gemm import ActMatMulParams
 from qtool.ops.layout import PadParams, SliceParams, SplitParams, pad_value
-from qtool.ops.resize import (CUBIC_BITS, FRACTION_BITS, cubic_coefficients, cubic_taps, linear_taps, nearest_index,
+from qtool.ops.resize import (CUBIC_BITS, FRACTION_BITS, RUN_TIME_PLANS, cubic_coefficients, cubic_taps, linear_taps, nearest_index,
                               original_coordinates)
 from qtool.qparams import QParams
 
@@ -267,6 +267,10 @@ def test_resize_targets_computed_at_run_time_give_the_constant_targets_result(mo
         assert got.shape[-2:] != x.shape[-2:]
         op.run(plan, x, target)
         assert len(plan.plans) == 1  # the same shape and target: the plan made once
+        if index == 3:  # ever new sizes: the plans kept stay bounded
+            for width in range(4, 44):
+                op.run(plan, x, np.int64([2, 3, 9, width]))
+            assert len(plan.plans) == RUN_TIME_PLANS
     if mode != "nearest":
         node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode)
         late = op.derive(_view(node, [X, None, None, Operand(None, None)], Y))

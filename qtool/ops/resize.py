@@ -50,6 +50,7 @@ CUBIC_BITS = 16  # the cubic weights' fraction bits (their sums need int64 anywa
 COORDINATE_MODES = ("half_pixel", "asymmetric", "pytorch_half_pixel", "tf_half_pixel_for_nearest",
                     "tf_half_pixel_for_nn", "align_corners")
 NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+RUN_TIME_PLANS = 16  # plans kept per Resize whose targets arrive at run time (the oldest go first)
 
 
 def _text(value, default: str) -> str:
@@ -325,6 +326,8 @@ class Resize(IntegerOp):
                 raise ValueError(str(e)) from None  # "Resize ...": the executor's one-line error
             key = (x.shape, scales, sizes)
             if key not in p.plans:
+                if len(p.plans) >= RUN_TIME_PLANS:  # inputs of ever new sizes: memory stays bounded
+                    del p.plans[next(iter(p.plans))]
                 p.plans[key] = self._plan(replace(p.setup, scales=scales, sizes=sizes, at_run=False), x.shape)
             p = p.plans[key]
         if isinstance(p, NearestPlan):
