@@ -44,6 +44,7 @@ _SHAPE_ERRORS = ("cannot reshape array", "operands could not be broadcast", "Res
 
 
 FOREIGN_ROUNDING = "half_to_even"
+SPECIALIZED_KEPT = 16  # setups kept per step, one per input shapes met (the oldest go first)
 
 
 @dataclass
@@ -666,13 +667,16 @@ class IntegerExecutor:
             shapes = tuple(v.shape for v in values)
             params = step.specialized.get(shapes)
             if params is None:
+                if len(step.specialized) >= SPECIALIZED_KEPT:  # inputs of ever new shapes: bounded
+                    del step.specialized[next(iter(step.specialized))]
                 params = step.specialized[shapes] = step.op.specialize(step.params, list(shapes))
             try:
                 if step.then is not None:
                     return [self._run_fused(step, params, values)]
                 out = step.op.run(params, *values)
             except OverflowError as e:
-                what = "int32 accumulator overflow" if "accumulator" in str(e) else f"overflow ({e})"
+                what = ("int32 accumulator overflow" if "exceeds int32" in str(e) else
+                        "accumulator overflow" if "accumulator" in str(e) else f"overflow ({e})")
                 raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
             except masks.MaskError as e:
                 raise QtoolError(f"{e} at Softmax node '{step.node.name}'") from None

@@ -189,7 +189,8 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
     if not picks:
         return 0
     dims = _inferred_dims(model)
-    inits = {t.name: t for t in graph.initializer}
+    fed = {i.name for i in graph.input}  # an initializer that is also an input is a default only
+    inits = {t.name: t for t in graph.initializer if t.name not in fed}
 
     def const(name):
         return onnx.numpy_helper.to_array(inits[name]) if name in inits else None
@@ -219,8 +220,8 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
             if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or \
                     int(axes.reshape(-1)[0]) not in (0, -1) or int(steps.reshape(-1)[0]) == 0:
                 continue
-            window = slice(*(int(v.reshape(-1)[0]) for v in (starts, ends, steps)))
-            picked = np.array(known[window], dtype=object)
+            start, end, step = (int(v.reshape(-1)[0]) for v in (starts, ends, steps))
+            picked = np.array([known[i] for i in _slice_indices(len(known), start, end, step)], dtype=object)
         values = picked.reshape(-1).tolist()
         if any(v is None or v <= 0 for v in values):
             continue
@@ -232,6 +233,17 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
     graph.node.extend(keep)
     graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in folded.items())
     return len(folded)
+
+
+def _slice_indices(dim: int, start: int, end: int, step: int) -> range:
+    """The indices ONNX's Slice takes along an axis of ``dim``: negative bounds count from the
+    end, then start and end are clamped to [0, dim] for a positive step and to [0, dim - 1] and
+    [-1, dim - 1] for a negative one (Python's slice differs there: a start below -dim gives
+    nothing going backwards, where ONNX starts at 0)."""
+    start, end = (v + dim if v < 0 else v for v in (start, end))
+    if step > 0:
+        return range(max(0, min(dim, start)), max(0, min(dim, end)), step)
+    return range(max(0, min(dim - 1, start)), max(-1, min(dim - 1, end)), step)
 
 
 # ops of a model that is quantized already (ONNX's and onnxruntime's com.microsoft ones); besides

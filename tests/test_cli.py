@@ -790,3 +790,26 @@ def test_quantize_data_writes_no_int16_model_its_executor_refuses(tmp_path, demo
     assert len(ran) == 1 and not out.exists() and line.startswith("error: ")
     # an all-int8 model is not run (its sums stay within int32): written as before
     assert invoke(*args).exit_code == 0 and out.is_file() and len(ran) == 1
+
+
+def test_the_executor_check_of_int16_quantize_data_runs_a_fixed_batch_whole(tmp_path):
+    # a model exported for batches of 2 (its Reshape target says so): checked on 2 samples at once
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, .3, (4, 4, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([2, 256], np.int64), "shape"),
+             numpy_helper.from_array(rng.normal(0, .1, (256, 10)).astype(np.float32), "m")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Reshape", ["r", "shape"], ["f"]), helper.make_node("MatMul", ["f", "m"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 10])], inits)
+    model, data = tmp_path / "fixed.onnx", tmp_path / "fixed.npz"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), model)
+    np.savez(data, x=rng.normal(0, 1, (8, 4, 8, 8)).astype(np.float32))
+    assert invoke("calibrate", model, "--data", data, "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--data", data,
+                    "--activation-type", "int16", "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "q.onnx").is_file()

@@ -320,3 +320,23 @@ def test_resize_sizes_from_a_shape_node_run_integer(tmp_path, mode):
     scale = float(numpy_helper.to_array(next(i for i in qmodel.graph.initializer if i.name.startswith("y_scale"))))
     assert got.shape == (4, 2, 11, 8)
     assert np.abs(got - want).max() <= scale * 1.01  # within 1 LSB, as with constant sizes
+
+
+def test_inputs_of_ever_new_sizes_keep_a_bounded_number_of_setups(tmp_path):
+    # each input shape gets its setup (a Resize's plan, a Conv's); 40 widths keep at most 16
+    from qtool.executor import SPECIALIZED_KEPT
+
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
+    graph = helper.make_graph([node], "r", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, "H", "W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, "H2", "W2"])],
+                              [numpy_helper.from_array(_f32(1, 1, 2, 2), "scales")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+    np.savez(tmp_path / "d.npz", x=RNG.normal(0, 1, (4, 2, 6, 5)).astype(np.float32))
+    qmodel, _ = quantize(path, calibrate(path, tmp_path / "d.npz", progress=False), QuantizeOptions())
+    executor = IntegerExecutor(qmodel)
+    step = next(s for s in executor.steps if s.kind == "integer")
+    for width in range(3, 43):
+        out = executor.run({"x": np.zeros((1, 2, 4, width), np.float32)}).outputs["y"]
+        assert out.shape == (1, 2, 8, 2 * width)
+    assert len(step.specialized) == SPECIALIZED_KEPT

@@ -344,7 +344,19 @@ def test_resize_int16_interpolates_full_range_values_within_one_lsb(mode):
         d = x.astype(np.float64)
         rows = d[:, :, lo[0]] * (1 - f[0])[:, None] + d[:, :, hi[0]] * f[0][:, None]
         v = rows[..., lo[1]] * (1 - f[1]) + rows[..., hi[1]] * f[1]
-        assert np.abs(y - v).max() <= 0.5 + 1e-6 + 65535 * 2.0**-11
+        # 2x fractions (1/4, 3/4) are exact in 11 bits and S_x = S_y: one rounding, half up
+        assert np.abs(y - v).max() <= 0.5 + 1e-9
+    else:  # float64 cubic on the same taps (clamped to the edges), saturated as int16 saturates
+        def taps(out_len, in_len):
+            c = (np.arange(out_len) + 0.5) / 2 - 0.5
+            base = np.floor(c)
+            return np.clip(base[:, None].astype(int) + np.arange(-1, 3), 0, in_len - 1), \
+                cubic_coefficients(c - base, -0.75)
+        (yi, yw), (xi, xw) = taps(10, 5), taps(8, 4)
+        d = x.astype(np.float64)
+        rows = sum(d[:, :, yi[:, k], :] * yw[:, k, None] for k in range(4))
+        v = np.clip(sum(rows[..., xi[:, k]] * xw[:, k] for k in range(4)), -32768, 32767)
+        assert np.abs(y - v).max() <= 0.5 + 65535 * 8 * 2.0**-17  # the weights' 16-bit rounding
     assert int(np.abs(y.astype(np.int64)).max()) > 2**14  # full-range values went through
 # -- ConvTranspose -------------------------------------------------------------------------------
 
@@ -523,3 +535,21 @@ def test_convtranspose_float32_path_is_exact_at_its_bound(c_in, fast):
     assert (np.dtype("int8") in plan.tails) == fast
     y = REGISTRY["ConvTranspose"].run(plan, np.full((1, c_in, 1, 2), 127, np.int8))
     assert y.tolist() == [[[[255 * 127 * c_in] * 2]]]
+
+
+@pytest.mark.parametrize("target,message", [
+    (("scales", np.float32([1, 1, np.nan, 2])), "positive and finite"),
+    (("scales", np.float32([1, 1, 1e-3, 2])), "empty output"),
+    (("sizes", np.int64([1, 3, -2, 4])), "sizes must be positive"),
+    (("sizes", np.int64([1, 3, 0, 4])), "sizes must be positive")])
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_targets_a_model_computes_badly_are_one_line_errors(target, message, mode):
+    # the executor turns a ValueError starting "Resize " into a one-line error naming the node
+    op = REGISTRY["Resize"]
+    name, value = target
+    inputs = ["x", "", "s"] if name == "scales" else ["x", "", "", "s"]
+    late = op.derive(_view(helper.make_node("Resize", inputs, ["y"], mode=mode),
+                           [X, None] + [None] * (len(inputs) - 3) + [Operand(None, None)], Y))
+    x = np.zeros((1, 3, 5, 4), np.int8)
+    with pytest.raises(ValueError, match=rf"^Resize .*{message}"):
+        op.run(op.specialize(late, [x.shape, value.shape]), x, value)

@@ -160,3 +160,44 @@ def test_a_copy_without_weight_bytes_keeps_the_graph_and_leaves_the_original_who
         assert (t.name, list(t.dims), t.data_type) == (s.name, list(s.dims), s.data_type)
         assert (t.raw_data == b"") == (t.name in big) and (t.name in big or t.raw_data == s.raw_data)
     assert light.graph.node == model.graph.node and len(light.SerializeToString()) < len(before) - 16 * 16 * 10 * 4
+
+
+def _shape_slice(starts, ends, steps, shape_start=1, idx_is_input=False):
+    """Shape(x, start=...) of [N, 3, 224, 224], then a Slice (or, with idx_is_input, a Gather
+    whose index initializer is also a graph input) into an output through an Identity."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=shape_start)]
+    if idx_is_input:
+        nodes.append(helper.make_node("Gather", ["s", "idx"], ["picked"], axis=0))
+    else:
+        nodes.append(helper.make_node("Slice", ["s", "st", "en", "ax", "sp"], ["picked"]))
+    nodes.append(helper.make_node("Identity", ["picked"], ["y"]))
+    inits = [numpy_helper.from_array(np.array([v], np.int64), k)
+             for k, v in (("st", starts), ("en", ends), ("ax", 0), ("sp", steps), ("idx", 0))]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])]
+    if idx_is_input:
+        inputs.append(helper.make_tensor_value_info("idx", TensorProto.INT64, [1]))
+    graph = helper.make_graph(nodes, "s", inputs, [helper.make_tensor_value_info("y", TensorProto.INT64, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+
+
+@pytest.mark.parametrize("starts,ends,steps", [(-100, -2**63, -1), (0, 2**62, 1), (2, 0, -1), (-1, -100, -2),
+                                               (1, 1, 1), (5, 9, 1), (-2, 3, 1)])
+def test_a_folded_slice_of_a_shape_takes_what_onnxruntime_takes(starts, ends, steps):
+    import onnxruntime as ort
+
+    from qtool.model import fold_static_shapes
+
+    model = _shape_slice(starts, ends, steps)
+    x = {"x": np.zeros((2, 3, 224, 224), np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    want = run(model)
+    fold_static_shapes(model)  # the Shape's window [3, 224, 224] holds no open dimension
+    assert "Slice" not in [n.op_type for n in model.graph.node]
+    assert run(model).tolist() == want.tolist()
+
+
+def test_an_index_a_caller_may_feed_is_not_folded():
+    from qtool.model import fold_static_shapes
+
+    model = _shape_slice(0, 0, 1, idx_is_input=True)
+    assert fold_static_shapes(model) == 0 and "Gather" in [n.op_type for n in model.graph.node]

@@ -149,8 +149,10 @@ def _targets(scales, sizes) -> tuple[tuple[float, ...] | None, tuple[int, ...] |
     sizes = None if sizes is None or np.size(sizes) == 0 else tuple(int(s) for s in np.asarray(sizes).reshape(-1))
     if scales is None and sizes is None:
         raise Unsupported("Resize needs scales or sizes")
-    if scales is not None and min(scales) <= 0:
-        raise Unsupported("Resize scales must be positive")
+    if scales is not None and not all(np.isfinite(s) and s > 0 for s in scales):
+        raise Unsupported(f"Resize scales must be positive and finite, got {list(scales)}")
+    if sizes is not None and min(sizes) <= 0:
+        raise Unsupported(f"Resize sizes must be positive, got {list(sizes)}")
     return scales, sizes
 
 
@@ -284,6 +286,8 @@ class Resize(IntegerOp):
 
     def _plan(self, setup: ResizeSetup, shape: tuple[int, ...]) -> NearestPlan | LinearPlan | CubicPlan:
         out, scales = output_shape(setup, shape)
+        if any(o <= 0 for o, i in zip(out, shape) if i > 0):
+            raise ValueError(f"Resize from {list(shape)} gives an empty output {out}")
         if setup.mode == "nearest":
             index = []
             for o, i, s in zip(out, shape, scales):
