@@ -38,6 +38,12 @@ class QParams:
     def qmax(self) -> int:
         return int_range(self.dtype)[1]
 
+    @property
+    def max_offset(self) -> int:
+        """The largest ``|q - Z|`` of the type (per tensor): what bounds a kernel's sums."""
+        zero = int(self.zero_point)
+        return max(abs(self.qmin - zero), abs(self.qmax - zero))
+
 
 def _f32(x: float) -> float:
     return float(np.float32(x))

@@ -141,7 +141,7 @@ class AverageSetup:
         x = per_tensor(view.inputs[0].qparams, f"{op} input")
         y = per_tensor(view.output, f"{op} output")
         return cls(x.scale / y.scale, x.zero_point, y.zero_point, view.multiplier_bits, view.rounding,
-                   y.dtype, max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point))))
+                   y.dtype, x.max_offset)
 
     def params(self, window: "Window | None", count: int) -> "AvgPoolParams":
         # an int16 map's sum passes int32 from 2**16 elements on: the multiplier narrowed for it

@@ -89,7 +89,7 @@ def cell_exponent(bound: float) -> int:
 
 def qp_extent(qp: QParams) -> float:
     """The largest magnitude an 8-bit (S, Z) represents."""
-    return float(qp.scale) * max(abs(qp.qmin - qp.zero_point), abs(qp.qmax - qp.zero_point))
+    return float(qp.scale) * qp.max_offset
 
 
 @dataclass(frozen=True)

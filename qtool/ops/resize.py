@@ -276,7 +276,7 @@ class Resize(IntegerOp):
                            rescale(x, y, view), requant, x.zero_point, y.zero_point, view.rounding,
                            y.dtype, float(view.attr("cubic_coeff_a", np.float32(-0.75))),
                            bool(view.attr("exclude_outside", 0)),
-                           max(abs(x.qmin - int(x.zero_point)), abs(x.qmax - int(x.zero_point))),
+                           x.max_offset,
                            named, at_run)
 
     def specialize(self, setup: ResizeSetup, shapes) -> NearestPlan | LinearPlan | CubicPlan | RunTimePlan:
