@@ -236,17 +236,23 @@ def test_resize_nearest_modes_move_data_exactly(tmp_path, coordinate, nearest_mo
     _check(coordinate, executor, diffs, node, 32, moves_only=True)
 
 
-@pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 1.5, 0.7), (1, 1, 0.5, 3), (1, 1, 2.4, 1)])
-@pytest.mark.parametrize("coordinate", COORDINATE_MODES)
-def test_resize_linear_modes_within_one_lsb(tmp_path, coordinate, scales):
-    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear",
-                            coordinate_transformation_mode=coordinate)
+def _check_interpolation(tmp_path, node, scales, case):
+    """A linear or cubic Resize by constant ``scales`` against onnxruntime: within 1 LSB, and
+    exact off the rounding ties as _check counts them."""
     inits = {"scales": _f32(*scales)}
     qmodel, data = _quantize(tmp_path, node, {"x": (4, 2, 6, 5)}, inits, False, 32)
     seen = {}
     executor, diffs = step_differences(qmodel, data, seen)
     ties = rounding_ties(qmodel, executor, node, inits, seen)
-    _check(coordinate, executor, diffs, node, 32, False, ties)
+    _check(case, executor, diffs, node, 32, False, ties)
+
+
+@pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 1.5, 0.7), (1, 1, 0.5, 3), (1, 1, 2.4, 1)])
+@pytest.mark.parametrize("coordinate", COORDINATE_MODES)
+def test_resize_linear_modes_within_one_lsb(tmp_path, coordinate, scales):
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear",
+                            coordinate_transformation_mode=coordinate)
+    _check_interpolation(tmp_path, node, scales, coordinate)
 
 
 @pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 1.5, 0.7), (1, 1, 0.5, 3)])
@@ -255,12 +261,7 @@ def test_resize_linear_modes_within_one_lsb(tmp_path, coordinate, scales):
 def test_resize_cubic_modes_within_one_lsb(tmp_path, coordinate, scales, exclude_outside):
     node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic",
                             coordinate_transformation_mode=coordinate, exclude_outside=exclude_outside)
-    inits = {"scales": _f32(*scales)}
-    qmodel, data = _quantize(tmp_path, node, {"x": (4, 2, 6, 5)}, inits, False, 32)
-    seen = {}
-    executor, diffs = step_differences(qmodel, data, seen)
-    ties = rounding_ties(qmodel, executor, node, inits, seen)
-    _check(coordinate, executor, diffs, node, 32, False, ties)
+    _check_interpolation(tmp_path, node, scales, coordinate)
 
 
 def test_resize_linear_2x_is_exact_off_ties(tmp_path):

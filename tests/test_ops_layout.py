@@ -200,6 +200,33 @@ def test_linear_weights_fixed_point():
     assert (w0 + w1).tolist() == [2**FRACTION_BITS] * 5
 
 
+def _float_linear(d: np.ndarray, out_hw, scales) -> np.ndarray:
+    """Bilinear in float64 on the last two axes: half_pixel coordinates clamped to the input,
+    weights from the true fractions."""
+    def taps(out_len, in_len, scale):
+        c = np.clip((np.arange(out_len) + 0.5) / float(scale) - 0.5, 0, in_len - 1)
+        lo = np.floor(c).astype(int)
+        return lo, np.minimum(lo + 1, in_len - 1), c - lo
+
+    (ya, yb, ly), (xa, xb, lx) = (taps(o, i, s) for o, i, s in zip(out_hw, d.shape[-2:], scales))
+    rows = d[..., ya, :] * (1 - ly)[:, None] + d[..., yb, :] * ly[:, None]
+    return rows[..., xa] * (1 - lx) + rows[..., xb] * lx
+
+
+def _float_cubic(d: np.ndarray, out_hw, scales) -> np.ndarray:
+    """Cubic in float64 on the last two axes: half_pixel float32 coordinates as onnxruntime's, the
+    four taps clamped to the edges, ONNX's coefficients (a = -0.75) unrounded."""
+    def taps(out_len, in_len, scale):
+        c = (np.arange(out_len, dtype=np.float32) + np.float32(0.5)) / np.float32(scale) - np.float32(0.5)
+        base = np.floor(c.astype(np.float64))
+        return np.clip(base[:, None].astype(int) + np.arange(-1, 3), 0, in_len - 1), \
+            cubic_coefficients(c.astype(np.float64) - base, -0.75)
+
+    (yi, yw), (xi, xw) = (taps(o, i, s) for o, i, s in zip(out_hw, d.shape[-2:], scales))
+    rows = sum(d[..., yi[:, k], :] * yw[:, k, None] for k in range(4))
+    return sum(rows[..., xi[:, k]] * xw[:, k] for k in range(4))
+
+
 def test_resize_linear_lsb_bound_on_random_data():
     # Against the exact bilinear value (float64, weights from the true fractions), computed here:
     # |q - v| <= 0.5 (one rounding) + 255 / 2**11 + 510 / 4**12 (weights rounded to 11 bits).
@@ -211,17 +238,7 @@ def test_resize_linear_lsb_bound_on_random_data():
     y, _ = _resize(node, x, [None, _raw(scales)], QParams(0.5, 3), QParams(0.5, 3))
     oh, ow = int(7 * np.float32(1.7)), int(6 * np.float32(2.3))
     assert y.shape == (2, 3, oh, ow)
-
-    def taps(out_len, in_len, scale):
-        c = np.clip((np.arange(out_len) + 0.5) / float(scale) - 0.5, 0, in_len - 1)
-        lo = np.floor(c).astype(int)
-        return lo, np.minimum(lo + 1, in_len - 1), c - lo
-
-    ya, yb, ly = taps(oh, 7, scales[2])
-    xa, xb, lx = taps(ow, 6, scales[3])
-    d = x.astype(np.float64) - 3
-    rows = d[:, :, ya] * (1 - ly)[:, None] + d[:, :, yb] * ly[:, None]
-    v = rows[..., xa] * (1 - lx) + rows[..., xb] * lx + 3
+    v = _float_linear(x.astype(np.float64) - 3, (oh, ow), scales[2:]) + 3
     err = np.abs(y - v)
     bound = 0.5 + 255 / 2**11 + 510 / 4**12
     assert err.max() <= bound + 1e-4  # float32 coordinates: about 1e-7 relative
@@ -310,17 +327,7 @@ def test_resize_cubic_against_float64_on_random_data():
     y, _ = _resize(node, x, [None, _raw(scales)], QParams(0.5, 3), QParams(0.5, 3))
     oh, ow = int(7 * np.float32(1.7)), int(6 * np.float32(2.3))
     assert y.shape == (2, 3, oh, ow)
-
-    def taps(out_len, in_len, scale):
-        c = (np.arange(out_len, dtype=np.float32) + np.float32(0.5)) / np.float32(scale) - np.float32(0.5)
-        base = np.floor(c.astype(np.float64))
-        return np.clip(base[:, None].astype(int) + np.arange(-1, 3), 0, in_len - 1), \
-            cubic_coefficients(c.astype(np.float64) - base, -0.75)
-
-    (yi, yw), (xi, xw) = taps(oh, 7, scales[2]), taps(ow, 6, scales[3])
-    d = x.astype(np.float64) - 3
-    rows = sum(d[:, :, yi[:, k], :] * yw[:, k, None] for k in range(4))
-    v = np.clip(sum(rows[..., xi[:, k]] * xw[:, k] for k in range(4)) + 3, -128, 127)
+    v = np.clip(_float_cubic(x.astype(np.float64) - 3, (oh, ow), scales[2:]) + 3, -128, 127)
     err = np.abs(y - v)
     assert err.max() <= 0.5 + 255 * 8 * 2.0**-17 + 1e-4
     assert err.max() > 0.45  # the bound is not vacuous: rounding alone reaches ~0.5
@@ -336,28 +343,16 @@ def test_resize_int16_interpolates_full_range_values_within_one_lsb(mode):
     q = QParams(0.001, 0, "int16")
     y, _ = _resize(node, x, [None, _raw(np.float32([1, 1, 2, 2]))], q, q)
     assert y.dtype == np.int16 and y.shape == (1, 2, 10, 8)
-    c = np.clip((np.arange(10) + 0.5) / 2 - 0.5, 0, 4), np.clip((np.arange(8) + 0.5) / 2 - 0.5, 0, 3)
+    d = x.astype(np.float64)
     if mode == "linear":
-        lo = [np.floor(v).astype(int) for v in c]
-        hi = [np.minimum(a + 1, n - 1) for a, n in zip(lo, (5, 4))]
-        f = [v - a for v, a in zip(c, lo)]
-        d = x.astype(np.float64)
-        rows = d[:, :, lo[0]] * (1 - f[0])[:, None] + d[:, :, hi[0]] * f[0][:, None]
-        v = rows[..., lo[1]] * (1 - f[1]) + rows[..., hi[1]] * f[1]
         # 2x fractions (1/4, 3/4) are exact in 11 bits and S_x = S_y: one rounding, half up
-        assert np.abs(y - v).max() <= 0.5 + 1e-9
-    else:  # float64 cubic on the same taps (clamped to the edges), saturated as int16 saturates
-        def taps(out_len, in_len):
-            c = (np.arange(out_len) + 0.5) / 2 - 0.5
-            base = np.floor(c)
-            return np.clip(base[:, None].astype(int) + np.arange(-1, 3), 0, in_len - 1), \
-                cubic_coefficients(c - base, -0.75)
-        (yi, yw), (xi, xw) = taps(10, 5), taps(8, 4)
-        d = x.astype(np.float64)
-        rows = sum(d[:, :, yi[:, k], :] * yw[:, k, None] for k in range(4))
-        v = np.clip(sum(rows[..., xi[:, k]] * xw[:, k] for k in range(4)), -32768, 32767)
-        assert np.abs(y - v).max() <= 0.5 + 65535 * 8 * 2.0**-17  # the weights' 16-bit rounding
+        assert np.abs(y - _float_linear(d, (10, 8), (2, 2))).max() <= 0.5 + 1e-9
+    else:  # saturated as int16 saturates; within the weights' 16-bit rounding
+        v = np.clip(_float_cubic(d, (10, 8), (2, 2)), -32768, 32767)
+        assert np.abs(y - v).max() <= 0.5 + 65535 * 8 * 2.0**-17
     assert int(np.abs(y.astype(np.int64)).max()) > 2**14  # full-range values went through
+
+
 # -- ConvTranspose -------------------------------------------------------------------------------
 
 def _ct_params(weight, zero_in=0, bias=None, pads=(0, 0, 0, 0), strides=(1, 1), dilations=(1, 1),
