@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 
 from .errors import QtoolError
 
@@ -84,6 +85,36 @@ def run_or_one_at_a_time(run, batch_size: int | None, log=None):
         if log is not None:
             log(retry.note)
         return run(1)
+
+
+# of verify's bytes per activation byte, the float reference's share: the tensors onnxruntime
+# returns and its copies of them while returning (a ViT-S sample: 230 MB returned, +307 MB)
+REFERENCE_FACTOR = 2.0
+REFERENCE_PARTS_MAX = 8  # the float model in at most this many segments
+REFERENCE_PART_MIN = 32 << 20  # bytes of a batch's reference below which a part saves nothing
+
+
+def reference_parts(sizes: list[int], batch: int, memory_mb: int, fixed: int = 0) -> list[int]:
+    """Where verify splits a compared batch's float reference: ``sizes`` are the bytes per sample
+    of the tensors it compares, in the order the executor computes them. The start of each part
+    (``[0]``: the whole reference at once, when it fits ``memory_mb`` beside ``fixed`` and the
+    rest of the batch); else as many parts of about equal bytes as it takes, at most
+    ``REFERENCE_PARTS_MAX`` and none smaller than ``REFERENCE_PART_MIN`` (MiniLM's 8 MB a
+    sample in 8 parts peaked 13 MB higher than whole)."""
+    total = sum(sizes)
+    rest = batch * (VERIFY_FACTOR - REFERENCE_FACTOR) * total
+    room = (memory_mb * 2 ** 20 - fixed - rest) / (batch * REFERENCE_FACTOR)  # reference bytes a sample
+    if total <= room:
+        return [0]
+    count = min(REFERENCE_PARTS_MAX, math.ceil(total / max(room, REFERENCE_PART_MIN / batch)))
+    if count < 2:
+        return [0]
+    starts, held = [0], 0
+    for i, size in enumerate(sizes):  # a part ends where the running sum passes its share
+        if held >= len(starts) * total / count and i > starts[-1]:
+            starts.append(i)
+        held += size
+    return starts
 
 
 def check_memory(memory_mb: int) -> None:

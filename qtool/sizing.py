@@ -66,12 +66,18 @@ def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] 
     """Bytes of one sample's float activations in ``typed`` (from ``_fix_dims`` with ``batch``):
     the tensors whose sizes inference found, divided by the batch; the others are appended to
     ``unsized`` when given."""
+    return sum(_typed_sizes(typed, unsized).values()) // max(1, batch)
+
+
+def _typed_sizes(typed: onnx.ModelProto, unsized: list[str] | None = None) -> dict[str, int]:
+    """The bytes of each float activation of ``typed`` whose size inference found (for the batch
+    ``typed`` was fixed at), in graph order; the others appended to ``unsized`` when given."""
     infos = {vi.name: vi for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
-    total = 0
+    sizes = {}
     for name in float_tensors(typed):
         dims = input_shape(infos[name]) if name in infos else []
         if dims and all(isinstance(d, int) and d > 0 for d in dims):
-            total += math.prod(dims) * 4
+            sizes[name] = math.prod(dims) * 4
         elif unsized is not None:
             unsized.append(name)
     if unsized is not None:
@@ -79,36 +85,45 @@ def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] 
         # int16 QDQ models write it): measured like the unsized ones, not left out
         typed_names = {name for name, vi in infos.items() if vi.type.tensor_type.elem_type}
         unsized.extend(o for node in typed.graph.node for o in node.output if o and o not in typed_names)
-    return total // max(1, batch)
+    return sizes
 
 
 def activation_sizes(model: onnx.ModelProto, data: Dataset,
-                     typed: tuple[onnx.ModelProto, int] | None = None) -> tuple[int, list[str]]:
-    """(bytes of one sample's float activations that shape inference sizes, the activations it
-    cannot size: a ViT's attention behind run-time reshapes)."""
+                     typed: tuple[onnx.ModelProto, int] | None = None) -> tuple[dict[str, int], list[str]]:
+    """(bytes of each float activation of one sample that shape inference sizes, the activations
+    it cannot size: a ViT's attention behind run-time reshapes)."""
     shaped, batch = typed if typed is not None else (_fix_dims(model, data, 1)[0], 1)
     unsized: list[str] = []
-    total = activation_bytes(shaped, batch, unsized)
+    sizes = {name: size // max(1, batch) for name, size in _typed_sizes(shaped, unsized).items()}
     known = {o.name for o in model.graph.output} | {n for node in model.graph.node for n in node.output}
-    return total, [n for n in unsized if n in known]
+    return sizes, [n for n in unsized if n in known]
+
+
+def tensor_sizes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
+                 runner: FloatRunner | None = None,
+                 sizes: tuple[dict[str, int], list[str]] | None = None) -> dict[str, int]:
+    """Bytes of each float activation of one sample: ``activation_sizes`` (or ``sizes``, its
+    result), the unsized ones measured by running the first sample, on ``runner`` when it returns
+    them all (a command's own session: no second copy of the weights alive). An unsized tensor
+    the run does not give (onnxruntime cannot run the model) is left out."""
+    known, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
+    found = dict(known)
+    if unsized and len(data):
+        probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
+        try:  # the unsized tensors only: the others would all be alive together for nothing
+            values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1), list(dict.fromkeys(unsized)))
+        except Exception:  # onnxruntime cannot run this model (the integer executor may): no measure
+            values = {}
+        found.update((n, np.asarray(values[n]).nbytes) for n in unsized if n in values)
+        del values, probe
+        release_freed()  # a probe's session, before the command builds its own
+    return found
 
 
 def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
-                 runner: FloatRunner | None = None, sizes: tuple[int, list[str]] | None = None) -> int:
-    """Bytes of one sample's float activations: ``activation_sizes`` (or ``sizes``, its result),
-    the unsized ones measured by running the first sample, on ``runner`` when it returns them
-    all (a command's own session: no second copy of the weights alive)."""
-    total, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
-    if unsized and len(data):
-        probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
-        try:
-            values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1))
-        except Exception:  # onnxruntime cannot run this model (the integer executor may): no measure
-            values = {}
-        total += sum(np.asarray(values[n]).nbytes for n in unsized if n in values)
-        del values, probe
-        release_freed()  # a probe's session, before the command builds its own
-    return total
+                 runner: FloatRunner | None = None, sizes: tuple[dict[str, int], list[str]] | None = None) -> int:
+    """Bytes of one sample's float activations (``tensor_sizes``, summed)."""
+    return sum(tensor_sizes(model, data, typed, runner, sizes).values())
 
 
 def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
@@ -119,7 +134,7 @@ def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
 def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
                   memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None,
                   held: int = 0, runner: FloatRunner | None = None,
-                  sizes: tuple[int, list[str]] | None = None) -> tuple[int, str]:
+                  sizes: tuple[dict[str, int], list[str]] | None = None) -> tuple[int, str]:
     """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
     from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
     whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,

@@ -158,7 +158,7 @@ def _interrupted(tmp_path, module: str, function: str, *args) -> tuple[int, str]
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, demo_model, demo_calib):
     code, err = _interrupted(tmp_path, "calibrate", "collect", "calibrate", demo_model, "-d", demo_calib,
                              "-o", tmp_path / "t.yaml")
-    assert (code, err) == (130, "error: interrupted\n")
+    assert (code, err) == (130, "error: interrupted\n"), err  # the whole line when it is another
     assert not (tmp_path / "t.yaml").exists() and _leftovers(tmp_path) == []
 
 

@@ -323,3 +323,81 @@ def test_exec_writes_an_output_that_changes_shape_per_sample(tmp_path):
         # each sample's row, without the sample axis
         assert [y[k].tolist() for k in y.files] == [x[0, :1].tolist(), x[1, :2].tolist(), x[2, :3].tolist(),
                                                       x[3, :1].tolist()]
+
+
+# -- verify's float reference in segments (qtool/segments.py) ---------------------------------------
+
+def test_reference_parts_split_only_what_does_not_fit():
+    from qtool.batching import REFERENCE_FACTOR, REFERENCE_PARTS_MAX, VERIFY_FACTOR, reference_parts
+
+    sizes = [10 << 20] * 20  # 200 MB of compared tensors a sample
+    assert reference_parts(sizes, 1, 4096) == [0]  # fits whole: one part
+    # beside 200 MB of the rest of the sample, 512 MB leave room for 156 MB of reference
+    starts = reference_parts(sizes, 1, 512)
+    room = (512 - (VERIFY_FACTOR - REFERENCE_FACTOR) * 200) / REFERENCE_FACTOR
+    assert len(starts) > 1 and starts[0] == 0 and starts == sorted(set(starts))
+    bounds = [*starts, len(sizes)]
+    assert all(10 * (b - a) <= max(room, 200 / REFERENCE_PARTS_MAX) for a, b in zip(bounds, bounds[1:]))
+    # nothing fits: REFERENCE_PARTS_MAX parts, never a part per tensor
+    assert len(reference_parts([20 << 20] * 20, 1, 1, 600 << 20)) == REFERENCE_PARTS_MAX
+    # a part ends after the tensor that passes its share, however large that tensor is
+    assert reference_parts([1, 1000 << 20, 1], 1, 1) == [0, 2]
+    # a small reference is never split, however short of memory: a part would save nothing
+    assert reference_parts([1 << 20] * 8, 1, 1, 600 << 20) == [0]
+    assert len(reference_parts([1 << 20] * 64, 1, 1, 600 << 20)) == 2
+
+
+def _compared(model, executor):
+    known = {o for node in model.graph.node for o in node.output} | set(executor.input_names)
+    return [name for name in executor.integer_tensors() if name in known]
+
+
+def test_float_segments_give_the_whole_models_tensors(demo_model, qmodel, demo_heldout):
+    from qtool.model import FloatRunner, load_model, prepare
+    from qtool.segments import FloatSegments
+
+    executor = IntegerExecutor(load_model(qmodel))
+    model = prepare(load_model(demo_model), "demo")
+    names = _compared(model, executor)
+    assert executor.input_names[0] in names  # the input is compared too: the first part gives it
+    groups = [names[i:i + 3] for i in range(0, len(names), 3)]
+    segments = FloatSegments(model, groups, threads=1, arena=False)
+    assert len(segments.segments) > 2
+    x = np.load(demo_heldout)
+    feeds = {executor.input_names[0]: x[x.files[0]][:3]}
+    whole = FloatRunner(model, names, threads=1, arena=False).run(feeds)
+    seen = {}
+    for values in segments.parts(feeds):
+        assert len(values) < len(names)  # a part, not the whole reference
+        assert not set(values) & set(seen)
+        seen.update(values)
+    assert set(names) <= set(seen)
+    for name in names:
+        np.testing.assert_allclose(seen[name], whole[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    outputs = segments.run(feeds)
+    assert list(outputs) == [o.name for o in model.graph.output]
+    for name, value in outputs.items():
+        np.testing.assert_allclose(value, whole[name], rtol=1e-5, atol=1e-6)
+
+
+def test_verify_in_segments_compares_what_the_whole_reference_does(tmp_path, demo_model, demo_q, demo_heldout,
+                                                                   monkeypatch):
+    # a budget one sample does not fit: the float model runs in segments, said in the log, and
+    # every tensor is compared as with the whole model's reference (last bits aside)
+    import json
+
+    import qtool.batching
+
+    monkeypatch.setattr(qtool.batching, "REFERENCE_PART_MIN", 1)  # the demo's reference is small
+
+    figures = {}
+    for memory in (4096, 1):
+        result = invoke("verify", demo_model, demo_q, "--data", demo_heldout, "--memory", memory, "--json",
+                        "--layers", "all")  # the same samples compared, whatever the batch size
+        assert result.exit_code == 0, result.output
+        assert ("segments" in result.stderr) == (memory == 1), result.stderr
+        report = json.loads(result.stdout)
+        figures[memory] = {t["name"]: t for t in report["tensors"]}
+    assert figures[1].keys() == figures[4096].keys() and len(figures[1]) > 5
+    for name, whole in figures[4096].items():
+        assert figures[1][name]["sqnr_db"] == pytest.approx(whole["sqnr_db"], abs=0.01), name

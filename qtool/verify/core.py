@@ -14,12 +14,13 @@ import numpy as np
 import onnxruntime as ort
 
 from ..analyze import Analysis, analyze, format_analysis
-from ..sizing import activation_sizes, batch_is_chosen, default_batch
+from ..segments import FloatSegments, NotSegmented
+from ..sizing import activation_sizes, batch_is_chosen, default_batch, fixed_batch, tensor_sizes
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
-    release_freed, run_or_one_at_a_time
+    reference_parts, release_freed, run_or_one_at_a_time
 from ..ops import blas, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
@@ -246,17 +247,34 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
     parts = {name: PartComparisons(join) for name, join in joins.items()}
     placing = {n for join in joins.values() for n in join.tensors()}  # their shapes place the parts
-    # sizing a sample may run the model once: on verify's own session (which returns the tensors
-    # shape inference cannot size), so that two copies of the weights are never alive together
-    sizes = activation_sizes(model, data) if batch_is_chosen(model, batch_size) else (0, [])
+    # sized when the memory budget decides (a model whose batch is fixed at 1 too: its float
+    # reference may be cut below); a batch size given is the user's call. Sizing may run the
+    # model once: on verify's own session, so that two copies of the weights are never alive
+    sized = batch_is_chosen(model, batch_size) or (batch_size is None and fixed_batch(model) == 1)
+    sizes = activation_sizes(model, data) if sized else ({}, [])
     extra = [c.name for c in tensors] + sorted((placing | set(sizes[1])) - {c.name for c in tensors})
     # the float model on one thread, beside the executor on the other (two intra-op threads
     # spinning for work took the executor's core: rec 58 ms a line instead of 37)
     runner = FloatRunner(model, extra, threads=1, arena=False)
+    per_tensor = tensor_sizes(model, data, runner=runner, sizes=sizes) if sized else {}
     chosen = batch_is_chosen(model, batch_size) and shard is None
+    held = fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path))
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
-                                     held=fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path)),
-                                     runner=runner, sizes=sizes)
+                                     held=held, sizes=(per_tensor, []))
+    starts = (reference_parts([per_tensor.get(c.name, 0) for c in tensors], batch_size, memory_mb, held)
+              if per_tensor else [0])
+    if len(starts) > 1:
+        groups = [[c.name for c in tensors[a:b]] for a, b in zip(starts, [*starts[1:], len(tensors)])]
+        runner = None  # the whole model's session goes before the segments' come
+        release_freed()
+        try:
+            runner = FloatSegments(model, groups, sorted(placing), threads=1, arena=False)
+        except NotSegmented:  # a tensor the segments would pass on has no known type
+            runner = FloatRunner(model, extra, threads=1, arena=False)
+    if isinstance(runner, FloatSegments):
+        split = (f"the float model in {len(runner.segments)} segments, run one after another, so that "
+                 f"a compared batch's float tensors are not all alive at once (--memory {memory_mb})")
+        note = f"{note}; {split}" if note else split
     model = without_weight_bytes(model)  # onnxruntime has the weights; from here on verify reads the graph
     release_freed()
     ort_session, ort_graph, ort_passes = (_ort_session(qmodel, qmodel_path, ort_config) if run_ort
@@ -427,7 +445,11 @@ def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, c
     the compiled comparisons release the GIL) while the executor runs here, then both threads take
     the computed tensors from a queue until the executor is done. Each tensor is compared whole by
     one thread, so the sums are the same whichever thread does it. (reference, executor result);
-    the reference keeps the outputs and ``keep``."""
+    the reference keeps the outputs and ``keep``.
+
+    ``runner`` may be the float model in segments (qtool/segments.py), when a batch's float
+    tensors together do not fit the memory budget: then the side thread runs one segment at a
+    time, when the executor gives a tensor of the next, and alone compares."""
     computed: queue.SimpleQueue = queue.SimpleQueue()
     keep = set(executor.output_names) | set(keep)
 
@@ -443,6 +465,38 @@ def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, c
             del item, value
         computed.put(None)  # the end, for the other thread
 
+    def compare_in_parts() -> dict:
+        segments = runner.parts(feeds)
+        reference: dict = {}
+        kept: dict = {}
+
+        def next_segment() -> bool:
+            values = next(segments, None)
+            if values is not None:
+                kept.update((n, v) for n, v in values.items() if n in keep)
+                reference.update(values)
+            return values is not None
+
+        while (item := computed.get()) is not None:
+            name, value = item
+            c = comparisons.get(name)
+            if c is not None:
+                while name not in reference and next_segment():  # the segments before let go
+                    pass
+                c.update_integer(reference.pop(name), value, tables[name])
+            del item, value
+        reference.clear()
+        while next_segment():  # the outputs may come last
+            reference.clear()
+        return kept
+
+    if isinstance(runner, FloatSegments):
+        float_side = side.submit(compare_in_parts)
+        try:
+            result = executor.run(feeds, on_integer=lambda name, value: computed.put((name, value)), pace=pace)
+        finally:
+            computed.put(None)
+        return float_side.result(), result
     float_side = side.submit(runner.run, feeds)
     side_compares = side.submit(lambda: compare(float_side.result()))
     try:
