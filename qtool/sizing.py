@@ -43,6 +43,7 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
     del fixed.graph.value_info[:]  # inferred again, from the fixed dims
+    _casts_for_contrib_qdq(fixed.graph)
     shapes = {}
     for vi in graph_inputs(fixed):
         sample_shape, axis = data.sample_shape(vi.name), data.sample_axis(vi.name)
@@ -60,6 +61,25 @@ def _fix_dims(model: onnx.ModelProto, data: Dataset, batch: int | None = None
         except Exception:  # shape inference is a help here, not a requirement
             pass
     return (fixed if batch is None else model), shapes
+
+
+def _casts_for_contrib_qdq(graph: onnx.GraphProto) -> None:
+    """com.microsoft QuantizeLinear and DequantizeLinear (16-bit QDQ) replaced by Casts to their
+    output types, in a copy made for shape inference: onnx's inference stops at a domain it does
+    not know, and every tensor after the first such node went unsized (PP-OCRv4 rec at int16: 656
+    of 746), to be measured by running the quantized model in onnxruntime (exec of one line: 2.4 s
+    and 375 MB, now 1.6 s and 170 MB). Both keep their input's shape."""
+    types = {t.name: t.data_type for t in graph.initializer}
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        if node.op_type == "QuantizeLinear":  # the zero point's type; uint8 without one
+            to = types.get(node.input[2], onnx.TensorProto.UINT8) if len(node.input) > 2 and node.input[2] \
+                else onnx.TensorProto.UINT8
+        else:
+            to = types.get(node.input[1], onnx.TensorProto.FLOAT)  # the scale's type
+        cast = onnx.helper.make_node("Cast", [node.input[0]], list(node.output[:1]), name=node.name, to=to)
+        node.CopyFrom(cast)
 
 
 def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] | None = None) -> int:
