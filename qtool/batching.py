@@ -92,21 +92,28 @@ def run_or_one_at_a_time(run, batch_size: int | None, log=None):
 REFERENCE_FACTOR = 2.0
 REFERENCE_PARTS_MAX = 8  # the float model in at most this many segments
 REFERENCE_PART_MIN = 32 << 20  # bytes of a batch's reference below which a part saves nothing
+# the reference is split only when the estimate passes --memory by more than this share: a
+# split costs sessions and moves onnxruntime's last bits (a cosine's 6th digit on PP-OCRv4 rec,
+# whose estimate passes 512 MB by 13% while its peak stays below it)
+REFERENCE_SPLIT_FROM = 1.25
 
 
 def reference_parts(sizes: list[int], batch: int, memory_mb: int, fixed: int = 0) -> list[int]:
     """Where verify splits a compared batch's float reference: ``sizes`` are the bytes per sample
     of the tensors it compares, in the order the executor computes them. The start of each part
     (``[0]``: the whole reference at once, when it fits ``memory_mb`` beside ``fixed`` and the
-    rest of the batch); else as many parts of about equal bytes as it takes, at most
-    ``REFERENCE_PARTS_MAX`` and none smaller than ``REFERENCE_PART_MIN`` (MiniLM's 8 MB a
-    sample in 8 parts peaked 13 MB higher than whole)."""
+    rest of the batch, with ``REFERENCE_SPLIT_FROM``'s margin); else as many parts of about
+    equal bytes as fit ``memory_mb``, at most ``REFERENCE_PARTS_MAX`` and none smaller than
+    ``REFERENCE_PART_MIN`` (MiniLM's 8 MB a sample in 8 parts peaked 13 MB higher than whole)."""
     total = sum(sizes)
     rest = batch * (VERIFY_FACTOR - REFERENCE_FACTOR) * total
-    room = (memory_mb * 2 ** 20 - fixed - rest) / (batch * REFERENCE_FACTOR)  # reference bytes a sample
-    if total <= room:
+
+    def room(mb: float) -> float:  # reference bytes a sample that fit beside the rest
+        return (mb * 2 ** 20 - fixed - rest) / (batch * REFERENCE_FACTOR)
+
+    if total <= room(memory_mb * REFERENCE_SPLIT_FROM):
         return [0]
-    count = min(REFERENCE_PARTS_MAX, math.ceil(total / max(room, REFERENCE_PART_MIN / batch)))
+    count = min(REFERENCE_PARTS_MAX, math.ceil(total / max(room(memory_mb), REFERENCE_PART_MIN / batch)))
     if count < 2:
         return [0]
     starts, held = [0], 0

@@ -139,6 +139,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     phase("quantize")
     qdq = QdqModel(qmodel, float_model)
     variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops))
+    # the ranking quantizes ops alone in the float model, the narrowing widens some in the
+    # quantized one: each runs from its first node that differs from the nearer (qtool/prefix.py)
+    evaluator.share_prefixes(qmodel, qdq.ablated(qdq.all_tensors(), qdq.all_weights()))
     result.integer_db = evaluator.sqnr(qmodel)
     result.evaluations = 1
     chosen: list = []

@@ -161,3 +161,38 @@ def test_an_evaluator_of_the_same_samples_and_a_score_of_the_same_model_are_not_
     assert Evaluator._KEPT is None  # dropped at the end
     assert Evaluator(float_model, batches).sqnr(qmodel) == db
     assert Evaluator(float_model, [{"input": x[:8]}, {"input": x[16:24]}]).sqnr(qmodel) == other_db
+
+
+def test_variants_run_from_where_they_differ_compute_what_they_compute_whole(demo):
+    # qtool/prefix.py: each variant (an op left float in the quantized model, an op quantized in
+    # the float one) runs from its first node that differs from the nearer base, on the base's
+    # tensors there; its outputs are the same numbers as its whole run, in graph order and out of it
+    from qtool.analyze import as_written_bytes
+    from qtool.prefix import SharedPrefix
+
+    float_model, qmodel, _, _ = demo
+    qdq = QdqModel(qmodel, float_model)
+    batches = [{"input": b} for b in np.split(np.asarray(demo[3][0]["input"][:24]), 3)]
+    names = [o.name for o in qmodel.graph.output]
+    bases = (qmodel, qdq.ablated(qdq.all_tensors(), qdq.all_weights()))
+    prefixes = [SharedPrefix(base, batches, as_written_bytes) for base in bases]
+    shared = 0
+    for op in [*qdq.ops, *reversed(qdq.ops)]:
+        for variant, prefix in ((qdq.left_float([op]), prefixes[0]), (qdq.only_quantized([op]), prefixes[1])):
+            got = prefix.run(variant, names)
+            whole = [_run(variant, b) for b in batches]
+            if got is None:
+                continue
+            shared += 1
+            assert prefix.state[0] > 0  # it ran from a cut, holding the base's tensors there
+            for b, value in enumerate(whole):
+                np.testing.assert_array_equal(got[b][0], value, err_msg=op.node)
+    assert shared >= len(qdq.ops)  # most variants differ late enough to share a prefix
+
+
+def test_the_analysis_is_the_same_with_and_without_shared_prefixes(demo_model, demo_heldout, demo, monkeypatch):
+    _, qmodel, _, _ = demo
+    shared = analyze(demo_model, qmodel, demo_heldout, num_samples=32, batch_size=8, progress=False)
+    monkeypatch.setattr(Evaluator, "share_prefixes", lambda self, *bases: None)
+    whole = analyze(demo_model, qmodel, demo_heldout, num_samples=32, batch_size=8, progress=False)
+    assert shared.to_dict() == whole.to_dict() and shared.ops

@@ -332,6 +332,10 @@ def test_reference_parts_split_only_what_does_not_fit():
 
     sizes = [10 << 20] * 20  # 200 MB of compared tensors a sample
     assert reference_parts(sizes, 1, 4096) == [0]  # fits whole: one part
+    # estimated at 1200 MB of a 1024 MB budget, within REFERENCE_SPLIT_FROM's margin: still whole;
+    # at 1360 MB, past it: split
+    assert reference_parts(sizes, 1, 1024, 400 << 20) == [0]
+    assert len(reference_parts(sizes, 1, 1024, 560 << 20)) > 1
     # beside 200 MB of the rest of the sample, 512 MB leave room for 156 MB of reference
     starts = reference_parts(sizes, 1, 512)
     room = (512 - (VERIFY_FACTOR - REFERENCE_FACTOR) * 200) / REFERENCE_FACTOR

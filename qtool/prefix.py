@@ -1,0 +1,161 @@
+"""Variants of a model that share its nodes up to some point run from there only.
+
+``qtool analyze`` scores dozens of variants of one QDQ model (an op or a run of ops left float),
+each over the same samples, with onnxruntime running every node as written. A variant is the
+model with some fences bypassed: its nodes are the base model's up to the first one it changed.
+The base's tensors at that cut are the same for both, so they are computed once (for a later
+cut, by running on from the last one), and the variant runs from the cut only: on PP-OCRv4 rec
+the ops analyze scores sit anywhere in the graph, so about half of each variant's work goes.
+
+What a variant reads at the cut is exactly what its own full run would compute there (the same
+nodes on the same inputs, run as written), so its outputs are the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .model import outer_reads, subgraphs
+
+MIN_CUT_FRACTION = 0.1  # a variant that changes the base within its first tenth runs whole
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    return [n for n in [*node.input, *(outer_reads(node) if subgraphs(node) else [])] if n]
+
+
+class SharedPrefix:
+    """Runs variants of ``base`` on ``batches`` from the first node where they differ from it.
+    ``session(model_bytes)``: an onnxruntime session as the caller runs models (as written)."""
+
+    def __init__(self, base: onnx.ModelProto, batches: list[dict], session: Callable):
+        self.base = base
+        self.batches = batches
+        self.session = session
+        graph = base.graph
+        self.signatures = [n.SerializeToString() for n in graph.node]
+        self.inputs = {vi.name for vi in graph.input}
+        self.inits = {t.name: t for t in graph.initializer}
+        self.produced_at = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+        self.reads = [_reads(n) for n in graph.node]
+        self.last_read: dict[str, int] = {}
+        for i, names in enumerate(self.reads):
+            for name in names:
+                self.last_read[name] = i
+        for o in graph.output:
+            self.last_read[o.name] = len(graph.node)
+        # a fence's DequantizeLinear output -> the float tensor its QuantizeLinear reads: a
+        # variant that bypasses the fence reads that tensor where the base read the fence
+        producer = {o: n for n in graph.node for o in n.output}
+        self.fenced: dict[str, str] = {}
+        for n in graph.node:
+            q = producer.get(n.input[0]) if n.op_type == "DequantizeLinear" and n.input else None
+            if q is not None and q.op_type == "QuantizeLinear":
+                self.fenced[n.output[0]] = q.input[0]
+        self.state: tuple[int, list[dict]] | None = None  # (cut, per batch the tensors kept there)
+
+    def cut(self, signatures: list[bytes]) -> int:
+        """How many first nodes a variant (its nodes' bytes) shares with the base."""
+        cut, limit = 0, min(len(signatures), len(self.signatures))
+        while cut < limit and signatures[cut] == self.signatures[cut]:
+            cut += 1
+        return cut
+
+    def run(self, variant: onnx.ModelProto, names: list[str], cut: int | None = None
+            ) -> list[list[np.ndarray]] | None:
+        """``names`` of ``variant`` on every batch, run from its first node that differs from the
+        base's (``cut``, when the caller knows it); None when that is too early to save anything
+        (the caller runs it whole)."""
+        nodes = variant.graph.node
+        if cut is None:
+            cut = self.cut([n.SerializeToString() for n in nodes])
+        if cut < MIN_CUT_FRACTION * len(self.signatures) or cut >= len(self.signatures):
+            return None
+        prefix_made = {o for i in range(cut) for o in self.base.graph.node[i].output if o}
+        variant_inits = {t.name: t for t in variant.graph.initializer}
+        # the prefix must read the same constants in both
+        for i in range(cut):
+            for name in self.reads[i]:
+                if name in self.inits and (name not in variant_inits or
+                                           variant_inits[name].SerializeToString()
+                                           != self.inits[name].SerializeToString()):
+                    return None
+        suffix = list(nodes[cut:])
+        read_after = {n for node in suffix for n in _reads(node)} | set(names) | \
+            {o.name for o in variant.graph.output}
+        needed = sorted(n for n in read_after if n in prefix_made)
+        states = self._state_at(cut, needed)
+        given = [n for n in names if n in prefix_made or n in self.inputs]
+        wanted = [n for n in names if n not in given]
+        if not wanted:
+            return [[state[n] if n in state else batch[n] for n in names]
+                    for state, batch in zip(states, self.batches)]
+        suffix_inputs = sorted(n for n in read_after if n in prefix_made or n in self.inputs)
+        example = {**self.batches[0], **states[0]}
+        graph = helper.make_graph(
+            suffix, f"{variant.graph.name or 'model'}_from_{cut}",
+            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(example[n]).dtype), None)
+             for n in suffix_inputs],
+            [onnx.ValueInfoProto(name=n) for n in wanted],
+            [variant_inits[n] for n in dict.fromkeys(r for node in suffix for r in _reads(node))
+             if n in variant_inits])
+        tail = helper.make_model(graph, opset_imports=variant.opset_import, ir_version=variant.ir_version)
+        tail.functions.extend(variant.functions)
+        session = self.session(tail.SerializeToString())
+        out = []
+        for state, batch in zip(states, self.batches):
+            feeds = {n: (state[n] if n in state else batch[n]) for n in suffix_inputs}
+            got = dict(zip(wanted, session.run(wanted, feeds)))
+            out.append([got[n] if n in got else (state[n] if n in state else batch[n]) for n in names])
+        return out
+
+    def _keep(self, cut: int, needed: list[str]) -> list[str]:
+        """What to hold at ``cut``: ``needed``, the base's tensors read at or after it, and the
+        float tensors behind the fences among them (what a later variant may read instead)."""
+        made = [o for i in range(cut) for o in self.base.graph.node[i].output if o]
+        live = [t for t in made if self.last_read.get(t, -1) >= cut]
+        behind = [self.fenced[t] for t in live if t in self.fenced and self.fenced[t] in self.produced_at
+                  and self.produced_at[self.fenced[t]] < cut]
+        return sorted(set(needed) | set(live) | set(behind))
+
+    def _state_at(self, cut: int, needed: list[str]) -> list[dict]:
+        """Per batch, the base's tensors at ``cut`` (at least ``needed``): run on from the last
+        cut when what it kept suffices, else from the inputs."""
+        keep = self._keep(cut, needed)
+        start, held = 0, [dict() for _ in self.batches]
+        if self.state is not None and self.state[0] <= cut:
+            last, kept = self.state
+            made_between = {o for i in range(last, cut) for o in self.base.graph.node[i].output if o}
+            reads_before = {n for i in range(last, cut) for n in self.reads[i]
+                            if n in self.produced_at and self.produced_at[n] < last}
+            if reads_before <= set(kept[0]) and all(n in kept[0] or n in made_between for n in keep):
+                start, held = last, kept
+        if start < cut:
+            part = list(self.base.graph.node[start:cut])
+            made = {o for node in part for o in node.output if o}
+            reads = list(dict.fromkeys(n for i in range(start, cut) for n in self.reads[i]))
+            inputs = [n for n in reads if n not in made and n not in self.inits]
+            outputs = [n for n in keep if n in made]
+            example = {**self.batches[0], **held[0]}
+            graph = helper.make_graph(
+                part, f"{self.base.graph.name or 'model'}_{start}_{cut}",
+                [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(example[n]).dtype),
+                                               None) for n in inputs],
+                [onnx.ValueInfoProto(name=n) for n in outputs],
+                [self.inits[n] for n in reads if n in self.inits])
+            piece = helper.make_model(graph, opset_imports=self.base.opset_import, ir_version=self.base.ir_version)
+            piece.functions.extend(self.base.functions)
+            session = self.session(piece.SerializeToString()) if outputs else None
+            new = []
+            for state, batch in zip(held, self.batches):
+                got = (dict(zip(outputs, session.run(outputs, {n: state[n] if n in state else batch[n]
+                                                                for n in inputs})))
+                       if session is not None else {})
+                new.append({n: (got[n] if n in got else state[n]) for n in keep if n in got or n in state})
+            held = new
+        self.state = (cut, held)
+        return held
