@@ -116,10 +116,12 @@ def reference_parts(sizes: list[int], batch: int, memory_mb: int, fixed: int = 0
     count = min(REFERENCE_PARTS_MAX, math.ceil(total / max(room(memory_mb), REFERENCE_PART_MIN / batch)))
     if count < 2:
         return [0]
-    starts, held = [0], 0
+    starts, part, held = [0], 0, 0
     for i, size in enumerate(sizes):  # a part ends where the running sum passes its share
-        if held >= len(starts) * total / count and i > starts[-1]:
+        share = min(count - 1, int(held * count // total))
+        if share > part and i > starts[-1]:
             starts.append(i)
+            part = share
         held += size
     return starts
 

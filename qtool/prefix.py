@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .model import outer_reads, subgraphs
+from .model import graph_inputs, outer_reads, subgraphs
 
 MIN_CUT_FRACTION = 0.1  # a variant that changes the base within its first tenth runs whole
 
@@ -38,7 +38,7 @@ class SharedPrefix:
         self.session = session
         graph = base.graph
         self.signatures = [n.SerializeToString() for n in graph.node]
-        self.inputs = {vi.name for vi in graph.input}
+        self.inputs = {vi.name for vi in graph_inputs(base)}  # fed by the batches
         self.inits = {t.name: t for t in graph.initializer}
         self.produced_at = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
         self.reads = [_reads(n) for n in graph.node]
@@ -48,15 +48,13 @@ class SharedPrefix:
                 self.last_read[name] = i
         for o in graph.output:
             self.last_read[o.name] = len(graph.node)
-        # a fence's DequantizeLinear output -> the float tensor its QuantizeLinear reads: a
-        # variant that bypasses the fence reads that tensor where the base read the fence
-        producer = {o: n for n in graph.node for o in n.output}
-        self.fenced: dict[str, str] = {}
-        for n in graph.node:
-            q = producer.get(n.input[0]) if n.op_type == "DequantizeLinear" and n.input else None
-            if q is not None and q.op_type == "QuantizeLinear":
-                self.fenced[n.output[0]] = q.input[0]
         self.state: tuple[int, list[dict]] | None = None  # (cut, per batch the tensors kept there)
+        self._inits_bytes: dict[str, bytes] = {}
+
+    def _init_bytes(self, name: str) -> bytes:
+        if name not in self._inits_bytes:
+            self._inits_bytes[name] = self.inits[name].SerializeToString()
+        return self._inits_bytes[name]
 
     def cut(self, signatures: list[bytes]) -> int:
         """How many first nodes a variant (its nodes' bytes) shares with the base."""
@@ -78,12 +76,9 @@ class SharedPrefix:
         prefix_made = {o for i in range(cut) for o in self.base.graph.node[i].output if o}
         variant_inits = {t.name: t for t in variant.graph.initializer}
         # the prefix must read the same constants in both
-        for i in range(cut):
-            for name in self.reads[i]:
-                if name in self.inits and (name not in variant_inits or
-                                           variant_inits[name].SerializeToString()
-                                           != self.inits[name].SerializeToString()):
-                    return None
+        for name in {n for i in range(cut) for n in self.reads[i] if n in self.inits}:
+            if name not in variant_inits or variant_inits[name].SerializeToString() != self._init_bytes(name):
+                return None
         suffix = list(nodes[cut:])
         read_after = {n for node in suffix for n in _reads(node)} | set(names) | \
             {o.name for o in variant.graph.output}
@@ -114,13 +109,13 @@ class SharedPrefix:
         return out
 
     def _keep(self, cut: int, needed: list[str]) -> list[str]:
-        """What to hold at ``cut``: ``needed``, the base's tensors read at or after it, and the
-        float tensors behind the fences among them (what a later variant may read instead)."""
+        """What to hold at ``cut``: ``needed`` and the base's tensors read at or after it. (A
+        variant that bypasses or widens a fence changes the fence's nodes, so a fence inside the
+        shared prefix is the base's in every variant that shares it: the float tensor behind it
+        is never read after the cut.)"""
         made = [o for i in range(cut) for o in self.base.graph.node[i].output if o]
         live = [t for t in made if self.last_read.get(t, -1) >= cut]
-        behind = [self.fenced[t] for t in live if t in self.fenced and self.fenced[t] in self.produced_at
-                  and self.produced_at[self.fenced[t]] < cut]
-        return sorted(set(needed) | set(live) | set(behind))
+        return sorted(set(needed) | set(live))
 
     def _state_at(self, cut: int, needed: list[str]) -> list[dict]:
         """Per batch, the base's tensors at ``cut`` (at least ``needed``): run on from the last

@@ -171,6 +171,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
             result.evaluations += runs
         chosen = ranked[:count]
         phase("narrow")
+    evaluator.share_prefixes()  # the carried tensors go: the variants are scored
     picked = [(op.op_type, op.node) for op in chosen]
     if allow_float:
         result.kept_float = picked

@@ -96,7 +96,9 @@ class FloatSegments:
         carried = dict(feeds)
         for first, (s, runner, inputs, outputs) in enumerate(self.segments):
             fetch = [n for n in outputs if n in self.carried_until or n in names]
-            values = runner.run({n: carried[n] for n in inputs}, fetch)
+            # nothing asked of it and nothing carried from it: not run (an empty list would
+            # ask onnxruntime for every output)
+            values = runner.run({n: carried[n] for n in inputs}, fetch) if fetch else {}
             for name in [n for n, until in self.carried_until.items() if until <= s and n in carried]:
                 del carried[name]
             carried.update((n, v) for n, v in values.items() if n in self.carried_until)

@@ -196,3 +196,26 @@ def test_the_analysis_is_the_same_with_and_without_shared_prefixes(demo_model, d
     monkeypatch.setattr(Evaluator, "share_prefixes", lambda self, *bases: None)
     whole = analyze(demo_model, qmodel, demo_heldout, num_samples=32, batch_size=8, progress=False)
     assert shared.to_dict() == whole.to_dict() and shared.ops
+
+
+def test_a_constant_listed_as_a_graph_input_is_read_from_the_model_not_the_batches(demo):
+    # an initializer that is also a graph input (older exporters list them) is the model's
+    # constant for the suffix of a variant, not a feed: the shared run equals the whole one
+    from qtool.analyze import as_written_bytes
+    from qtool.prefix import SharedPrefix
+
+    float_model, qmodel, _, batches = demo
+    listed = onnx.ModelProto()
+    listed.CopyFrom(qmodel)
+    # the scale of the last activation fence: read after the cut of a variant of an earlier op
+    inits = {i.name: i for i in listed.graph.initializer}
+    last = next(n for n in reversed(listed.graph.node) if n.op_type == "DequantizeLinear"
+                and n.input[0] not in inits)
+    scale = inits[last.input[1]]
+    listed.graph.input.append(onnx.helper.make_tensor_value_info(scale.name, scale.data_type, list(scale.dims)))
+    qdq = QdqModel(listed, float_model)
+    prefix = SharedPrefix(listed, batches, as_written_bytes)
+    variant = qdq.left_float([qdq.ops[-3]])
+    got = prefix.run(variant, [o.name for o in listed.graph.output])
+    assert got is not None
+    np.testing.assert_array_equal(got[0][0], _run(variant, batches[0]))

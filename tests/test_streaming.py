@@ -344,8 +344,11 @@ def test_reference_parts_split_only_what_does_not_fit():
     assert all(10 * (b - a) <= max(room, 200 / REFERENCE_PARTS_MAX) for a, b in zip(bounds, bounds[1:]))
     # nothing fits: REFERENCE_PARTS_MAX parts, never a part per tensor
     assert len(reference_parts([20 << 20] * 20, 1, 1, 600 << 20)) == REFERENCE_PARTS_MAX
-    # a part ends after the tensor that passes its share, however large that tensor is
+    # a part ends after the tensor that passes its share, however large that tensor is, and the
+    # tensors after a large one do not each make a part of their own
     assert reference_parts([1, 1000 << 20, 1], 1, 1) == [0, 2]
+    assert reference_parts([1000 << 20, 1, 1, 1, 1], 1, 1) == [0, 1]
+    assert len(reference_parts([40 << 20] * 8 + [0], 1, 1)) <= REFERENCE_PARTS_MAX
     # a small reference is never split, however short of memory: a part would save nothing
     assert reference_parts([1 << 20] * 8, 1, 1, 600 << 20) == [0]
     assert len(reference_parts([1 << 20] * 64, 1, 1, 600 << 20)) == 2

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..analyze import Analysis, analyze, format_analysis
-from ..segments import FloatSegments, NotSegmented
+from ..segments import FloatSegments
 from ..sizing import activation_sizes, batch_is_chosen, default_batch, fixed_batch, tensor_sizes
 from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
@@ -269,7 +269,9 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         release_freed()
         try:
             runner = FloatSegments(model, groups, sorted(placing), threads=1, arena=False)
-        except NotSegmented:  # a tensor the segments would pass on has no known type
+        except Exception:  # NotSegmented (a tensor without a known type), a segment onnxruntime refuses
+            runner = None
+            release_freed()
             runner = FloatRunner(model, extra, threads=1, arena=False)
     if isinstance(runner, FloatSegments):
         split = (f"the float model in {len(runner.segments)} segments, run one after another, so that "
