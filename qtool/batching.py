@@ -103,8 +103,9 @@ def reference_parts(sizes: list[int], batch: int, memory_mb: int, fixed: int = 0
     of the tensors it compares, in the order the executor computes them. The start of each part
     (``[0]``: the whole reference at once, when it fits ``memory_mb`` beside ``fixed`` and the
     rest of the batch, with ``REFERENCE_SPLIT_FROM``'s margin); else as many parts of about
-    equal bytes as fit ``memory_mb``, at most ``REFERENCE_PARTS_MAX`` and none smaller than
-    ``REFERENCE_PART_MIN`` (MiniLM's 8 MB a sample in 8 parts peaked 13 MB higher than whole)."""
+    equal bytes as fit ``memory_mb``, at most ``REFERENCE_PARTS_MAX``, and fewer when the
+    tensors come to less than ``REFERENCE_PART_MIN`` a part (MiniLM's 8 MB a sample in 8 parts
+    peaked 13 MB higher than whole)."""
     total = sum(sizes)
     rest = batch * (VERIFY_FACTOR - REFERENCE_FACTOR) * total
 
