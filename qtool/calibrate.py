@@ -33,7 +33,7 @@ from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
-                    load_model, outer_reads, prepare)
+                    load_model, node_reads, prepare)
 from .report import progress_bar
 from .sizing import _fix_dims, batch_is_chosen, default_batch, fixed_batch
 from .table import Table, TensorEntry
@@ -383,7 +383,7 @@ def _bodies(model, typed, calibrators_by_name: dict, new_calibrator) -> control.
         return None
     types = {vi.name: vi.type for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
     # the initializers the control nodes and their bodies read (the others would be copies for nothing)
-    read = {n for node in model.graph.node if control.is_control(node) for n in [*node.input, *outer_reads(node)]}
+    read = {n for node in model.graph.node if control.is_control(node) for n in node_reads(node)}
     constants = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name in read}
     bodies = control.BodyStats(model, needed_tensors, new_calibrator, calibrators_by_name, constants, types)
     return bodies if bodies.tensors() else None

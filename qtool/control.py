@@ -30,7 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import QtoolError
-from .model import (FloatRunner, constants_to_initializers, float_tensors, graphs_outer_reads, outer_reads,
+from .model import (FloatRunner, constants_to_initializers, float_tensors, graphs_outer_reads, node_reads,
                     subgraphs)
 
 CONTROL_OPS = ("If", "Loop", "Scan")
@@ -204,7 +204,7 @@ class BodyStats:
         set of computed body tensors, shared by every level (None: a new one)."""
         self.controls = [node for node in model.graph.node if is_control(node)]
         self.feeds_needed = list(dict.fromkeys(
-            n for node in self.controls for n in [*node.input, *outer_reads(node)] if n and n not in constants))
+            n for node in self.controls for n in node_reads(node) if n not in constants))
         self.bodies: dict[tuple[str, str], tuple] = {}
         # constant inputs of the control nodes (a Loop's trip count)
         self.constant_inputs = {n: constants[n] for node in self.controls for n in node.input if n in constants}

@@ -292,6 +292,21 @@ def outer_reads(node: onnx.NodeProto) -> list[str]:
     return graphs_outer_reads(subgraphs(node))
 
 
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The names ``node`` reads: its inputs, then what its subgraphs read from around it."""
+    return [n for n in [*node.input, *(outer_reads(node) if subgraphs(node) else [])] if n]
+
+
+def submodel(model: onnx.ModelProto, nodes, inputs: list[onnx.ValueInfoProto],
+             outputs: list[onnx.ValueInfoProto], initializers, name: str) -> onnx.ModelProto:
+    """A model of ``nodes`` (consecutive ones of ``model``) with these inputs, outputs and
+    initializers, under ``model``'s opsets, IR version and local functions."""
+    graph = onnx.helper.make_graph(list(nodes), name, inputs, outputs, list(initializers))
+    part = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    part.functions.extend(model.functions)
+    return part
+
+
 def graphs_outer_reads(graphs) -> list[str]:
     """``outer_reads`` of these subgraphs (one body, or every body of a node)."""
     found: dict[str, None] = {}

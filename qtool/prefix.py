@@ -19,13 +19,15 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .model import graph_inputs, outer_reads, subgraphs
+from .model import graph_inputs, node_reads, submodel
 
 MIN_CUT_FRACTION = 0.1  # a variant that changes the base within its first tenth runs whole
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    return [n for n in [*node.input, *(outer_reads(node) if subgraphs(node) else [])] if n]
+def _inputs_like(names: list[str], values: dict) -> list[onnx.ValueInfoProto]:
+    """Graph inputs typed as ``values`` (one batch's arrays by name), shapes open."""
+    return [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(values[n]).dtype), None)
+            for n in names]
 
 
 class SharedPrefix:
@@ -41,7 +43,7 @@ class SharedPrefix:
         self.inputs = {vi.name for vi in graph_inputs(base)}  # fed by the batches
         self.inits = {t.name: t for t in graph.initializer}
         self.produced_at = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-        self.reads = [_reads(n) for n in graph.node]
+        self.reads = [node_reads(n) for n in graph.node]
         self.last_read: dict[str, int] = {}
         for i, names in enumerate(self.reads):
             for name in names:
@@ -80,7 +82,7 @@ class SharedPrefix:
             if name not in variant_inits or variant_inits[name].SerializeToString() != self._init_bytes(name):
                 return None
         suffix = list(nodes[cut:])
-        read_after = {n for node in suffix for n in _reads(node)} | set(names) | \
+        read_after = {n for node in suffix for n in node_reads(node)} | set(names) | \
             {o.name for o in variant.graph.output}
         needed = sorted(n for n in read_after if n in prefix_made)
         states = self._state_at(cut, needed)
@@ -90,16 +92,10 @@ class SharedPrefix:
             return [[state[n] if n in state else batch[n] for n in names]
                     for state, batch in zip(states, self.batches)]
         suffix_inputs = sorted(n for n in read_after if n in prefix_made or n in self.inputs)
-        example = {**self.batches[0], **states[0]}
-        graph = helper.make_graph(
-            suffix, f"{variant.graph.name or 'model'}_from_{cut}",
-            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(example[n]).dtype), None)
-             for n in suffix_inputs],
-            [onnx.ValueInfoProto(name=n) for n in wanted],
-            [variant_inits[n] for n in dict.fromkeys(r for node in suffix for r in _reads(node))
-             if n in variant_inits])
-        tail = helper.make_model(graph, opset_imports=variant.opset_import, ir_version=variant.ir_version)
-        tail.functions.extend(variant.functions)
+        tail = submodel(variant, suffix, _inputs_like(suffix_inputs, {**self.batches[0], **states[0]}),
+                        [onnx.ValueInfoProto(name=n) for n in wanted],
+                        [variant_inits[n] for n in dict.fromkeys(r for node in suffix for r in node_reads(node))
+                         if n in variant_inits], f"{variant.graph.name or 'model'}_from_{cut}")
         session = self.session(tail.SerializeToString())
         out = []
         for state, batch in zip(states, self.batches):
@@ -135,15 +131,10 @@ class SharedPrefix:
             reads = list(dict.fromkeys(n for i in range(start, cut) for n in self.reads[i]))
             inputs = [n for n in reads if n not in made and n not in self.inits]
             outputs = [n for n in keep if n in made]
-            example = {**self.batches[0], **held[0]}
-            graph = helper.make_graph(
-                part, f"{self.base.graph.name or 'model'}_{start}_{cut}",
-                [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(example[n]).dtype),
-                                               None) for n in inputs],
-                [onnx.ValueInfoProto(name=n) for n in outputs],
-                [self.inits[n] for n in reads if n in self.inits])
-            piece = helper.make_model(graph, opset_imports=self.base.opset_import, ir_version=self.base.ir_version)
-            piece.functions.extend(self.base.functions)
+            piece = submodel(self.base, part, _inputs_like(inputs, {**self.batches[0], **held[0]}),
+                             [onnx.ValueInfoProto(name=n) for n in outputs],
+                             [self.inits[n] for n in reads if n in self.inits],
+                             f"{self.base.graph.name or 'model'}_{start}_{cut}")
             session = self.session(piece.SerializeToString()) if outputs else None
             new = []
             for state, batch in zip(held, self.batches):

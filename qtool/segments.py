@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 
-from .model import FloatRunner, outer_reads, subgraphs, without_weight_bytes
+from .model import FloatRunner, node_reads, submodel, without_weight_bytes
 
 
 class NotSegmented(Exception):
@@ -38,8 +38,7 @@ class FloatSegments:
         inits = {t.name: t for t in model.graph.initializer}
         graph_outputs = [o.name for o in model.graph.output]
         producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
-        reads = [[n for n in [*node.input, *(outer_reads(node) if subgraphs(node) else [])] if n]
-                 for node in nodes]
+        reads = [node_reads(node) for node in nodes]
         # the node index each segment ends after: where its group's last tensor is computed
         ends, last = [], -1
         for group in groups[:-1]:
@@ -75,17 +74,12 @@ class FloatSegments:
             for name in outputs:
                 if last_reader.get(name, s) > s:
                     self.carried_until[name] = last_reader[name]
-            graph = onnx.helper.make_graph(
-                part, f"{model.graph.name or 'model'}_{s}",
-                [graph_input_infos.get(n) or _info(n, types) for n in inputs],
-                [_info(n, types) for n in dict.fromkeys(outputs)],
-                [inits[n] for n in read if n in inits])
-            segment = onnx.helper.make_model(graph, opset_imports=model.opset_import,
-                                             ir_version=model.ir_version)
-            segment.functions.extend(model.functions)
+            segment = submodel(model, part, [graph_input_infos.get(n) or _info(n, types) for n in inputs],
+                               [_info(n, types) for n in dict.fromkeys(outputs)],
+                               [inits[n] for n in read if n in inits], f"{model.graph.name or 'model'}_{s}")
             self.segments.append((s, FloatRunner(segment, threads=threads, arena=arena), inputs,
                                   list(dict.fromkeys(outputs))))
-            del segment, graph
+            del segment
         self.output_names = graph_outputs
 
     def parts(self, feeds: dict[str, np.ndarray], names: set[str] | None = None) -> Iterator[dict]:
