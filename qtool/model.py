@@ -398,6 +398,11 @@ def _convert_version(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 LARGE_TENSOR = 1024  # elements; far more than any shape-like input whose values onnx reads
 
 
+def _large_float(tensor: onnx.TensorProto) -> bool:
+    """A float tensor whose bytes ``without_weights`` and ``without_weight_bytes`` leave out."""
+    return tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data") and math.prod(tensor.dims) > LARGE_TENSOR
+
+
 def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
     """``transform(model)`` for onnx's version converter and shape inference, run on a copy without
     the bytes of the large float tensors (initializers and Constant nodes), put back after.
@@ -411,8 +416,7 @@ def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
     light.CopyFrom(model)
     held = {}  # name -> (the emptied tensor given to the transform, the original)
     for (name, tensor), (_, original) in zip(_named_tensors(light), _named_tensors(model)):
-        if (name not in held and tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data")
-                and math.prod(tensor.dims) > LARGE_TENSOR):
+        if name not in held and _large_float(tensor):
             tensor.raw_data = b""
             held[name] = (tensor, original)
     if not held:
@@ -433,8 +437,7 @@ def without_weight_bytes(model: onnx.ModelProto) -> onnx.ModelProto:
     memory until the whole message goes: the caller lets go of the original."""
     held = []
     for tensor in model.graph.initializer:
-        if (tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data")
-                and math.prod(tensor.dims) > LARGE_TENSOR):
+        if _large_float(tensor):
             held.append((tensor, tensor.raw_data))
             tensor.raw_data = b""
     light = onnx.ModelProto()
