@@ -82,16 +82,10 @@ def _casts_for_contrib_qdq(graph: onnx.GraphProto) -> None:
         node.CopyFrom(cast)
 
 
-def activation_bytes(typed: onnx.ModelProto, batch: int = 1, unsized: list[str] | None = None) -> int:
-    """Bytes of one sample's float activations in ``typed`` (from ``_fix_dims`` with ``batch``):
-    the tensors whose sizes inference found, divided by the batch; the others are appended to
-    ``unsized`` when given."""
-    return sum(_typed_sizes(typed, unsized).values()) // max(1, batch)
-
-
 def _typed_sizes(typed: onnx.ModelProto, unsized: list[str] | None = None) -> dict[str, int]:
-    """The bytes of each float activation of ``typed`` whose size inference found (for the batch
-    ``typed`` was fixed at), in graph order; the others appended to ``unsized`` when given."""
+    """The bytes of each float activation of ``typed`` (from ``_fix_dims``) whose size inference
+    found (for the batch ``typed`` was fixed at), in graph order; the others appended to
+    ``unsized`` when given."""
     infos = {vi.name: vi for vi in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
     sizes = {}
     for name in float_tensors(typed):
