@@ -119,7 +119,7 @@ def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) 
     if not any(t.data_type in wide for t in qmodel.graph.initializer):
         return
     # the float model's inputs are what the data is read against: its graph need not be
-    # prepared again (a ViT-S: two onnxruntime optimizations, 3.4 s)
+    # prepared again (a ViT-S's preparation, with two onnxruntime optimizations: 3.4 s)
     model = load_model(model_path)
     data = load_dataset(data_path, model, preprocess)
     size = min(fixed_batch(model) or 1, len(data))  # a model that takes 2 samples at a time gets 2

@@ -483,7 +483,7 @@ def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, c
             name, value = item
             c = comparisons.get(name)
             if c is not None:
-                while name not in reference and next_segment():  # the segments before let go
+                while name not in reference and next_segment():  # each tensor let go once compared
                     pass
                 c.update_integer(reference.pop(name), value, tables[name])
             del item, value
