@@ -27,7 +27,8 @@ import onnxruntime as ort
 
 from . import boundary, control, masks
 from .errors import QtoolError
-from .model import batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs
+from .model import (batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs,
+                    without_weight_bytes)
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, blocked, fast_paths, parallel
@@ -140,9 +141,12 @@ class IntegerExecutor:
         # (QuantizeLinear, QLinearConv's reference); qtool's own models say which mode they use
         self.rounding = meta.get("qtool.rounding", FOREIGN_ROUNDING)
         self.multiplier_bits = int(meta.get("qtool.multiplier_bits", "32"))
-        self.model = model
         self.opsets = {o.domain or "": o.version for o in model.opset_import}
         self.constants = {**(outer_constants or {}), **initializers(model)}
+        # the weights are read from ``constants``, the graph from a copy without their bytes: the
+        # steps keep nodes of it, and protobuf keeps a message's memory while any part of it is
+        # referenced (a ViT-S's int8 weights, 24 MB, would stay twice for as long as the executor)
+        self.model = model = without_weight_bytes(model, any_type=True)
         self.producer = {out: node for node in model.graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         # a node with subgraphs (If, Loop, Scan) reads what they read from the main graph too

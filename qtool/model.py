@@ -398,9 +398,11 @@ def _convert_version(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 LARGE_TENSOR = 1024  # elements; far more than any shape-like input whose values onnx reads
 
 
-def _large_float(tensor: onnx.TensorProto) -> bool:
-    """A float tensor whose bytes ``without_weights`` and ``without_weight_bytes`` leave out."""
-    return tensor.data_type in FLOAT_TYPES and tensor.HasField("raw_data") and math.prod(tensor.dims) > LARGE_TENSOR
+def _large_float(tensor: onnx.TensorProto, any_type: bool = False) -> bool:
+    """A float tensor (``any_type``: of any type) whose bytes ``without_weights`` and
+    ``without_weight_bytes`` leave out."""
+    return ((any_type or tensor.data_type in FLOAT_TYPES) and tensor.HasField("raw_data")
+            and math.prod(tensor.dims) > LARGE_TENSOR)
 
 
 def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
@@ -430,23 +432,38 @@ def without_weights(transform, model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-def without_weight_bytes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of the model without the bytes of its large float initializers (dims and types
-    stay), for a caller that keeps the graph after onnxruntime took the weights (verify's float
-    model: about 90 MB of MiniLM's or a ViT-S's peak). A copy, because protobuf keeps a message's
-    memory until the whole message goes: the caller lets go of the original."""
-    held = []
-    for tensor in model.graph.initializer:
-        if _large_float(tensor):
-            held.append((tensor, tensor.raw_data))
-            tensor.raw_data = b""
+def without_weight_bytes(model: onnx.ModelProto, any_type: bool = False) -> onnx.ModelProto:
+    """A copy of the model without the bytes of its large float initializers (``any_type``: the
+    integer ones too; dims and types stay), for a caller that keeps the graph after onnxruntime
+    or the integer executor took the weights (verify's float model: about 90 MB of MiniLM's or a
+    ViT-S's peak). A copy, because protobuf keeps a message's memory until the whole message
+    goes: the caller lets go of the original. Built field by field: the model is not touched
+    (emptying its tensors and putting their bytes back copied the weights twice, a ViT-S's
+    verify peaked 150 MB higher for it)."""
     light = onnx.ModelProto()
-    try:
-        light.CopyFrom(model)
-    finally:
-        for tensor, data in held:
-            tensor.raw_data = data
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        if _large_float(tensor, any_type):
+            shell = light.graph.initializer.add()
+            shell.name, shell.data_type = tensor.name, tensor.data_type
+            shell.dims.extend(tensor.dims)
+        else:
+            light.graph.initializer.append(tensor)
     return light
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    """Every set field of protobuf message ``source`` but ``skip`` into ``target`` (a new one)."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(target, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
 
 
 def _named_tensors(model: onnx.ModelProto):
@@ -732,9 +749,11 @@ class FloatRunner:
     """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
 
     def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0,
-                 arena: bool = True):
+                 arena: bool = True, prepack: bool = True):
         """A session on ``model`` (prepared already, so onnxruntime's default optimizations apply
-        on top) returning its outputs plus ``extra_outputs``."""
+        on top) returning its outputs plus ``extra_outputs``. ``prepack=False``: onnxruntime keeps
+        the weights as given, not also in its GEMM kernels' packed layout (a ViT-S's session: 220
+        -> 165 MB, its run about 15% slower)."""
         known = {o.name for o in model.graph.output}
         value_info = {vi.name: vi for vi in model.graph.value_info}
         added = [value_info.get(name) or onnx.ValueInfoProto(name=name)
@@ -754,6 +773,8 @@ class FloatRunner:
         if threads:
             options.intra_op_num_threads = threads
         options.enable_cpu_mem_arena = arena
+        if not prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         self.session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 

@@ -31,7 +31,7 @@ class FloatSegments:
     of ``wanted`` each one computed (and the graph's outputs), ``run`` returns chosen names."""
 
     def __init__(self, model: onnx.ModelProto, groups: list[list[str]], also: list[str] = (),
-                 threads: int = 0, arena: bool = True):
+                 threads: int = 0, arena: bool = True, prepack: bool = True):
         """``groups``: the wanted tensors, in the caller's order, a segment ending after each
         group's last; ``also``: tensors wanted too, wherever they are computed."""
         nodes = list(model.graph.node)
@@ -77,7 +77,7 @@ class FloatSegments:
             segment = submodel(model, part, [graph_input_infos.get(n) or _info(n, types) for n in inputs],
                                [_info(n, types) for n in dict.fromkeys(outputs)],
                                [inits[n] for n in read if n in inits], f"{model.graph.name or 'model'}_{s}")
-            self.segments.append((s, FloatRunner(segment, threads=threads, arena=arena), inputs,
+            self.segments.append((s, FloatRunner(segment, threads=threads, arena=arena, prepack=prepack), inputs,
                                   list(dict.fromkeys(outputs))))
             del segment
         self.output_names = graph_outputs

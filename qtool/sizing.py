@@ -13,7 +13,7 @@ import onnx
 
 from .batching import check_memory, choose_batch, release_freed
 from .data import Dataset
-from .model import FloatRunner, float_tensors, graph_inputs, input_shape, without_weights
+from .model import FloatRunner, float_tensors, graph_inputs, input_shape, node_reads, submodel, without_weights
 
 
 def fixed_batch(model) -> int | None:
@@ -114,30 +114,48 @@ def activation_sizes(model: onnx.ModelProto, data: Dataset,
 
 
 def tensor_sizes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
-                 runner: FloatRunner | None = None,
-                 sizes: tuple[dict[str, int], list[str]] | None = None) -> dict[str, int]:
+                 sizes: tuple[dict[str, int], list[str]] | None = None, prepack: bool = True) -> dict[str, int]:
     """Bytes of each float activation of one sample: ``activation_sizes`` (or ``sizes``, its
-    result), the unsized ones measured by running the first sample, on ``runner`` when it returns
-    them all (a command's own session: no second copy of the weights alive). An unsized tensor
-    the run does not give (onnxruntime cannot run the model) is left out."""
+    result), the unsized ones measured by running the first sample through the nodes up to the
+    last that makes one (``probe_model``; ``prepack``: FloatRunner's). An unsized tensor the run
+    does not give (onnxruntime cannot run the model) is left out."""
     known, unsized = sizes if sizes is not None else activation_sizes(model, data, typed)
     found = dict(known)
     if unsized and len(data):
-        probe = runner if runner is not None and set(unsized) <= set(runner.output_names) else None
-        try:  # the unsized tensors only: the others would all be alive together for nothing
-            values = (probe or FloatRunner(model, unsized)).run(data.batch(0, 1), list(dict.fromkeys(unsized)))
+        try:
+            probe = probe_model(model, unsized)
+            runner = FloatRunner(probe, prepack=prepack)
+            reads = {vi.name for vi in probe.graph.input}
+            values = runner.run({k: v for k, v in data.batch(0, 1).items() if k in reads},
+                                list(dict.fromkeys(unsized)))
         except Exception:  # onnxruntime cannot run this model (the integer executor may): no measure
             values = {}
         found.update((n, np.asarray(values[n]).nbytes) for n in unsized if n in values)
-        del values, probe
-        release_freed()  # a probe's session, before the command builds its own
+        probe = runner = values = None
+        release_freed()  # the probe's session, before the command builds its own
     return found
 
 
+def probe_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """The nodes of ``model`` up to the last that makes one of ``names``, which are its outputs:
+    onnxruntime keeps every output of a run alive until the run ends, so a session on the whole
+    model that returns every compared tensor held one sample's activations all at once (a ViT-S:
+    230 MB, to size two tensors of its embedding), and the nodes after the last are not run."""
+    nodes = list(model.graph.node)
+    wanted = set(names)
+    last = max(i for i, node in enumerate(nodes) if wanted.intersection(node.output))
+    part = nodes[:last + 1]
+    reads = {name for node in part for name in node_reads(node)}
+    inputs = [vi for vi in graph_inputs(model) if vi.name in reads]
+    initializers = [t for t in model.graph.initializer if t.name in reads]
+    outputs = [onnx.ValueInfoProto(name=n) for n in dict.fromkeys(names)]
+    return submodel(model, part, inputs, outputs, initializers, "qtool_size_probe")
+
+
 def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
-                 runner: FloatRunner | None = None, sizes: tuple[dict[str, int], list[str]] | None = None) -> int:
+                 sizes: tuple[dict[str, int], list[str]] | None = None) -> int:
     """Bytes of one sample's float activations (``tensor_sizes``, summed)."""
-    return sum(tensor_sizes(model, data, typed, runner, sizes).values())
+    return sum(tensor_sizes(model, data, typed, sizes).values())
 
 
 def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
@@ -147,14 +165,14 @@ def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
 
 def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
                   memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None,
-                  held: int = 0, runner: FloatRunner | None = None,
+                  held: int = 0,
                   sizes: tuple[dict[str, int], list[str]] | None = None) -> tuple[int, str]:
     """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
     from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
     whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,
-    its batch) when the caller has one; ``runner`` and ``sizes``: see ``sample_bytes``."""
+    its batch) when the caller has one; ``sizes``: see ``sample_bytes``."""
     fixed = fixed_batch(model)
     if fixed or requested:
         return fixed or requested, ""
     check_memory(memory_mb)
-    return choose_batch(sample_bytes(model, data, typed, runner, sizes), factor, memory_mb, cap, held)
+    return choose_batch(sample_bytes(model, data, typed, sizes), factor, memory_mb, cap, held)

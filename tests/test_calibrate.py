@@ -366,3 +366,54 @@ def test_the_batch_estimate_goes_on_when_onnxruntime_cannot_run_the_probe(tmp_pa
 
     monkeypatch.setattr(sizing, "FloatRunner", refuse)
     assert sizing.sample_bytes(model, data) == sum(sizes.values()) > 0
+
+
+def test_the_probe_runs_the_nodes_up_to_the_last_unsized_tensor(tmp_path):
+    # a session on the whole model returning every tensor held a sample's activations all at
+    # once (onnxruntime keeps a run's outputs alive): the probe stops at the last tensor to size
+    import onnx
+    from onnx import helper
+
+    from qtool.data import load_dataset
+    from qtool.sizing import activation_sizes, probe_model, tensor_sizes
+
+    model, _, expanded = _expand_model(tmp_path)
+    # three more nodes after it, one of them far larger than anything before
+    tail = [helper.make_node("Tile", ["y", "reps"], ["wide"]), helper.make_node("Relu", ["wide"], ["z"]),
+            helper.make_node("ReduceMax", ["z"], ["out"], axes=[1], keepdims=0)]
+    model.graph.node.extend(tail)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1, 4096], np.int64), "reps"))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["N"]))
+    onnx.save(model, tmp_path / "m2.onnx")
+    data = load_dataset(tmp_path / "d.npz", model)
+    sizes, unsized = activation_sizes(model, data)
+    assert "big" in unsized and not {"wide", "z"} & set(unsized)
+    probe = probe_model(model, unsized)
+    assert [n.op_type for n in probe.graph.node][-1] == "Expand"  # Tile, Relu and ReduceMax not run
+    assert [o.name for o in probe.graph.output] == list(dict.fromkeys(unsized))
+    assert "reps" not in {t.name for t in probe.graph.initializer}  # what its nodes do not read
+    found = tensor_sizes(model, data)
+    assert found["big"] == expanded and found["wide"] == sizes["wide"]
+
+
+def test_without_weight_bytes_leaves_the_model_as_it_was(demo_model, demo_table):
+    import onnx
+
+    from qtool.model import load_model, without_weight_bytes
+    from qtool.quantize import quantize
+
+    for model, any_type in ((load_model(demo_model), False), (quantize(demo_model, demo_table)[0], True)):
+        before = model.SerializeToString()
+        light = without_weight_bytes(model, any_type)
+        assert model.SerializeToString() == before
+        emptied = [t for t in light.graph.initializer if not t.raw_data]
+        whole = {t.name: t for t in model.graph.initializer}
+        assert emptied and all(list(t.dims) == list(whole[t.name].dims) and t.data_type == whole[t.name].data_type
+                               for t in emptied)
+        if any_type:  # the int8 weights too
+            assert any(t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) for t in emptied)
+        # the rest of the model is copied as it is
+        for t in light.graph.initializer:
+            t.raw_data = whole[t.name].raw_data
+        assert light.SerializeToString() == before

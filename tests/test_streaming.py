@@ -408,3 +408,37 @@ def test_verify_in_segments_compares_what_the_whole_reference_does(tmp_path, dem
     assert figures[1].keys() == figures[4096].keys() and len(figures[1]) > 5
     for name, whole in figures[4096].items():
         assert figures[1][name]["sqnr_db"] == pytest.approx(whole["sqnr_db"], abs=0.01), name
+
+
+def test_verify_short_of_memory_keeps_one_copy_of_the_weights_and_no_compiled_loops(demo_model, demo_q,
+                                                                                   demo_heldout, monkeypatch):
+    # where the models alone take more than --memory: onnxruntime does not pack a second copy of
+    # the float weights, numba's loops are not loaded, and the figures are the same
+    import qtool.verify.core as core
+    from qtool.ops import compiled
+    from qtool.verify import compare
+
+    made, states = [], []
+    runner, side_by_side = core.FloatRunner, core._side_by_side
+
+    def record_runner(*args, **kwargs):
+        made.append(kwargs.get("prepack", True))
+        return runner(*args, **kwargs)
+
+    def record_loops(*args, **kwargs):
+        states.append((compiled.available(), bool(compare._compiled())))
+        return side_by_side(*args, **kwargs)
+
+    monkeypatch.setattr(core, "FloatRunner", record_runner)
+    monkeypatch.setattr(core, "_side_by_side", record_loops)
+    reports = {}
+    outside = (compiled.available(), bool(compare._compiled()))  # with numba installed: (True, True)
+    for memory in (4096, 1):
+        made.clear(), states.clear()
+        reports[memory] = core.verify(demo_model, demo_q, demo_heldout, progress=False, memory_mb=memory,
+                                      batch_size=4, layers=None)
+        assert made == [memory == 4096]
+        assert set(states) == {(False, False) if memory == 1 else outside}
+    assert (compiled.available(), bool(compare._compiled())) == outside  # as they were
+    for a, b in zip(reports[1].tensors, reports[4096].tensors):  # numpy's sums and numba's: last bits
+        assert a.name == b.name and a.sqnr == pytest.approx(b.sqnr, rel=1e-9, abs=1e-9)

@@ -56,10 +56,14 @@ def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
         return run_scanned(params, x)
     k, n = params.weight.shape
     rows = x.reshape(-1, k).astype(np.float32)
+    # B in float32 for this call only: a copy kept per plan was 4x the int8 weights for as long
+    # as the executor lived (a ViT-S: 89 MB beside its 24 MB), and converting costs about 1/M of
+    # the product (M the rows of A)
+    weight = params.weight.astype(np.float32)
     out = np.empty((rows.shape[0], n), dtype=params.dtype)
 
     def part(start: int, stop: int) -> None:
-        acc = np.matmul(rows[start:stop], plan.weight)
+        acc = np.matmul(rows[start:stop], weight)
         if tail.unproven.size:
             check_int32(acc[:, tail.unproven], params.bias[tail.unproven])
         tail.requant(acc, out=out[start:stop])
@@ -81,14 +85,13 @@ def run_scanned(p: MatMulParams, x: np.ndarray, extra=None) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MatMulPlan:
-    """A constant-B MatMul or Gemm for one input shape: float32 B, and per input type the tail
+    """A constant-B MatMul or Gemm for one input shape: per input type the tail
     where B proves float32 exact and the accumulator in range, as ``ConvPlan`` does: output column
     j sums ``q_x * q_w`` whose absolute values add up to at most ``l1_j * max|q_x|`` (``l1_j``
     the column's ``sum |q_w|``). Rows of A are computed in ranges on the cores."""
 
     params: MatMulParams
     in_shape: tuple[int, ...]
-    weight: np.ndarray  # float32 [K, N]
     tails: dict  # input np.dtype -> conv.Tail, per output column
     row_parts: tuple[tuple[int, int], ...]
 
@@ -106,7 +109,7 @@ class MatMulPlan:
             if fused is not None:
                 tails[dtype] = Tail.of(fused)
         rows = int(np.prod(shape[:-1], dtype=np.int64))
-        return cls(p, tuple(shape), p.weight.astype(np.float32), tails, parallel.ranges(rows, rows * n))
+        return cls(p, tuple(shape), tails, parallel.ranges(rows, rows * n))
 
 
 @register

@@ -33,13 +33,15 @@ _NO_TABLE = np.zeros(0, dtype=np.float64)
 
 def _compiled():
     global _loops
+    if not ENABLED:
+        return False
     if _loops is None:
         try:
             from . import _loops as loops
         except Exception:  # no numba, or numba unable to set up its disk cache
             loops = False
         _loops = loops
-    return _loops if ENABLED else False
+    return _loops
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import os
@@ -21,12 +22,13 @@ from ..errors import QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
     reference_parts, release_freed, run_or_one_at_a_time
-from ..ops import blas, parallel
+from ..ops import blas, fast_paths, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
 from ..targets.ortview import AGREEMENT, deployed_session, first_parting, ort_notes
+from . import compare
 from .compare import Comparison
 from ..joins import find_joins
 from .parts import PartComparisons
@@ -249,16 +251,22 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     placing = {n for join in joins.values() for n in join.tensors()}  # their shapes place the parts
     # sized when the memory budget decides (a model whose batch is fixed at 1 too: its float
     # reference may be cut below); a batch size given is the user's call. Sizing may run the
-    # model once: on verify's own session, so that two copies of the weights are never alive
+    # model's first nodes once (sizing.probe_model)
     sized = batch_is_chosen(model, batch_size) or (batch_size is None and fixed_batch(model) == 1)
     sizes = activation_sizes(model, data) if sized else ({}, [])
-    extra = [c.name for c in tensors] + sorted((placing | set(sizes[1])) - {c.name for c in tensors})
+    extra = [c.name for c in tensors] + sorted(placing - {c.name for c in tensors})
+    held = fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path))
+    # where the models alone take more than --memory, onnxruntime keeps one copy of the float
+    # weights, not a second one packed for its GEMM kernels (a ViT-S: 55 MB less, its float runs
+    # about 15% slower), and numba's compiled loops are not loaded (``_compiled_loops``)
+    tight = held > memory_mb * (1 << 20)
+    session = dict(threads=1, arena=False, prepack=not tight)
+    # measured before verify's own session is made: the probe's weights are gone by then
+    per_tensor = tensor_sizes(model, data, sizes=sizes, prepack=session["prepack"]) if sized else {}
     # the float model on one thread, beside the executor on the other (two intra-op threads
     # spinning for work took the executor's core: rec 58 ms a line instead of 37)
-    runner = FloatRunner(model, extra, threads=1, arena=False)
-    per_tensor = tensor_sizes(model, data, runner=runner, sizes=sizes) if sized else {}
+    runner = FloatRunner(model, extra, **session)
     chosen = batch_is_chosen(model, batch_size) and shard is None
-    held = fixed_bytes(weight_bytes(model), os.path.getsize(qmodel_path))
     batch_size, note = default_batch(model, data, batch_size, VERIFY_FACTOR, memory_mb, VERIFY_BATCH_CAP,
                                      held=held, sizes=(per_tensor, []))
     starts = (reference_parts([per_tensor.get(c.name, 0) for c in tensors], batch_size, memory_mb, held)
@@ -268,11 +276,11 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
         runner = None  # the whole model's session goes before the segments' come
         release_freed()
         try:
-            runner = FloatSegments(model, groups, sorted(placing), threads=1, arena=False)
+            runner = FloatSegments(model, groups, sorted(placing), **session)
         except Exception:  # NotSegmented (a tensor without a known type), a segment onnxruntime refuses
             runner = None
             release_freed()
-            runner = FloatRunner(model, extra, threads=1, arena=False)
+            runner = FloatRunner(model, extra, **session)
     if isinstance(runner, FloatSegments):
         split = (f"the float model in {len(runner.segments)} segments, run one after another, so that "
                  f"a compared batch's float tensors are not all alive at once (--memory {memory_mb})")
@@ -292,6 +300,9 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     if run_analyze:  # before the long verify run: a QOperator model fails here, in seconds
         samples = total if analyze_samples is None else min(analyze_samples, total)
         analysis = analyze(float_path, qmodel, data_path, samples, batch_size, progress, preprocess)
+    if ort_session is None:  # onnxruntime does not run it again: the graph is read from here on
+        qmodel = executor.model
+        release_freed()
     correct_float = correct_int = 0
     first_feeds = None  # onnxruntime's first batch: where it parts from the executor is found on it
     tables = {c.name: {} for c in tensors}  # per tensor, its dequantized bytes (Comparison.update_integer)
@@ -300,7 +311,8 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     # the default threads a 2-core machine doing other work spent 4 ms per tensor waiting for them
     # and the executor's kernels on this thread alone: the second thread has work of its own
     with progress_bar(total - begin, "verify", progress) as bar, blas.single_threaded(), \
-            parallel.serial(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
+            parallel.serial(), _compiled_loops(not tight), \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtool-float") as side:
         start, batches = begin, 0
         for feeds in data.batches(batch_size, total, begin):
             full = picked is None or start // batch_size in picked
@@ -438,6 +450,21 @@ def judge(report: VerifyReport, batches: int) -> None:
                 report.failures.append(f"{where} cosine {part.cosine:.6f} < {min_cos}")
             if min_sqnr is not None and part.sqnr < min_sqnr:
                 report.failures.append(f"{where} SQNR {part.sqnr:.2f} dB < {min_sqnr} dB")
+
+
+@contextlib.contextmanager
+def _compiled_loops(enabled: bool):
+    """The executor's fast paths (``ops.fast_paths``) and the comparisons' compiled loops as they
+    are (``enabled``) or off for the duration, when numba is not loaded at all: numba and LLVM
+    add about 75 MB of mapped libraries to the process. On a ViT-S, whose time goes to BLAS
+    products, verify took as long without them (20.7 s against 20.0-22.4 s, 16 samples)."""
+    saved = compare.ENABLED
+    compare.ENABLED = saved and enabled
+    try:
+        with fast_paths(enabled):
+            yield
+    finally:
+        compare.ENABLED = saved
 
 
 def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,
