@@ -22,7 +22,7 @@ from ..errors import QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
     reference_parts, release_freed, run_or_one_at_a_time
-from ..ops import blas, fast_paths, parallel
+from ..ops import blas, compiled, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
 from ..qparams import QParams
@@ -454,17 +454,17 @@ def judge(report: VerifyReport, batches: int) -> None:
 
 @contextlib.contextmanager
 def _compiled_loops(enabled: bool):
-    """The executor's fast paths (``ops.fast_paths``) and the comparisons' compiled loops as they
-    are (``enabled``) or off for the duration, when numba is not loaded at all: numba and LLVM
-    add about 75 MB of mapped libraries to the process. On a ViT-S, whose time goes to BLAS
-    products, verify took as long without them (20.7 s against 20.0-22.4 s, 16 samples)."""
-    saved = compare.ENABLED
-    compare.ENABLED = saved and enabled
+    """numba's compiled loops, the executor's and the comparisons', as they are (``enabled``) or
+    off for the duration, when numba is not loaded at all: numba and LLVM add about 75 MB of
+    mapped libraries to the process. On a ViT-S, whose time goes to BLAS products, verify took as
+    long without them (20.7 s against 20.0-22.4 s, 16 samples). onnxruntime's Conv engine stays:
+    without it the ViT-S's convolutions' numpy forms peaked 40 MB higher."""
+    saved = compiled.ENABLED, compare.ENABLED
+    compiled.ENABLED, compare.ENABLED = saved if enabled else (False, False)
     try:
-        with fast_paths(enabled):
-            yield
+        yield
     finally:
-        compare.ENABLED = saved
+        compiled.ENABLED, compare.ENABLED = saved
 
 
 def _side_by_side(executor: IntegerExecutor, runner: FloatRunner, feeds: dict, comparisons: dict,
