@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qtool.fixedpoint import Requant, narrowed, offset_requant
-from qtool.ops import REGISTRY, compiled, ortconv
+from qtool.ops import REGISTRY, compiled, ortconv, parallel
 from qtool.ops.conv import ConvParams, ConvPlan, run_scanned
 
 needs_numba = pytest.mark.skipif(not compiled.available(), reason="numba is not installed")
@@ -124,6 +124,9 @@ def _int16_params(weight, pads, strides, dilations, group):
     ((1, 16, 6, 6), 16, (3, 3), (1, 0, 2, 1), (2, 2), (1, 1), 16),  # depthwise, strided, one-sided pads
     ((2, 12, 5, 4), 4, (1, 1), (0, 0, 0, 0), (1, 1), (1, 1), 1),  # pointwise
     ((1, 6, 9, 9), 3, (3, 3), (0, 0, 0, 0), (1, 1), (2, 2), 1),  # taps (fewer outputs), dilated
+    # large enough for the engine's sessions by ranges of output channels, each range joined apart
+    ((2, 24, 48, 48), 24, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), 24),
+    ((2, 16, 48, 48), 40, (1, 1), (0, 0, 0, 0), (1, 1), (1, 1), 1),
 ])
 def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, shape, c_out, kernel, pads,
                                                               strides, dilations, group, monkeypatch):
@@ -139,7 +142,10 @@ def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, 
     x[0, 0] = rng.integers(-32768, 32768, size=shape[2:])
     got = REGISTRY["Conv"].run(plan, x)
     assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
-    assert (plan.engines["split16"][0] is not None) == engine
+    high = plan.engines["split16"][0]
+    assert (high is not None) == engine
+    if engine and shape[2] > 40:  # one session a core
+        assert len(high.parts) == min(parallel.WORKERS, shape[1])
 
 
 def test_int16_split_raises_where_the_exact_path_does():

@@ -85,15 +85,19 @@ class CompiledRequant:
             self.rows(x, out, 0, x.shape[2])
         return out
 
-    def joined(self, high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    def joined(self, high: np.ndarray, low: np.ndarray, extra: np.ndarray, out: np.ndarray | None = None,
+               channels: tuple[int, int] | None = None) -> np.ndarray:
         """The levels of [n, C, H, W] sums given in parts, ``256 * high + low + extra`` (float32
         integer-valued ``high`` and ``low``, int64 ``extra`` per channel): an int16 Conv's
-        (``conv.ConvPlan.split_sums``), joined in int64 inside the same pass."""
+        (``conv.ConvPlan.split_sums``), joined in int64 inside the same pass. With ``channels``
+        (lo, hi), the parts hold only those output channels, written to ``out[:, lo:hi]``."""
         if self.layout != "rows":
             raise ValueError("these requantization parameters are not one per channel of [n, C, H, W] sums")
-        out = np.empty(high.shape, dtype=self.exact.dtype)
-        _loops.requantize_joined(high, low, extra, self.multiplier, self.offset, self.rshift, self.exact.zero_out,
-                                 self.lo, self.hi, out)
+        if out is None:
+            out = np.empty(high.shape, dtype=self.exact.dtype)
+        lo, hi = channels if channels is not None else (0, self.multiplier.size)
+        _loops.requantize_joined(high, low, extra, self.multiplier[lo:hi], self.offset[lo:hi], self.rshift[lo:hi],
+                                 self.exact.zero_out, self.lo, self.hi, out[:, lo:hi] if channels else out)
         return out
 
     def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,

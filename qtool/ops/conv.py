@@ -253,6 +253,8 @@ def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
     channels whose sums may leave int32 go through ``requantize`` as well, which raises where
     their multiplier was not narrowed."""
     params, tail = plan.params, plan.split16
+    if isinstance(tail.requant, compiled.CompiledRequant) and plan.split_engines()[0] is not None:
+        return _run_split16_parts(plan, tail, x)
     high, low, extra = plan.split_sums(x)
     if tail.unproven.size:
         chosen = tail.unproven
@@ -262,6 +264,33 @@ def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
     if isinstance(tail.requant, compiled.CompiledRequant):
         return tail.requant.joined(high, low, extra)
     return tail.requant(_joined(high, low, extra))
+
+
+def _run_split16_parts(plan: "ConvPlan", tail: "Tail", x: np.ndarray) -> np.ndarray:
+    """``_run_split16`` on onnxruntime's engines by their ranges of output channels, each range's
+    two halves summed, joined and requantized on its own thread (as ``_run_compiled``): no
+    whole-tensor sums are concatenated, and the requantization runs on every core."""
+    params = plan.params
+    high, low, extra = plan.split_engines()
+    upper, lower = split_high(x), split_low(x)
+    out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
+
+    def channels(first: int, stop: int) -> None:
+        for k in range(first, stop):
+            lo, hi, sums_high = high.part(upper, k)
+            sums_low = low.part(lower, k)[2]
+            picked = np.arange(lo, hi)
+            high.corrected(sums_high, picked), low.corrected(sums_low, picked)
+            chosen = tail.unproven[(tail.unproven >= lo) & (tail.unproven < hi)]
+            if chosen.size:  # as _run_split16: requantize raises where the sums leave int32
+                acc = _joined(sums_high[:, chosen - lo], sums_low[:, chosen - lo], extra[chosen])
+                requantize(acc + params.bias[chosen].reshape(-1, 1, 1),
+                           params.requant.multiplier[chosen].reshape(-1, 1, 1),
+                           params.requant.rshift[chosen].reshape(-1, 1, 1), params.rounding)
+            tail.requant.joined(sums_high, sums_low, extra[lo:hi], out=out, channels=(lo, hi))
+
+    parallel.run_parts(channels, high.part_ranges)
+    return out
 
 
 def _joined(high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
@@ -430,23 +459,29 @@ class ConvPlan:
                 ortconv.build(self.params, self.in_shape, self.out_hw, dtype, self.numpy_rows)
         return self.engines[dtype]
 
-    def split_sums(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The sums of an int16 input (zero point 0) in three parts: ``x = 256 * hi + lo`` with
-        ``hi = x >> 8`` (int8) and ``lo`` its low byte, so its sums [n, C_out, out_h, out_w] are
-        ``256 * high + low + extra`` (``extra`` int64 [C_out]), ``high`` and ``low`` float32 Convs
-        proven exact (``split16``). onnxruntime's engine, where it checks out, runs both on one set
-        of int8 sessions: ``lo - 128`` (an int8) padded with -128, and ``extra = 128 * sum(w)``."""
+    def split_engines(self) -> tuple["ortconv.OrtConv | None", "ortconv.OrtConv | None", np.ndarray]:
+        """onnxruntime's engines for the two halves of an int16 input (``split_sums``), made on
+        first use, and their ``extra``; the engines None where the numpy path runs."""
         if "split16" not in self.engines:
             high = ortconv.build(self.params, self.in_shape, self.out_hw, np.dtype(np.int8), self.numpy_rows)
             low = None if high is None else high.sharing(dataclasses.replace(self.params, zero_in=-128),
                                                           self.in_shape, self.out_hw)
             extra = 128 * self.params.weight.astype(np.int64).sum(axis=(1, 2, 3))
             self.engines["split16"] = high, low, extra
-        high, low, extra = self.engines["split16"]
+        return self.engines["split16"]
+
+    def split_sums(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sums of an int16 input (zero point 0) in three parts: ``x = 256 * hi + lo`` with
+        ``hi = x >> 8`` (int8) and ``lo`` its low byte, so its sums [n, C_out, out_h, out_w] are
+        ``256 * high + low + extra`` (``extra`` int64 [C_out]), ``high`` and ``low`` float32 Convs
+        proven exact (``split16``). onnxruntime's engine, where it checks out, runs both on one set
+        of int8 sessions: ``lo - 128`` (an int8) padded with -128, and ``extra = 128 * sum(w)``."""
+        high, low, extra = self.split_engines()
         if high is None:
             return (self.numpy_sums((x >> 8).astype(np.int8)), self.numpy_sums((x & 0xFF).astype(np.uint8)),
                     np.zeros_like(extra))
-        return high((x >> 8).astype(np.int8)), low((x ^ 0x80).astype(np.int8)), extra  # low byte - 128
+        return high(split_high(x)), low(split_low(x)), extra
+
 
     def numpy_rows(self, x: np.ndarray):
         """``rows(start, stop)``: the float32 sums of output rows [start, stop) of input ``x`` by
@@ -458,6 +493,17 @@ class ConvPlan:
     def numpy_sums(self, x: np.ndarray) -> np.ndarray:
         """The float32 sums of the whole output by the numpy path."""
         return self.numpy_rows(x)(0, self.out_hw[0])
+
+
+def split_high(x: np.ndarray) -> np.ndarray:
+    """An int16 array's high bytes, ``x >> 8``, as int8."""
+    return (x >> 8).astype(np.int8)
+
+
+def split_low(x: np.ndarray) -> np.ndarray:
+    """An int16 array's low bytes less 128, ``(x & 0xFF) - 128``, as int8 (the byte with its top
+    bit flipped)."""
+    return (x ^ 0x80).astype(np.int8)
 
 
 @dataclass(frozen=True)
