@@ -1,6 +1,8 @@
 """Layout ops, Resize, ConvTranspose and MatMul of two activations: golden vectors computed by
 hand, then derivations against hand-computed parameters."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -548,3 +550,29 @@ def test_resize_targets_a_model_computes_badly_are_one_line_errors(target, messa
     x = np.zeros((1, 3, 5, 4), np.int8)
     with pytest.raises(ValueError, match=rf"^Resize .*{message}"):
         op.run(op.specialize(late, [x.shape, value.shape]), x, value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(strides=(2, 2)),  # PP-OCR's 2x2 stride 2: each pixel one tap
+                                    dict(strides=(2, 2), pads=(1, 0, 0, 1), output_padding=(1, 1)),
+                                    dict(group=2, strides=(1, 1), dilations=(2, 1))])
+def test_convtranspose_int16_input_as_two_byte_halves_equals_the_exact_path(kwargs):
+    from qtool.ops.convtranspose import ConvTransposePlan, run_scanned
+
+    rng = np.random.default_rng(7)
+    c_in, per_group = 6, 3
+    kh, kw = (2, 2) if kwargs.get("strides") == (2, 2) else (3, 3)
+    weight = rng.integers(-127, 128, size=(c_in, per_group, kh, kw))
+    group = kwargs.get("group", 1)
+    p = dataclasses.replace(_ct_params(weight, bias=rng.integers(-2**20, 2**20, size=per_group * group), **kwargs),
+                            requant=Requant(np.full(per_group * group, 2**30), np.full(per_group * group, 40)),
+                            dtype="int16")
+    shape = (2, c_in, 5, 7)
+    plan = ConvTransposePlan.of(p, shape)
+    assert plan.split16 is not None and np.dtype(np.int16) not in plan.tails
+    x = rng.choice(np.array([-32768, -32767, -256, -255, -1, 0, 1, 255, 256, 32767], np.int16), size=shape)
+    x[0, 0] = rng.integers(-32768, 32768, size=shape[2:])
+    got = REGISTRY["ConvTranspose"].run(plan, x)
+    assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
+    assert np.abs(got.astype(np.int64)).max() > 2**10  # not all saturated or zero
+    # a zero point other than 0, or weights too large for the halves: the exact path
+    assert dataclasses.replace(plan, params=dataclasses.replace(p, zero_in=3)).split16 is None

@@ -482,7 +482,6 @@ class ConvPlan:
                     np.zeros_like(extra))
         return high(split_high(x)), low(split_low(x)), extra
 
-
     def numpy_rows(self, x: np.ndarray):
         """``rows(start, stop)``: the float32 sums of output rows [start, stop) of input ``x`` by
         the numpy path (``method``), its input prepared once."""

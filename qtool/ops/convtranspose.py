@@ -21,6 +21,7 @@ stride 2) places each tap's product without any addition.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,26 +119,44 @@ class ConvTranspose(IntegerOp):
     def run(self, p: "ConvTransposeParams | ConvTransposePlan", x: np.ndarray) -> np.ndarray:
         params, plan = plan_for(p, x, ConvTransposePlan)
         tail = plan.tails.get(x.dtype)
+        if tail is None and x.dtype == np.int16 and plan.split16 is not None:
+            return _run_tail(plan, plan.split16, x, split=True)
         if tail is None:
             return run_scanned(params, x)
-        n, _, h, w = x.shape
-        _, per_group, kh, kw = params.weight.shape
-        c_out = per_group * params.group
-        shifted = x.astype(np.float32).reshape(n, params.group, -1, h * w)
-        shifted -= params.zero_in  # real zero is 0: taps outside the input need no compensation
-        out = np.empty((n, c_out, *plan.out_hw), dtype=params.dtype)
-        # with ``shuffle``, input rows [start, stop) fill output rows [start * kh, stop * kh)
-        target = out.reshape(n, c_out, h, kh, w, kw) if plan.shuffle else None
+        return _run_tail(plan, tail, x)
 
-        def rows(start: int, stop: int) -> None:
-            acc = plan.accumulate(shifted, start, stop)
-            if tail.unproven.size:
-                bias = params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2))
-                check_int32(acc[:, tail.unproven], bias)
-            tail.requant(acc, out=target[:, :, start:stop] if plan.shuffle else out)
 
-        parallel.run_parts(rows, plan.row_parts)
-        return out
+def _run_tail(plan: "ConvTransposePlan", tail: Tail, x: np.ndarray, split: bool = False) -> np.ndarray:
+    """The float32 sums of ``plan`` requantized by ``tail``. ``split``: an int16 input (zero point
+    0) as ``256 * hi + lo``, its high bytes (int8) and low bytes (0 to 255) summed apart, each
+    exact in float32 (``ConvTransposePlan.split16``), and joined in int64."""
+    params = plan.params
+    n, _, h, w = x.shape
+    _, per_group, kh, kw = params.weight.shape
+    c_out = per_group * params.group
+    if split:
+        inputs = [(x >> 8).astype(np.float32), (x & 0xFF).astype(np.float32)]
+    else:
+        inputs = [x.astype(np.float32)]
+        inputs[0] -= params.zero_in  # real zero is 0: taps outside the input need no compensation
+    inputs = [v.reshape(n, params.group, -1, h * w) for v in inputs]
+    out = np.empty((n, c_out, *plan.out_hw), dtype=params.dtype)
+    # with ``shuffle``, input rows [start, stop) fill output rows [start * kh, stop * kh)
+    target = out.reshape(n, c_out, h, kh, w, kw) if plan.shuffle else None
+
+    def rows(start: int, stop: int) -> None:
+        acc = plan.accumulate(inputs[0], start, stop)
+        if split:
+            acc = acc.astype(np.int64)
+            acc *= 256
+            acc += plan.accumulate(inputs[1], start, stop).astype(np.int64)
+        if tail.unproven.size:
+            bias = params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2))
+            check_int32(acc[:, tail.unproven], bias)
+        tail.requant(acc, out=target[:, :, start:stop] if plan.shuffle else out)
+
+    parallel.run_parts(rows, plan.row_parts)
+    return out
 
 
 def _l1(weight: np.ndarray) -> np.ndarray:
@@ -236,6 +255,22 @@ class ConvTransposePlan:
                 tails[dtype] = Tail.of(fused)
         rows = parallel.ranges(h, shape[0] * c_out * out_hw[0] * out_hw[1]) if shuffle else ((0, h),)
         return cls(p, tuple(shape), out_hw, weight, shuffle, tails, rows)
+
+    @functools.cached_property
+    def split16(self) -> Tail | None:
+        """For int16 inputs with zero point 0 (made on the first one): the tail after the sums of
+        their high and low bytes (``_run_tail``), proven for every int16 input; None where the
+        weights do not bound the halves' sums below 2**24 (the low bytes reach 255)."""
+        p = self.params
+        c_out = p.weight.shape[1] * p.group
+        l1 = np.abs(self.weight.astype(np.int64)).reshape(c_out, -1).sum(axis=1)  # as ``of``'s
+        if p.zero_in != 0 or int(l1.max(initial=0)) * 255 >= FLOAT32_EXACT:
+            return None
+        column = (-1,) + (1,) * (4 if self.shuffle else 2)
+        fused = offset_requant(p.bias.reshape(column), Requant(p.requant.multiplier.reshape(column),
+                                                               p.requant.rshift.reshape(column)),
+                               p.zero_out, p.dtype, p.rounding, (l1 * 32768).reshape(column))
+        return None if fused is None else Tail.of(fused)
 
     def accumulate(self, shifted: np.ndarray, start: int, stop: int) -> np.ndarray:
         """float32 sums from input rows [start, stop) of ``shifted`` (``q_x - Z_x``, [n, group,
