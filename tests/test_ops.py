@@ -1,6 +1,8 @@
 """Integer kernels: golden vectors computed by hand, then derivations against hand-computed
 parameters."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -469,3 +471,31 @@ def test_matmul_float32_path_equals_the_scanned_path(op_type, shape, dtype, thre
     got = REGISTRY[op_type].run(plan, x)
     want = gemm.run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
+
+
+@pytest.mark.parametrize("op_type, shape", [("MatMul", (2, 5, 40)), ("Gemm", (9, 40))])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("numba_on", [True, False])
+def test_matmul_int16_input_as_two_byte_halves_equals_the_scanned_path(op_type, shape, threads, numba_on,
+                                                                        monkeypatch):
+    from qtool.ops import compiled, gemm, parallel
+
+    monkeypatch.setattr(parallel, "WORKERS", threads)
+    monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
+    monkeypatch.setattr(compiled, "ENABLED", numba_on)
+    rng = np.random.default_rng(len(shape) * 10 + threads)
+    weight = rng.integers(-127, 128, (40, 6)).astype(np.int8)
+    p = MatMulParams(weight=weight, bias=rng.integers(-2**20, 2**20, 6), zero_out=5, rounding="half_up",
+                     requant=Requant(rng.integers(2**30, 2**31, 6), rng.integers(38, 46, 6)), dtype="int16")
+    # the extremes of int16 (high byte -128 or 127, low byte 0 or 255) and random values
+    x = rng.choice(np.array([-32768, -32767, -256, -255, -1, 0, 1, 255, 256, 32767], np.int16), size=shape)
+    x.reshape(-1, 40)[0] = rng.integers(-32768, 32768, 40)
+    plan = REGISTRY[op_type].specialize(p, [x.shape])
+    assert np.dtype(np.int16) not in plan.tails and plan.split16 is not None
+    got = REGISTRY[op_type].run(plan, x)
+    want = gemm.run_scanned(p, x)
+    assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
+    assert len(np.unique(got)) > 10  # not all saturated
+    # weights whose low-byte products could pass 2**24 in float32: the scanned path
+    heavy = dataclasses.replace(p, weight=np.full((600, 6), 127, np.int8))
+    assert REGISTRY[op_type].specialize(heavy, [(2, 600)]).split16 is None
