@@ -256,11 +256,7 @@ def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
     if isinstance(tail.requant, compiled.CompiledRequant) and plan.split_engines()[0] is not None:
         return _run_split16_parts(plan, tail, x)
     high, low, extra = plan.split_sums(x)
-    if tail.unproven.size:
-        chosen = tail.unproven
-        acc = _joined(high[:, chosen], low[:, chosen], extra[chosen])
-        requantize(acc + params.bias[chosen].reshape(-1, 1, 1), params.requant.multiplier[chosen].reshape(-1, 1, 1),
-                   params.requant.rshift[chosen].reshape(-1, 1, 1), params.rounding)
+    _scan_joined(params, high, low, extra, tail.unproven)
     if isinstance(tail.requant, compiled.CompiledRequant):
         return tail.requant.joined(high, low, extra)
     return tail.requant(_joined(high, low, extra))
@@ -282,22 +278,42 @@ def _run_split16_parts(plan: "ConvPlan", tail: "Tail", x: np.ndarray) -> np.ndar
             picked = np.arange(lo, hi)
             high.corrected(sums_high, picked), low.corrected(sums_low, picked)
             chosen = tail.unproven[(tail.unproven >= lo) & (tail.unproven < hi)]
-            if chosen.size:  # as _run_split16: requantize raises where the sums leave int32
-                acc = _joined(sums_high[:, chosen - lo], sums_low[:, chosen - lo], extra[chosen])
-                requantize(acc + params.bias[chosen].reshape(-1, 1, 1),
-                           params.requant.multiplier[chosen].reshape(-1, 1, 1),
-                           params.requant.rshift[chosen].reshape(-1, 1, 1), params.rounding)
+            _scan_joined(params, sums_high, sums_low, extra, chosen, first=lo)
             tail.requant.joined(sums_high, sums_low, extra[lo:hi], out=out, channels=(lo, hi))
 
     parallel.run_parts(channels, high.part_ranges)
     return out
 
 
-def _joined(high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
-    """``256 * high + low + extra`` (per channel, axis 1) in int64."""
+def _scan_joined(params: "ConvParams", high: np.ndarray, low: np.ndarray, extra: np.ndarray, chosen: np.ndarray,
+                 first: int = 0) -> None:
+    """Raise as ``requantize`` does where the joined sums of output channels ``chosen`` leave
+    int32 (``high`` and ``low`` hold the channels from ``first`` on)."""
+    if not chosen.size:
+        return
+    acc = _joined(high[:, chosen - first], low[:, chosen - first], extra[chosen])
+    column = (-1, 1, 1)
+    requantize(acc + params.bias[chosen].reshape(column), params.requant.multiplier[chosen].reshape(column),
+               params.requant.rshift[chosen].reshape(column), params.rounding)
+
+
+def join_halves(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """``256 * high + low`` in int64: the sums of an int16 input's high and low bytes joined."""
     acc = high.astype(np.int64)
     acc *= 256
     acc += low.astype(np.int64)
+    return acc
+
+
+def byte_halves(x: np.ndarray) -> list[np.ndarray]:
+    """An int16 array as float32 ``[x >> 8, x & 0xFF]``: ``x = 256 * hi + lo``, ``hi`` in
+    [-128, 127] and ``lo`` in [0, 255]."""
+    return [(x >> 8).astype(np.float32), (x & 0xFF).astype(np.float32)]
+
+
+def _joined(high: np.ndarray, low: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """``256 * high + low + extra`` (per channel, axis 1) in int64."""
+    acc = join_halves(high, low)
     acc += extra.reshape(-1, 1, 1)
     return acc
 

@@ -30,7 +30,7 @@ from ..fixedpoint import (Requant, int_range, offset_requant, quantize_multiplie
                           saturate)
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, node_attrs, parallel,
                per_tensor, plan_for, register)
-from .conv import Tail, accumulator_bias, check_int32, fitted_requant, weight_scales
+from .conv import Tail, accumulator_bias, byte_halves, check_int32, fitted_requant, join_halves, weight_scales
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -135,7 +135,7 @@ def _run_tail(plan: "ConvTransposePlan", tail: Tail, x: np.ndarray, split: bool 
     _, per_group, kh, kw = params.weight.shape
     c_out = per_group * params.group
     if split:
-        inputs = [(x >> 8).astype(np.float32), (x & 0xFF).astype(np.float32)]
+        inputs = byte_halves(x)
     else:
         inputs = [x.astype(np.float32)]
         inputs[0] -= params.zero_in  # real zero is 0: taps outside the input need no compensation
@@ -147,9 +147,7 @@ def _run_tail(plan: "ConvTransposePlan", tail: Tail, x: np.ndarray, split: bool 
     def rows(start: int, stop: int) -> None:
         acc = plan.accumulate(inputs[0], start, stop)
         if split:
-            acc = acc.astype(np.int64)
-            acc *= 256
-            acc += plan.accumulate(inputs[1], start, stop).astype(np.int64)
+            acc = join_halves(acc, plan.accumulate(inputs[1], start, stop))
         if tail.unproven.size:
             bias = params.bias[tail.unproven].reshape((-1,) + (1,) * (acc.ndim - 2))
             check_int32(acc[:, tail.unproven], bias)

@@ -17,7 +17,8 @@ import numpy as np
 from ..fixedpoint import Requant, int_range, narrowed, offset_requant, quantize_multipliers, requantize, saturate
 from . import (Bias, IntegerOp, NodeView, Unsupported, Weight, check_integer, node_attrs, parallel,
                per_tensor, plan_for, register)
-from .conv import INPUT_MAX, Tail, accumulator_bias, check_int32, fitted_requant, weight_scales
+from .conv import (INPUT_MAX, Tail, accumulator_bias, byte_halves, check_int32, fitted_requant, join_halves,
+                   weight_scales)
 from .intmatmul import FLOAT32_EXACT, int_matmul
 
 
@@ -62,8 +63,7 @@ def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
     flat = x.reshape(-1, k)
     # an int16 input as 256 * hi + lo: its high bytes (int8) and low bytes (0 to 255) multiplied
     # apart, each exact in float32 (``MatMulPlan.split16``), joined in int64
-    halves = [(flat >> 8).astype(np.float32), (flat & 0xFF).astype(np.float32)] if split else \
-        [flat.astype(np.float32)]
+    halves = byte_halves(flat) if split else [flat.astype(np.float32)]
     # B in float32 for this call only: a copy kept per plan was 4x the int8 weights for as long
     # as the executor lived (a ViT-S: 89 MB beside its 24 MB), and converting costs about 1/M of
     # the product (M the rows of A)
@@ -73,9 +73,7 @@ def _run(p: "MatMulParams | MatMulPlan", x: np.ndarray) -> np.ndarray:
     def part(start: int, stop: int) -> None:
         acc = np.matmul(halves[0][start:stop], weight)
         if split:
-            acc = acc.astype(np.int64)
-            acc *= 256
-            acc += np.matmul(halves[1][start:stop], weight).astype(np.int64)
+            acc = join_halves(acc, np.matmul(halves[1][start:stop], weight))
         if tail.unproven.size:
             check_int32(acc[:, tail.unproven], params.bias[tail.unproven])
         tail.requant(acc, out=out[start:stop])
