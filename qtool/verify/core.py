@@ -457,8 +457,9 @@ def _compiled_loops(enabled: bool):
     """numba's compiled loops, the executor's and the comparisons', as they are (``enabled``) or
     off for the duration, when numba is not loaded at all: numba and LLVM add about 75 MB of
     mapped libraries to the process. On a ViT-S, whose time goes to BLAS products, verify took as
-    long without them (20.7 s against 20.0-22.4 s, 16 samples). onnxruntime's Conv engine stays:
-    without it the ViT-S's convolutions' numpy forms peaked 40 MB higher."""
+    long without them (20.7 s against 20.0-22.4 s, 16 samples). onnxruntime's Conv engine stays
+    (``ops.fast_paths`` would turn it off too): it loads no numba, and a CNN's Convs run about 40%
+    slower without it, for no memory that showed beyond the ViT-S's run-to-run spread."""
     saved = compiled.ENABLED, compare.ENABLED
     compiled.ENABLED, compare.ENABLED = saved if enabled else (False, False)
     try:
