@@ -221,6 +221,11 @@ class HistogramCalibrator:
         self.hist = Histogram.from_state(state)
         self.hist.count_zeros = self.counts_zeros
 
+    def shared_key(self) -> tuple:
+        """What this calibrator's state holds: calibrators of equal keys keep the same histogram
+        of the same data, so one pass can serve them all (``Statistics.read_as``)."""
+        return ("histogram", self.hist.bins, self.counts_zeros, tuple(self.reductions))
+
     def threshold(self) -> float:
         raise NotImplementedError
 

@@ -33,9 +33,10 @@ from .sizing import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map
-from .model import all_nodes, batch_hint, first_line, load_model, prepare, subgraphs
+from .model import all_nodes, batch_hint, first_line, graph_inputs, load_model, prepare, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
+from .runs import Runs, as_written_bytes
 from .report import finite, progress_bar
 
 FENCE_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -232,20 +233,14 @@ def sqnr_db(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def as_written_session(model: onnx.ModelProto, serialized: bytes | None = None) -> ort.InferenceSession:
+def as_written_session(model: onnx.ModelProto, serialized: bytes | None = None, threads: int = 0
+                       ) -> ort.InferenceSession:
     """onnxruntime without graph rewrites: its optimizers change the arithmetic of mixed graphs
     (float weights between activation fences measured 7.0 dB with them, 12.2 dB without, on
     PP-OCRv4 rec), and each variant of a QDQ model must compute what its graph says.
-    ``serialized``: ``model``'s bytes when the caller has them already."""
-    return as_written_bytes(model.SerializeToString() if serialized is None else serialized)
-
-
-def as_written_bytes(serialized: bytes) -> ort.InferenceSession:
-    """``as_written_session`` of a serialized model."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # errors come back as exceptions, told in one line
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+    ``serialized``: ``model``'s bytes when the caller has them already; ``threads``: see
+    ``qtool.runs.as_written_bytes``."""
+    return as_written_bytes(model.SerializeToString() if serialized is None else serialized, threads)
 
 
 SATURATING = ("Softmax", "LogSoftmax", "Sigmoid")
@@ -338,10 +333,11 @@ class Evaluator:
     def share_prefixes(self, *bases: onnx.ModelProto) -> None:
         """Models scored from here on run from the first node where they differ from the one of
         ``bases`` they share most with (qtool/prefix.py): the same numbers, less work."""
-        self._prefixes = tuple(SharedPrefix(base, self.batches, as_written_bytes) for base in bases)
+        self._prefixes = tuple(SharedPrefix(base, self.runs) for base in bases)
 
     def _build(self, float_model: onnx.ModelProto, batches: list[dict]) -> None:
         self.batches = batches
+        self.runs = Runs(batches)  # what each model runs on: its samples one by one where it can
         self.items = scored_items(float_model)  # (label, node whose input 0 is scored | None, output)
         joins = {name: join for name, join in find_joins(float_model).items()
                  if any(node is None and out == name for _, node, out in self.items)}
@@ -399,8 +395,9 @@ class Evaluator:
                 return shared
         model = with_outputs(model, names)
         try:
-            session = as_written_session(model, serialized if model is given else None)
-            return [session.run(names, feeds_for(pixels, feeds)) for feeds in self.batches]
+            session = self.runs.session(serialized if model is given and serialized is not None
+                                        else model.SerializeToString())
+            return self.runs.run(session, names, [feeds_for(pixels, feeds) for feeds in self.runs.feeds])
         except Exception as e:
             raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}"
                              f"{batch_hint(self.batches[0] if self.batches else {})}") from None
@@ -551,9 +548,10 @@ def evaluation_batches(float_model: onnx.ModelProto, data_path: str | Path, num_
             raise QtoolError(f"data '{data_path}': the model takes batches of {fixed} samples, "
                              f"and only {total} are used")
         batch_size, total = fixed, total - total % fixed
+    axes = None if fixed else _axes(data, float_model)
     if not spread or total == len(data):
-        return Batches(data.batches(batch_size, total), samples=total)
-    return _picked(data, [i * len(data) // total for i in range(total)], batch_size)
+        return Batches(data.batches(batch_size, total), samples=total, axes=axes)
+    return _picked(data, [i * len(data) // total for i in range(total)], batch_size, axes)
 
 
 def split_batches(float_model: onnx.ModelProto, data_path: str | Path, fit: int, held: int,
@@ -571,9 +569,10 @@ def split_batches(float_model: onnx.ModelProto, data_path: str | Path, fit: int,
         raise QtoolError(f"data '{data_path}': the model takes batches of {fixed} samples, and "
                          f"only {min(fit, len(data))} are used")
     batch_size = pinned or batch_size  # a model fixed at batch 1 takes one sample a run
+    axes = None if pinned else _axes(data, float_model)
     if units_held == 0 or count < 2:
         units_fit = min(units_fit, count)
-        return _units(data, fixed, _spread(count, units_fit), batch_size), None
+        return _units(data, fixed, _spread(count, units_fit), batch_size, axes), None
     if units_fit + units_held > count:
         units_held = min(count - 1, max(1, round(count * units_held / (units_fit + units_held))))
         units_fit = count - units_held
@@ -582,19 +581,24 @@ def split_batches(float_model: onnx.ModelProto, data_path: str | Path, fit: int,
     at = {int((i + 0.5) * len(chosen) / units_held) for i in range(units_held)}
     held_units = [u for i, u in enumerate(chosen) if i in at]
     fit_units = [u for i, u in enumerate(chosen) if i not in at]
-    return (_units(data, fixed, fit_units, batch_size), _units(data, fixed, held_units, batch_size))
+    return (_units(data, fixed, fit_units, batch_size, axes), _units(data, fixed, held_units, batch_size, axes))
 
 
 def _spread(count: int, n: int) -> list[int]:
     return [i * count // n for i in range(n)]
 
 
-def _units(data, fixed: int, units: list[int], batch_size: int) -> "Batches":
-    return _picked(data, [u * fixed + k for u in units for k in range(fixed)], batch_size)
+def _axes(data, model: onnx.ModelProto) -> dict[str, int | None]:
+    """Each of ``model``'s inputs' sample axis in ``data`` (``Batches.axes``)."""
+    return {vi.name: data.sample_axis(vi.name) for vi in graph_inputs(model)}
 
 
-def _picked(data, indices: list[int], batch_size: int) -> "Batches":
-    """The samples ``indices`` of ``data`` in batches of ``batch_size``."""
+def _units(data, fixed: int, units: list[int], batch_size: int, axes) -> "Batches":
+    return _picked(data, [u * fixed + k for u in units for k in range(fixed)], batch_size, axes)
+
+
+def _picked(data, indices: list[int], batch_size: int, axes=None) -> "Batches":
+    """The samples ``indices`` of ``data`` in batches of ``batch_size`` (``axes``: see Batches)."""
     picked = [data.batch(i, i + 1) for i in indices]
 
     def joined(name: str, part: list[dict]) -> np.ndarray:
@@ -602,15 +606,18 @@ def _picked(data, indices: list[int], batch_size: int) -> "Batches":
         return part[0][name] if axis is None else np.concatenate([p[name] for p in part], axis=axis)
 
     return Batches(({name: joined(name, picked[start:start + batch_size]) for name in picked[0]}
-                    for start in range(0, len(indices), batch_size)), samples=len(indices))
+                    for start in range(0, len(indices), batch_size)), samples=len(indices), axes=axes)
 
 
 class Batches(list):
-    """Feeds, batch by batch, and how many samples they hold in all."""
+    """Feeds, batch by batch, and how many samples they hold in all. ``axes``: each input's
+    sample axis (``Dataset.sample_axis``) where the model's batch dim is free, so that the
+    batches can run sample by sample (qtool/runs.py); None where it is fixed."""
 
-    def __init__(self, feeds, samples: int):
+    def __init__(self, feeds, samples: int, axes: dict[str, int | None] | None = None):
         super().__init__(feeds)
         self.samples = samples
+        self.axes = axes
 
 
 def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Path,

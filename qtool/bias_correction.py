@@ -26,12 +26,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .analyze import Evaluator, as_written_session, split_batches, with_outputs
+from .analyze import Evaluator, split_batches, with_outputs
 from .errors import QtoolError
 from .model import first_line, load_model, prepare
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
 from .report import finite, progress_bar
+from .runs import Runs
 
 CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # the axis the bias runs along
 REFERENCE_CHUNK = 16  # float tensors fetched per run: bounds the memory a batch holds
@@ -158,7 +159,7 @@ class _Pieces:
     node reading them is final."""
 
     def __init__(self, model: onnx.ModelProto, batches):
-        self.model, self.batches = model, batches
+        self.model, self.runs = model, Runs(batches)
         self.nodes = list(model.graph.node)
         self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output}
         self.readers: dict[str, set[int]] = {}
@@ -170,7 +171,7 @@ class _Pieces:
         self.types = {vi.name: vi.type.tensor_type.elem_type
                       for vi in [*typed.graph.value_info, *typed.graph.output, *typed.graph.input]}
         pixels = pixel_inputs(model)
-        self.values = [dict(feeds_for(pixels, feeds)) for feeds in batches]  # graph inputs, then kept tensors
+        self.values = [dict(feeds_for(pixels, feeds)) for feeds in self.runs.feeds]  # graph inputs, then kept tensors
         self.final: set[int] = set()
 
     @staticmethod
@@ -213,9 +214,9 @@ class _Pieces:
         model.ir_version = self.model.ir_version
         mean = _Mean(axis)
         try:
-            session = as_written_session(model)
-            for values in self.values:
-                got = session.run([tensor, *keep], {n: values[n] for n in inputs})
+            runs = self.runs.run(self.runs.session(model.SerializeToString()), [tensor, *keep],
+                                 [{n: values[n] for n in inputs} for values in self.values])
+            for values, got in zip(self.values, runs):  # in the samples' order: the same sums
                 mean.add(got[0])
                 values.update(zip(keep, got[1:]))
         except Exception as e:
@@ -269,11 +270,12 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
                    batches: list[dict]) -> list[tuple[np.ndarray, float]]:
     """Per-channel mean (float64) and overall RMS of each tensor over all batches."""
     means = [_Mean(axis) for axis in axes]
+    runs = Runs(batches)
     try:
-        session = as_written_session(with_outputs(model, names))
+        session = runs.session(with_outputs(model, names).SerializeToString())
         pixels = pixel_inputs(model)
-        for feeds in batches:
-            for mean, y in zip(means, session.run(names, feeds_for(pixels, feeds))):
+        for got in runs.run(session, names, [feeds_for(pixels, feeds) for feeds in runs.feeds]):
+            for mean, y in zip(means, got):
                 mean.add(y)
     except Exception as e:
         raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None

@@ -18,7 +18,7 @@ import json
 import math
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +169,17 @@ class Statistics:
             stats.calibrators[name] = calibrator
         return stats
 
+    def read_as(self, method: str) -> "Statistics":
+        """These statistics read by ``method``'s calibrators (default parameters), whose
+        ``shared_key`` must equal this method's: percentile's histograms give mse's table."""
+        new_calibrator = calibrator_factory(method)
+        out = replace(self, method=method, params={}, calibrators={}, body_tensors=set(self.body_tensors))
+        for name, calibrator in self.calibrators.items():
+            mine = new_calibrator()
+            mine.load_state(calibrator.state())
+            out.calibrators[name] = mine
+        return out
+
     def merge(self, other: "Statistics", other_name: str = "shard") -> None:
         for key in ("model_sha256", "method", "params", "preprocess"):
             if getattr(self, key) != getattr(other, key):
@@ -257,6 +268,24 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
     rest = dict(progress=progress, preprocess=preprocess, log=log, histogram_samples=histogram_samples,
                 memory_mb=memory_mb, feeds=feeds, shard=shard)
     return run_or_one_at_a_time(lambda size: _collect(*args, size, **rest), batch_size, log)
+
+
+def collect_methods(model_path: str | Path, data_path: str | Path, methods: list[str], **kwargs
+                    ) -> dict[str, Statistics]:
+    """``collect`` of each of ``methods`` (default parameters; ``kwargs`` as for ``collect``), one
+    pass over the data for the methods whose calibrators keep the same state (``shared_key``:
+    percentile and mse keep the same histograms), read by each one's own calibrators."""
+    def key(method: str):
+        probe = make_calibrator(method)
+        return probe.shared_key() if hasattr(probe, "shared_key") else None
+
+    out: dict[str, Statistics] = {}
+    for method in methods:
+        mine = key(method)
+        donor = next((m for m in out if mine is not None and key(m) == mine), None)
+        out[method] = out[donor].read_as(method) if donor is not None else \
+            collect(model_path, data_path, method, **kwargs)
+    return out
 
 
 def _collect(model_path, data_path, method, params, num_samples, batch_size, progress, preprocess, log,

@@ -13,13 +13,12 @@ nodes on the same inputs, run as written), so its outputs are the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx
 from onnx import helper
 
 from .model import graph_inputs, node_reads, submodel
+from .runs import Runs
 
 MIN_CUT_FRACTION = 0.1  # a variant that changes the base within its first tenth runs whole
 
@@ -31,13 +30,13 @@ def _inputs_like(names: list[str], values: dict) -> list[onnx.ValueInfoProto]:
 
 
 class SharedPrefix:
-    """Runs variants of ``base`` on ``batches`` from the first node where they differ from it.
-    ``session(model_bytes)``: an onnxruntime session as the caller runs models (as written)."""
+    """Runs variants of ``base`` on ``runs``' feeds from the first node where they differ from it,
+    as written (qtool/runs.py)."""
 
-    def __init__(self, base: onnx.ModelProto, batches: list[dict], session: Callable):
+    def __init__(self, base: onnx.ModelProto, runs: Runs):
         self.base = base
-        self.batches = batches
-        self.session = session
+        self.runs = runs
+        self.batches = runs.feeds
         graph = base.graph
         self.signatures = [n.SerializeToString() for n in graph.node]
         self.inputs = {vi.name for vi in graph_inputs(base)}  # fed by the batches
@@ -96,11 +95,12 @@ class SharedPrefix:
                         [onnx.ValueInfoProto(name=n) for n in wanted],
                         [variant_inits[n] for n in dict.fromkeys(r for node in suffix for r in node_reads(node))
                          if n in variant_inits], f"{variant.graph.name or 'model'}_from_{cut}")
-        session = self.session(tail.SerializeToString())
+        session = self.runs.session(tail.SerializeToString())
+        runs = self.runs.run(session, wanted, [{n: (state[n] if n in state else batch[n]) for n in suffix_inputs}
+                                              for state, batch in zip(states, self.batches)])
         out = []
-        for state, batch in zip(states, self.batches):
-            feeds = {n: (state[n] if n in state else batch[n]) for n in suffix_inputs}
-            got = dict(zip(wanted, session.run(wanted, feeds)))
+        for state, batch, run in zip(states, self.batches, runs):
+            got = dict(zip(wanted, run))
             out.append([got[n] if n in got else (state[n] if n in state else batch[n]) for n in names])
         return out
 
@@ -135,12 +135,14 @@ class SharedPrefix:
                              [onnx.ValueInfoProto(name=n) for n in outputs],
                              [self.inits[n] for n in reads if n in self.inits],
                              f"{self.base.graph.name or 'model'}_{start}_{cut}")
-            session = self.session(piece.SerializeToString()) if outputs else None
+            runs = [[] for _ in self.batches]
+            if outputs:
+                runs = self.runs.run(self.runs.session(piece.SerializeToString()), outputs,
+                                     [{n: state[n] if n in state else batch[n] for n in inputs}
+                                      for state, batch in zip(held, self.batches)])
             new = []
-            for state, batch in zip(held, self.batches):
-                got = (dict(zip(outputs, session.run(outputs, {n: state[n] if n in state else batch[n]
-                                                                for n in inputs})))
-                       if session is not None else {})
+            for state, run in zip(held, runs):
+                got = dict(zip(outputs, run))
                 new.append({n: (got[n] if n in got else state[n]) for n in keep if n in got or n in state})
             held = new
         self.state = (cut, held)

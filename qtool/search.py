@@ -35,7 +35,7 @@ import onnx
 
 from .analyze import GROUP_FROM, Evaluator, QdqModel, costliest_groups, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
-from .calibrate import calibrate, collect
+from .calibrate import calibrate, collect_methods
 from .errors import QtoolError
 from .model import load_model, prepare
 from .quantize import quantize, record_float_nodes
@@ -515,12 +515,13 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     evaluator = Evaluator(float_model, fit)
     pick.scored, pick.fit_samples = evaluator.scored, fit.samples
     candidates = list(dict.fromkeys([table.method, *methods]))
+    # one pass over the fit samples for the methods that read the same histograms
+    collected = collect_methods(model_path, data_path, [m for m in candidates if m != table.method],
+                                batch_size=batch_size, progress=False, preprocess=preprocess, feeds=fit)
     models = {}
     with progress_bar(len(candidates), "methods", progress, unit="method") as bar:
         for method in candidates:
-            fitted = table if method == table.method else collect(
-                model_path, data_path, method, batch_size=batch_size, progress=False,
-                preprocess=preprocess, feeds=fit).table()
+            fitted = table if method == table.method else collected[method].table()
             models[method], _ = quantize(model_path, fitted, qdq_options, table_name, scored_only=True)
             pick.fit_db[method] = evaluator.sqnr(models[method])
             bar.update(1)

@@ -167,15 +167,20 @@ def test_variants_run_from_where_they_differ_compute_what_they_compute_whole(dem
     # qtool/prefix.py: each variant (an op left float in the quantized model, an op quantized in
     # the float one) runs from its first node that differs from the nearer base, on the base's
     # tensors there; its outputs are the same numbers as its whole run, in graph order and out of it
-    from qtool.analyze import as_written_bytes
+    from qtool.analyze import Batches
     from qtool.prefix import SharedPrefix
+    from qtool.runs import Runs
 
     float_model, qmodel, _, _ = demo
     qdq = QdqModel(qmodel, float_model)
-    batches = [{"input": b} for b in np.split(np.asarray(demo[3][0]["input"][:24]), 3)]
+    # 24 samples in 3 batches, run sample by sample on the cores
+    runs = Runs(Batches([{"input": b} for b in np.split(np.asarray(demo[3][0]["input"][:24]), 3)], 24,
+                        axes={"input": 0}))
+    batches = runs.feeds
+    assert len(batches) == 24
     names = [o.name for o in qmodel.graph.output]
     bases = (qmodel, qdq.ablated(qdq.all_tensors(), qdq.all_weights()))
-    prefixes = [SharedPrefix(base, batches, as_written_bytes) for base in bases]
+    prefixes = [SharedPrefix(base, runs) for base in bases]
     shared = 0
     for op in [*qdq.ops, *reversed(qdq.ops)]:
         for variant, prefix in ((qdq.left_float([op]), prefixes[0]), (qdq.only_quantized([op]), prefixes[1])):
@@ -201,8 +206,8 @@ def test_the_analysis_is_the_same_with_and_without_shared_prefixes(demo_model, d
 def test_a_constant_listed_as_a_graph_input_is_read_from_the_model_not_the_batches(demo):
     # an initializer that is also a graph input (older exporters list them) is the model's
     # constant for the suffix of a variant, not a feed: the shared run equals the whole one
-    from qtool.analyze import as_written_bytes
     from qtool.prefix import SharedPrefix
+    from qtool.runs import Runs
 
     float_model, qmodel, _, batches = demo
     listed = onnx.ModelProto()
@@ -214,7 +219,7 @@ def test_a_constant_listed_as_a_graph_input_is_read_from_the_model_not_the_batch
     scale = inits[last.input[1]]
     listed.graph.input.append(onnx.helper.make_tensor_value_info(scale.name, scale.data_type, list(scale.dims)))
     qdq = QdqModel(listed, float_model)
-    prefix = SharedPrefix(listed, batches, as_written_bytes)
+    prefix = SharedPrefix(listed, Runs(batches))
     variant = qdq.left_float([qdq.ops[-3]])
     got = prefix.run(variant, [o.name for o in listed.graph.output])
     assert got is not None

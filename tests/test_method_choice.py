@@ -74,6 +74,22 @@ def test_a_method_that_wins_on_held_out_samples_replaces_the_table(heavy, tmp_pa
     assert pick.fit_db["percentile"] == pytest.approx(_sqnr(fit_ref, _run(fitted, fit)), abs=1e-3)
 
 
+def test_methods_that_read_the_same_histograms_share_one_pass(heavy, monkeypatch):
+    import qtool.calibrate as calibrate_module
+    from qtool.calibrate import collect, collect_methods
+
+    model, data = heavy
+    alone = {m: collect(model, data, m, progress=False).table() for m in ("percentile", "mse", "minmax")}
+    passes = []
+    monkeypatch.setattr(calibrate_module, "collect", lambda *a, **k: passes.append(a[2]) or collect(*a, **k))
+    shared = collect_methods(model, data, ["percentile", "mse", "minmax"], progress=False)
+    assert passes == ["percentile", "minmax"]  # mse reads percentile's histograms
+    for method, table in alone.items():
+        assert shared[method].method == method
+        assert shared[method].table().tensors == table.tensors, method
+    assert alone["mse"].tensors != alone["percentile"].tensors  # the two read them differently
+
+
 def test_a_method_that_loses_on_held_out_samples_leaves_the_table(demo_model, demo_table, demo_calib):
     # on the demo, mse scores best on the 16 fit samples and below minmax on the 16 held-out ones
     chosen, pick = choose_method(demo_model, demo_table, QuantizeOptions(), "t", demo_calib, progress=False)

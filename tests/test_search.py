@@ -11,7 +11,7 @@ import pytest
 import onnx
 from onnx import helper
 
-from qtool.analyze import Evaluator, QdqModel, evaluation_batches, scored_node
+from qtool.analyze import Batches, Evaluator, QdqModel, evaluation_batches, scored_node
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.report import search_summary
@@ -28,9 +28,16 @@ def table_file(demo_table, tmp_path):
 
 
 def _searched(calib) -> list[dict]:
-    """The samples the searches score on: 16 of the 256, every 16th, in batches of 8."""
+    """The samples the searches score on: 16 of the 256, every 16th, in batches of 8 (run sample
+    by sample: the demo's batch dim is free)."""
     x = np.load(calib)["input"][::16]
-    return [{"input": x[:8]}, {"input": x[8:]}]
+    return Batches([{"input": x[:8]}, {"input": x[8:]}], 16, axes={"input": 0})
+
+
+def _judged(calib) -> list[dict]:
+    """The held-out samples that judge a search: the odd positions of 32 spread over the 256."""
+    held = np.load(calib)["input"][8::16]
+    return Batches([{"input": held[:8]}, {"input": held[8:]}], 16, axes={"input": 0})
 
 
 def test_searches_score_samples_spread_over_the_data(demo_model, demo_calib):
@@ -63,8 +70,7 @@ def test_target_is_reached_with_the_ops_it_reports(demo_model, demo_table, demo_
     # then the all-integer and the final model on the held-out samples
     assert report.search["evaluations"] == result.evaluations <= 1 + 13 + (1 + 4) + 1 + 2
     # judged on 16 other samples (the odd positions of 32 spread over the 256), scored here
-    held = np.load(demo_calib)["input"][8::16]
-    judge = Evaluator(float_model, [{"input": held[:8]}, {"input": held[8:]}])
+    judge = Evaluator(float_model, _judged(demo_calib))
     integer, _ = quantize(demo_model, demo_table, QuantizeOptions(), "t")
     assert result.heldout == 16 and not result.reverted
     assert judge.sqnr(qmodel) == pytest.approx(result.heldout_final_db, abs=1e-3)
@@ -232,8 +238,7 @@ def test_a_method_choice_that_loses_on_held_out_samples_gives_the_table_back(dem
                                    "t", demo_calib, progress=False)
     assert choice.after_db > choice.before_db and choice.chosen
     assert choice.heldout == 16 and not choice.kept and table is demo_table
-    held = np.load(demo_calib)["input"][8::16]
-    judge = Evaluator(prepare(load_model(demo_model)), [{"input": held[:8]}, {"input": held[8:]}])
+    judge = Evaluator(prepare(load_model(demo_model)), _judged(demo_calib))
     assert judge.sqnr(quantize(demo_model, demo_table)[0]) == pytest.approx(choice.heldout_before_db, abs=1e-9)
     assert choice.heldout_after_db <= choice.heldout_before_db
 
