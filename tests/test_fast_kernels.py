@@ -391,7 +391,15 @@ def test_global_average_pool_sums_in_int64_when_int32_may_not_hold():
 
 @needs_numba
 @pytest.mark.parametrize("types", [("int16", "int16"), ("int16", "int8"), ("uint8", "int16")])
-def test_compiled_int16_add_and_mul_equal_the_numpy_forms(types):
+@pytest.mark.parametrize("shapes", [
+    ((2, 5, 4, 6), (2, 5, 1, 1)),  # one value per channel: by rows
+    ((2, 5, 4, 6), (2, 5, 4, 6)),  # one shape: by flat ranges
+    ((3, 40, 30, 30), (3, 40, 30, 30)),  # 108,000 values: split over the cores
+    ((3, 40, 30, 30), (3, 40, 1, 1)),
+    ((2, 5, 4, 6), (6,)),  # other broadcasts: the ufunc
+    ((2, 5, 4, 6), (1,)),
+])
+def test_compiled_int16_add_and_mul_equal_the_numpy_forms(types, shapes):
     from qtool.ops.add import AddParams, _add
     from qtool.ops.mul import MulParams, _mul
 
@@ -400,10 +408,10 @@ def test_compiled_int16_add_and_mul_equal_the_numpy_forms(types):
     def operand(dtype, shape):
         info = np.iinfo(dtype)
         x = rng.integers(info.min, int(info.max) + 1, size=shape).astype(dtype)
-        x.reshape(-1)[:2] = (info.min, info.max)  # the extremes
+        x.reshape(-1)[:2] = (info.min, info.max)[:x.size]  # the extremes
         return x
 
-    a, b = operand(types[0], (2, 5, 4, 6)), operand(types[1], (2, 5, 1, 1))  # broadcast per channel
+    a, b = operand(types[0], shapes[0]), operand(types[1], shapes[1])
     for zeros in ((0, 0, 0), (3, -2, 7)):
         for multipliers, rshift in (((2**31 - 1, 1359), 31), ((3, 5), 1), ((2**30, 2**30 + 5), 45)):
             add = AddParams(*multipliers, rshift, *zeros, "half_up", "int16")
@@ -480,3 +488,31 @@ def test_compiled_softmax_equals_the_numpy_form(in_type, out_type, opset, axis, 
         monkeypatch.setattr(compiled, "ENABLED", True)
     other = dataclasses.replace(params, rounding="half_to_even")
     assert compiled.softmax(other, q) is None
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])
+def test_dequantizing_8_and_16_bit_integers_in_float32_gives_the_int64_forms_floats(dtype):
+    # dequantize_array computes (q - Z) * S in float32 for these types: the same bits as the
+    # int64 difference times the scale in float64, rounded to float32 once, for every scale
+    # (normal, subnormal results) and zero point, per tensor and per channel
+    from qtool.qparams import QParams, _broadcastable, dequantize_array
+
+    def int64_form(q, qp):
+        scale, zero = _broadcastable(qp, q.ndim)
+        return ((q.astype(np.int64) - zero) * scale).astype(np.float32)
+
+    rng = np.random.default_rng(5)
+    info = np.iinfo(dtype)
+    for trial in range(120):
+        q = rng.integers(info.min, int(info.max) + 1, (2, 4, 3, 5)).astype(dtype)
+        q.reshape(-1)[:2] = (info.min, info.max)
+        exponent = rng.uniform(-140, 40)  # results from subnormal to large
+        if trial % 2:
+            qp = QParams(np.float32(2.0 ** exponent * rng.uniform(1, 2)),
+                         int(rng.integers(info.min, int(info.max) + 1)), dtype)
+        else:
+            qp = QParams((2.0 ** exponent * rng.uniform(1, 2, 4)).astype(np.float32),
+                         rng.integers(info.min, int(info.max) + 1, 4), dtype, axis=1)
+        want, got = int64_form(q, qp), dequantize_array(q, qp)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (trial, qp)

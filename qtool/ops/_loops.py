@@ -126,6 +126,33 @@ def mul_int16(a, b, zero_a, zero_b, multiplier, rshift, zero_out):  # pragma: no
     return np.int16(min(max(y, -32768), 32767))
 
 
+# The same two steps over [R, L] rows, ``b`` [R, L] or [R, 1] (one value a row: an SE block's
+# [N, C, 1, 1] scale on [N, C, H, W]), written into ``out``: plain loops over contiguous rows
+# vectorise where the ufuncs above, broadcasting scalars, run about six times slower, and they
+# release the GIL, so the rows split over the cores (compiled.add_levels, mul_levels).
+
+@numba.njit(nogil=True, cache=True)
+def add_int16_rows(a, b, zero_a, zero_b, multiplier_a, multiplier_b, rshift, zero_out, out):  # pragma: no cover
+    half = np.int64(1) << (rshift - 1)
+    per_row = b.shape[1] == 1
+    for r in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            q_b = b[r, 0] if per_row else b[r, j]
+            acc = (np.int64(a[r, j]) - zero_a) * multiplier_a + (np.int64(q_b) - zero_b) * multiplier_b
+            out[r, j] = min(max(((acc + half) >> rshift) + zero_out, -32768), 32767)
+
+
+@numba.njit(nogil=True, cache=True)
+def mul_int16_rows(a, b, zero_a, zero_b, multiplier, rshift, zero_out, out):  # pragma: no cover
+    half = np.int64(1) << (rshift - 1)
+    per_row = b.shape[1] == 1
+    for r in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            q_b = b[r, 0] if per_row else b[r, j]
+            acc = (np.int64(a[r, j]) - zero_a) * (np.int64(q_b) - zero_b) * multiplier
+            out[r, j] = min(max(((acc + half) >> rshift) + zero_out, -32768), 32767)
+
+
 @numba.njit(nogil=True, cache=True)
 def softmax_rows(x, table, multiplier, rshift, zero, lo, hi, out):  # pragma: no cover
     """qtool/ops/softmax.py's integer Softmax along the last axis of [rows, L] ``x`` (half_up,

@@ -20,6 +20,8 @@ import functools
 
 import numpy as np
 
+from . import parallel
+
 ENABLED = True
 
 _loops = None  # qtool/ops/_loops.py once imported; False when numba is not installed
@@ -175,6 +177,13 @@ def add_levels(p, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     # |acc| <= 2**17 * 2**31 * 2: far inside int64, and adding half the shift keeps it there
     if max(abs(p.multiplier_a), abs(p.multiplier_b)) >= 2**32:
         return None
+    rows = _rows_form(a, b)
+    if rows is not None:
+        a2, b2, swapped, shape = rows
+        (za, ma), (zb, mb) = ((p.zero_a, p.multiplier_a), (p.zero_b, p.multiplier_b))[::-1 if swapped else 1]
+        return _by_rows(lambda x, y, out: _loops.add_int16_rows(
+            x, y, np.int64(za), np.int64(zb), np.int64(ma), np.int64(mb), np.int64(p.rshift),
+            np.int64(p.zero_out), out), a2, b2, shape)
     return _loops.add_int16(a, b, p.zero_a, p.zero_b, p.multiplier_a, p.multiplier_b, p.rshift, p.zero_out)
 
 
@@ -187,7 +196,54 @@ def mul_levels(p, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
         return None
     if _bound(a, p.zero_a) * _bound(b, p.zero_b) > 2**31 - 1 or abs(p.multiplier) >= 2**31:
         return None
+    rows = _rows_form(a, b)
+    if rows is not None:
+        a2, b2, swapped, shape = rows
+        za, zb = (p.zero_b, p.zero_a) if swapped else (p.zero_a, p.zero_b)
+        return _by_rows(lambda x, y, out: _loops.mul_int16_rows(
+            x, y, np.int64(za), np.int64(zb), np.int64(p.multiplier), np.int64(p.rshift),
+            np.int64(p.zero_out), out), a2, b2, shape)
     return _loops.mul_int16(a, b, p.zero_a, p.zero_b, p.multiplier, p.rshift, p.zero_out)
+
+
+def _rows_form(a: np.ndarray, b: np.ndarray):
+    """Two operands as ``(a2, b2, swapped, shape)``: contiguous [R, L] views of the larger one and
+    [R, L] or [R, 1] of the other (``swapped``: ``b`` was the larger), ``shape`` the output's,
+    where their shapes are equal or one is the other's leading dims followed by 1s ([N, C, 1, 1]
+    against [N, C, H, W]); None for other broadcasts."""
+    swapped = a.size < b.size
+    big, small = (b, a) if swapped else (a, b)
+    if big.ndim == 0 or big.size == 0 or small.ndim > big.ndim:
+        return None
+    dims = (1,) * (big.ndim - small.ndim) + small.shape
+    if dims == big.shape:
+        width = big.shape[-1]
+    else:
+        lead = 0
+        while lead < big.ndim and dims[lead] == big.shape[lead]:
+            lead += 1
+        if lead == 0 or any(d != 1 for d in dims[lead:]):
+            return None
+        width = 1
+        for d in big.shape[lead:]:
+            width *= d
+    rows = big.size // width
+    b2 = np.ascontiguousarray(small).reshape(rows, -1)
+    return np.ascontiguousarray(big).reshape(rows, width), b2, swapped, big.shape
+
+
+def _by_rows(loop, a2: np.ndarray, b2: np.ndarray, shape: tuple) -> np.ndarray:
+    """``loop(a_rows, b_rows, out_rows)`` over ranges of rows on the cores (the loops release
+    the GIL); operands of one shape over ranges of their flat elements instead."""
+    out = np.empty(a2.shape, dtype=np.int16)
+    if b2.shape == a2.shape:
+        a2, b2, out2 = a2.reshape(1, -1), b2.reshape(1, -1), out.reshape(1, -1)
+        parts = parallel.ranges(a2.shape[1], a2.size)
+        parallel.run_parts(lambda lo, hi: loop(a2[:, lo:hi], b2[:, lo:hi], out2[:, lo:hi]), parts)
+    else:
+        parts = parallel.ranges(a2.shape[0], a2.size)
+        parallel.run_parts(lambda lo, hi: loop(a2[lo:hi], b2[lo:hi], out[lo:hi]), parts)
+    return out.reshape(shape)
 
 
 def softmax(p, x: np.ndarray) -> np.ndarray | None:
