@@ -40,6 +40,7 @@ from .runs import Runs, as_written_bytes
 from .report import finite, progress_bar
 
 FENCE_OPS = ("QuantizeLinear", "DequantizeLinear")
+WIDER_THAN_FENCE = 1.01  # a calibrated range beyond its 8-bit fence by more than rounding: cut (QdqModel.widened)
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,13 @@ class QdqModel:
         """The model with ``ops`` float: their outputs' fences bypassed and their weights float."""
         return self.ablated({t for op in ops for t in op.outputs}, {w for op in ops for w in op.weights})
 
-    def widened(self, tensors) -> onnx.ModelProto:
+    def widened(self, tensors, ranges: dict[str, float] | None = None) -> onnx.ModelProto:
         """The model with the fences of ``tensors`` made int16 (symmetric, zero point 0) over the
         range their 8-bit (S, Z) covers: what quantize writes for ops promoted to int16, up to the
-        range's rounding. Below opset 21 the fences become com.microsoft ops."""
+        range's rounding. ``ranges``: each tensor's calibrated max |x|, which the int16 fence
+        covers where the 8-bit one covers clearly less (quantize cuts an 8-bit Sigmoid or Tanh
+        input to where its output saturates, and an int16 one not). Below opset 21 the fences
+        become com.microsoft ops."""
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
         inits = {i.name: i for i in out.graph.initializer}
@@ -200,6 +204,9 @@ class QdqModel:
             zero = numpy_helper.to_array(inits[q.input[2]])
             lo, hi = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
             reach = scale * max(abs(lo - int(zero)), abs(hi - int(zero)))
+            calibrated = (ranges or {}).get(tensor, 0.0)
+            if calibrated > reach * WIDER_THAN_FENCE:
+                reach = calibrated
             scale_name, zero_name = f"{tensor}_int16_scale", f"{tensor}_int16_zero_point"
             scale16 = np.array(reach / np.iinfo(np.int16).max, np.float32)
             out.graph.initializer.extend([numpy_helper.from_array(scale16, scale_name),

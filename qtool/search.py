@@ -138,7 +138,8 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     qmodel, _ = build((), "qdq")
     phase("quantize")
     qdq = QdqModel(qmodel, float_model)
-    variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops))
+    reach = {name: max(abs(e.min), abs(e.max)) for name, e in table.tensors.items()}
+    variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops, reach))
     # the ranking quantizes ops alone in the float model, the narrowing widens some in the
     # quantized one: each runs from its first node that differs from the nearer (qtool/prefix.py)
     evaluator.share_prefixes(qmodel, qdq.ablated(qdq.all_tensors(), qdq.all_weights()))
@@ -283,10 +284,10 @@ def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> tuple[list, in
     return [op for _, _, op in ranked] + rest, runs + len(one_by_one)
 
 
-def widened(qdq: QdqModel, ops: set[str]) -> onnx.ModelProto:
+def widened(qdq: QdqModel, ops: set[str], reach: dict[str, float] | None = None) -> onnx.ModelProto:
     """The QDQ model with every activation of ``ops`` int16, as quantize would write it with
-    those ops promoted (up to the ranges' rounding)."""
-    return qdq.widened({t for op in qdq.ops if op.node in ops for t in op.activations})
+    those ops promoted (up to the ranges' rounding; ``reach``: see ``QdqModel.widened``)."""
+    return qdq.widened({t for op in qdq.ops if op.node in ops for t in op.activations}, reach)
 
 
 def _best_prefix(variant, evaluator: Evaluator, ranked: list, limit: int,
