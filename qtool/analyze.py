@@ -185,10 +185,10 @@ class QdqModel:
     def widened(self, tensors, ranges: dict[str, float] | None = None) -> onnx.ModelProto:
         """The model with the fences of ``tensors`` made int16 (symmetric, zero point 0) over the
         range their 8-bit (S, Z) covers: what quantize writes for ops promoted to int16, up to the
-        range's rounding. ``ranges``: each tensor's calibrated max |x|, which the int16 fence
-        covers where the 8-bit one covers clearly less (quantize cuts an 8-bit Sigmoid or Tanh
-        input to where its output saturates, and an int16 one not). Below opset 21 the fences
-        become com.microsoft ops."""
+        range's rounding. ``ranges``: a Sigmoid or Tanh input's calibrated max |x|, which the
+        int16 fence covers where the 8-bit one covers clearly less (quantize cuts an 8-bit one to
+        where the output saturates, and an int16 one not). Below opset 21 the fences become
+        com.microsoft ops."""
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
         inits = {i.name: i for i in out.graph.initializer}

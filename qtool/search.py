@@ -138,7 +138,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     qmodel, _ = build((), "qdq")
     phase("quantize")
     qdq = QdqModel(qmodel, float_model)
-    reach = {name: max(abs(e.min), abs(e.max)) for name, e in table.tensors.items()}
+    # quantize cuts an 8-bit Sigmoid/Tanh input to where the output saturates, and an int16 one not
+    saturating = {n.input[0] for n in float_model.graph.node if n.op_type in ("Sigmoid", "Tanh") and n.input}
+    reach = {name: max(abs(e.min), abs(e.max)) for name, e in table.tensors.items() if name in saturating}
     variant = (lambda ops: realizable(qdq, ops)) if allow_float else (lambda ops: widened(qdq, ops, reach))
     # the ranking quantizes ops alone in the float model, the narrowing widens some in the
     # quantized one: each runs from its first node that differs from the nearer (qtool/prefix.py)
