@@ -18,6 +18,7 @@ time with onnxruntime's threads.
 from __future__ import annotations
 
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -59,11 +60,24 @@ class Runs:
     def run(self, session: ort.InferenceSession, names: list[str], feeds: list[dict] | None = None,
             ) -> list[list[np.ndarray]]:
         """``names`` of every feed of ``feeds`` (default: all of this run's), in their order."""
+        return list(self.each(session, names, feeds))
+
+    def each(self, session: ort.InferenceSession, names: list[str], feeds: list[dict] | None = None):
+        """``run``'s results one at a time, in the feeds' order, with at most ``workers`` runs
+        ahead of the caller: a caller that reduces each result as it comes (bias correction's
+        channel means) holds a few samples' tensors, not all of them."""
         feeds = self.feeds if feeds is None else feeds
         if self.workers == 1 or len(feeds) < 2:
-            return [session.run(names, f) for f in feeds]
+            for f in feeds:
+                yield session.run(names, f)
+            return
         with ThreadPoolExecutor(min(self.workers, len(feeds)), thread_name_prefix="qtool-run") as pool:
-            return list(pool.map(lambda f: session.run(names, f), feeds))
+            pending = deque(pool.submit(session.run, names, f) for f in feeds[:self.workers])
+            for f in feeds[self.workers:] + [None] * len(pending):
+                done = pending.popleft().result()
+                if f is not None:
+                    pending.append(pool.submit(session.run, names, f))
+                yield done
 
 
 def _samples(batch: dict[str, np.ndarray], axes: dict[str, int | None]) -> list[dict[str, np.ndarray]]:

@@ -224,3 +224,38 @@ def test_a_constant_listed_as_a_graph_input_is_read_from_the_model_not_the_batch
     got = prefix.run(variant, [o.name for o in listed.graph.output])
     assert got is not None
     np.testing.assert_array_equal(got[0][0], _run(variant, batches[0]))
+
+
+def test_runs_come_back_in_the_samples_order_with_at_most_one_a_core_ahead(monkeypatch):
+    # qtool/runs.py: samples split from their batch run on the cores; results come back in the
+    # samples' order whatever order they finish in, and a caller reducing them as they come
+    # holds at most one run a core beyond the one it reads
+    import threading
+    import time
+
+    from qtool import runs as runs_module
+    from qtool.analyze import Batches
+    from qtool.runs import Runs
+
+    monkeypatch.setattr(runs_module, "CORES", 2)
+    runs = Runs(Batches([{"x": np.arange(6, dtype=np.float32).reshape(6, 1)}], 6, axes={"x": 0}))
+    assert len(runs) == 6 and runs.workers == 2 and all(f["x"].shape == (1, 1) for f in runs.feeds)
+    lock, started, active, peak = threading.Lock(), [0], [0], [0]
+
+    class Session:
+        def run(self, names, feeds):
+            with lock:
+                started[0] += 1
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.02 * (6 - float(feeds["x"][0, 0])))  # the later samples finish first
+            with lock:
+                active[0] -= 1
+            return [feeds["x"] * 2]
+
+    got = []
+    for read, out in enumerate(runs.each(Session(), ["y"]), start=1):
+        time.sleep(0.03)  # a slow reader
+        assert started[0] - read <= runs.workers
+        got.append(float(out[0][0, 0]))
+    assert got == [0, 2, 4, 6, 8, 10] and peak[0] == 2
