@@ -42,7 +42,7 @@ def quantize(model, table, data=None, progress: bool = False, steps=None, **opti
     ``data``, the judged steps of ``quantize --data`` run (``steps``: a ``qtool.recipe.DataSteps``
     to choose them; by default all that apply)."""
     from .quantize import QuantizeOptions, quantize as run
-    from .recipe import DataSteps, quantize_with_data
+    from .recipe import DataSteps, check_runs_on_ranges, quantize_with_data
     from .table_formats import read_table
 
     try:
@@ -54,7 +54,9 @@ def quantize(model, table, data=None, progress: bool = False, steps=None, **opti
         table = read_table(table)
     with _paths(model, data) as (model_path, data_path):
         if data_path is None:
-            return run(model_path, table, opts, name)
+            qmodel, report = run(model_path, table, opts, name)
+            check_runs_on_ranges(qmodel, model_path, table)
+            return qmodel, report
         qmodel, report, _, _ = quantize_with_data(model_path, table, opts, name, data_path, steps or DataSteps(),
                                                   progress)
         return qmodel, report

