@@ -128,6 +128,8 @@ def check_runs_on_ranges(qmodel: onnx.ModelProto, model_path, table: Table) -> N
     rng = np.random.default_rng(0)
     feeds = {}
     for vi in graph_inputs(model):
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.elem_type:
+            return  # a sequence or an untyped input: no sample to draw
         dims = table.input_shapes.get(vi.name) or input_shape(vi)
         if not dims and not vi.type.tensor_type.HasField("shape"):
             return  # rank unknown: nothing to draw a sample of
