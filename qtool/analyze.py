@@ -33,7 +33,7 @@ from .sizing import fixed_batch
 from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map
-from .model import all_nodes, batch_hint, first_line, graph_inputs, load_model, prepare, subgraphs
+from .model import all_nodes, batch_hint, first_line, graph_inputs, prepare_file, subgraphs
 from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
 from .runs import Runs, as_written_bytes
@@ -635,7 +635,7 @@ def analyze(model_path: str | Path, qmodel: onnx.ModelProto, data_path: str | Pa
     are scored one by one only in the groups that gain most (``GROUP_FROM``), unless
     ``every_op``."""
     start = time.perf_counter()
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     evaluator = Evaluator(float_model, evaluation_batches(float_model, data_path, num_samples, batch_size,
                                                           preprocess))
     qdq = QdqModel(qmodel, float_model)

@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper
 
 from .analyze import Evaluator, split_batches, with_outputs
 from .errors import QtoolError
-from .model import first_line, load_model, prepare
+from .model import first_line, prepare_file
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
 from .report import finite, progress_bar
@@ -292,7 +292,7 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
     ``rounded_weights``: fitted weight integers (qtool.rounding), ``channel_ranges``: per-channel
     activation ranges (qtool.channels), in every model built here."""
     start = time.perf_counter()
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     fit_count = BIAS_SAMPLES if num_samples is None else num_samples
     held_count = fit_count if holdout is None else holdout
     fit, held = split_batches(float_model, data_path, fit_count, held_count, batch_size, preprocess)

@@ -34,7 +34,7 @@ from onnx import helper
 
 from .analyze import Evaluator
 from .errors import QtoolError
-from .model import FloatRunner, first_line, load_model, prepare
+from .model import FloatRunner, first_line, prepare_file
 from .ops import REGISTRY
 from .ops.lut import LookupTable
 from .quantize import quantize
@@ -154,7 +154,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     pick.reason = not_applicable(options)
     if pick.reason:
         return None, pick
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     found = [t for t in candidates(float_model) if t in table.tensors]
     pick.tensors = len(found)
     if not found:

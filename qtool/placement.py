@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import onnx
 
 from .analyze import Evaluator
-from .model import load_model, prepare
+from .model import prepare_file
 from .quantize import quantize
 from .report import finite, progress_bar
 from .search import fit_and_heldout
@@ -130,7 +130,7 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
     """``options`` with int16 given to the groups chosen (see the module's docstring), and the
     Placement (None where the model is not a transformer or ``options`` do not apply)."""
     start = time.perf_counter()
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     found = groups(float_model) if applies(options) else {}
     if not found:
         return options, None

@@ -22,8 +22,8 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
-from .model import (default_opset, file_digest, float_tensors, graph_inputs, initializers, load_model,
-                    names_read, prepare, upgrade, all_nodes)
+from .model import (default_opset, file_digest, file_opset, float_tensors, graph_inputs, initializers,
+                    names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
@@ -201,7 +201,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     (QDQ): the executor's lowering, and what it gives (the float-op list, the hazards, the integer
     parameters), are left out. They change no node of the graph, so the score is the same."""
     options.check()
-    source = load_model(model_path)
+    model = prepare_file(model_path)  # the file read, checked and prepared (kept when repeated)
     report = QuantizeReport(size_before=Path(model_path).stat().st_size)
     digest = file_digest(model_path)
     if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
@@ -211,15 +211,15 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
         report.warnings.append(f"{table_name} was made for model '{table.model}' "
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")
-    model = prepare(source, f"model file '{model_path}'")
     if (options.weight_type != "int8" or options.block_size) and default_opset(model) < BLOCKED_OPSET:
         model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
                         "int4 and blocked weights are standard ONNX from there")
     report.opset = default_opset(model)
-    if default_opset(source) < report.opset:
+    written = file_opset(model_path)
+    if written < report.opset:
         why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and \
             (options.weight_type != "int8" or options.block_size) else ""
-        report.warnings.append(f"opset upgraded from {default_opset(source)} to {report.opset}{why}")
+        report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
     pixels = None
     if options.input_pixels is not None:
         pixels = fold(model, options.input_pixels)  # (input name, zero point)

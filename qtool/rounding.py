@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from .analyze import Evaluator
-from .model import FloatRunner, load_model, prepare
+from .model import FloatRunner, prepare_file
 from .qparams import per_channel_symmetric, symmetric
 from .quantize import quantize
 from .report import progress_bar
@@ -124,7 +124,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     they do not score higher on the held-out samples (or there is nothing to fit or judge)."""
     start = time.perf_counter()
     pick = RoundingPick()
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     found = layers(float_model)
     pick.layers = len(found)
     if not found:

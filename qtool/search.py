@@ -37,7 +37,7 @@ from .analyze import GROUP_FROM, Evaluator, QdqModel, costliest_groups, split_ba
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
 from .calibrate import calibrate, collect_methods
 from .errors import QtoolError
-from .model import load_model, prepare
+from .model import prepare_file
 from .quantize import quantize, record_float_nodes
 from .report import finite, progress_bar
 from .table import Table
@@ -130,7 +130,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
                                       batch_size, False, preprocess, holdout)[:2]
         return quantize(model_path, table, opts, table_name)
 
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     evaluator = Evaluator(float_model, fit)
     result.samples = evaluator.batches.samples
@@ -381,7 +381,7 @@ def choose_methods(model_path, table: Table, methods: list[str], options, table_
              for m, t in tables.items()}
     models = {m: model for m, (model, _) in built.items()}
     joined = {name: members for members in built[table.method][1].qparam_groups for name in members}
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     evaluator = Evaluator(float_model, fit)
     result = MethodChoice(methods=tuple(candidates), scored=evaluator.scored, samples=fit.samples)
@@ -509,7 +509,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     (``holdout`` 0, or one sample), nothing changes."""
     start = time.perf_counter()
     pick = MethodPick(table_method=table.method, chosen=table.method)
-    float_model = prepare(load_model(model_path), f"model file '{model_path}'")
+    float_model = prepare_file(model_path)
     fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     if held is None:
         pick.seconds = time.perf_counter() - start

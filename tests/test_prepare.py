@@ -96,6 +96,41 @@ def test_a_model_prepared_again_gets_the_same_preparation_as_a_model_of_its_own(
     assert calls == ["a", "b", "e"]
 
 
+def test_a_model_file_prepared_again_is_not_read_again_until_it_changes(demo_model, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import qtool.model as model_module
+    from qtool.errors import QtoolError
+    from qtool.model import file_opset, prepare, prepare_file
+
+    path = tmp_path / "m.onnx"
+    shutil.copy(demo_model, path)
+    reads = []
+    real = model_module.load_model
+    monkeypatch.setattr(model_module, "load_model", lambda p: reads.append(str(p)) or real(p))
+    monkeypatch.setattr(model_module, "_last_file", None)
+    monkeypatch.setattr(model_module, "_last_prepared", None)
+    want = prepare(real(demo_model)).SerializeToString()
+    first, second = prepare_file(path), prepare_file(path)
+    assert model_module._last_file[1] is not None and model_module._last_prepared is None  # one copy kept
+    third = prepare_file(path)
+    assert len(reads) == 2  # the third came from the kept bytes
+    assert first.SerializeToString() == second.SerializeToString() == third.SerializeToString() == want
+    third.graph.node[0].name = "changed"  # a model of its own
+    assert prepare_file(path).graph.node[0].name == first.graph.node[0].name and len(reads) == 2
+    assert file_opset(path) == model_module.default_opset(real(demo_model)) and len(reads) == 2
+    # the file changes (another model written over it): read and prepared again
+    other = real(demo_model)
+    other.graph.node[0].name = "rewritten"
+    onnx.save(other, path)
+    os.utime(path, ns=(1, 1))  # a modification time of its own, whatever the clock's resolution
+    assert prepare_file(path).graph.node[0].name == "rewritten" and len(reads) == 3
+    path.unlink()  # gone: the user's error, not the kept bytes
+    with pytest.raises(QtoolError, match="not found"):
+        prepare_file(path)
+
+
 def _vit_like(height=8, width=6):
     """What a ViT exporter writes: a position table resized (cubic) to the patch grid read off the
     input's fixed H and W, and a decoder Resize to H x W whose batch comes from Shape; the batch
