@@ -33,7 +33,7 @@ from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
-                    load_model, node_reads, prepare)
+                    load_model, node_reads, prepare_file)
 from .report import progress_bar
 from .sizing import _fix_dims, batch_is_chosen, default_batch, fixed_batch
 from .table import Table, TensorEntry
@@ -245,7 +245,7 @@ def _model_and_data(model_path, data_path, preprocess):
     reader = threading.Thread(target=read, name="qtool-read-data", daemon=True)
     reader.start()
     try:
-        model = prepare(source, f"model file '{model_path}'")
+        model = prepare_file(model_path, loaded=source)  # a judged step's again: the kept preparation
     finally:
         reader.join()
     if "error" in loaded:

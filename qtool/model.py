@@ -159,19 +159,21 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
 _last_file: tuple[tuple, bytes | None, int] | None = None
 
 
-def prepare_file(path: str | Path, source: str | None = None) -> onnx.ModelProto:
+def prepare_file(path: str | Path, source: str | None = None, loaded: onnx.ModelProto | None = None
+                 ) -> onnx.ModelProto:
     """``prepare(load_model(path))``, and the same file again (the same path, size and modification
     time) from the prepared bytes kept in this process: quantize --data prepares its model in
     every step (27 times on a ViT-S, whose 97 MB took about 0.7 s a time to read, check, serialize
     and hash). Each call gets a model of its own. As with ``prepare``, a command that prepares
-    once keeps no bytes."""
+    once keeps no bytes. ``loaded``: ``load_model(path)`` where the caller has it already (read
+    only when the file has to be prepared; it is not changed)."""
     global _last_file, _last_prepared
     path = Path(path)
     key = _file_key(path)
     again = key is not None and _last_file is not None and _last_file[0] == key
     if again and _last_file[1] is not None:
         return onnx.load_model_from_string(_last_file[1])
-    loaded = load_model(path)
+    loaded = load_model(path) if loaded is None else loaded
     prepared = prepare(loaded, source or f"model file '{path}'")
     kept = None
     if again:
