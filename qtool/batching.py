@@ -25,11 +25,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import os
 
 from .errors import QtoolError
 
 _libc = None
 
+# the cores this process may run on (its affinity, where the OS tells it)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 DEFAULT_MEMORY_MB = 512
 EXEC_BATCH_CAP = 8
 VERIFY_BATCH_CAP = 8

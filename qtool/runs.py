@@ -17,14 +17,14 @@ time with onnxruntime's threads.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime as ort
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from .batching import CORES
+
 MAX_WORKERS = 8  # runs in flight at once: each holds one sample's activations
 
 

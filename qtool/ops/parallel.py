@@ -13,7 +13,9 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from ..batching import CORES
+
+WORKERS = CORES
 # Outputs smaller than this many elements run on one thread: handing a range to another thread
 # and waiting for it costs tens of microseconds (PP-OCRv4 rec's layers have 60k to 250k outputs).
 SPLIT_FROM = 1 << 16
