@@ -21,6 +21,8 @@ FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, Tenso
 
 
 def _file_key(path: Path) -> tuple | None:
+    """A file's identity for the caches below: its resolved path, size, times and inode (None when
+    it cannot be read): a file written over, even at the same size, gets another."""
     try:
         st = path.stat()
     except OSError:
@@ -32,8 +34,8 @@ _digests: dict[tuple, str] = {}  # file_digest by the file's identity (``_file_k
 
 
 def file_digest(path: str | Path) -> str:
-    """The sha256 of a file's bytes; the same file again (path, size, modification time) from the
-    digest kept in this process (quantize --data digests its model in every step)."""
+    """The sha256 of a file's bytes; the same file again (``_file_key``) from the digest kept in
+    this process (quantize --data digests its model in every step)."""
     key = _file_key(Path(path))
     if key is not None and key in _digests:
         return _digests[key]
@@ -153,16 +155,15 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     return prepared
 
 
-# the last model file prepared in this process (``prepare_file``): (its identity: path, size,
-# modification time, inode; the prepared model's bytes once it was prepared a second time; the
-# file's own opset)
+# the last model file prepared in this process (``prepare_file``): (its identity, ``_file_key``;
+# the prepared model's bytes once it was prepared a second time; the file's own opset)
 _last_file: tuple[tuple, bytes | None, int] | None = None
 
 
 def prepare_file(path: str | Path, source: str | None = None, loaded: onnx.ModelProto | None = None
                  ) -> onnx.ModelProto:
-    """``prepare(load_model(path))``, and the same file again (the same path, size and modification
-    time) from the prepared bytes kept in this process: quantize --data prepares its model in
+    """``prepare(load_model(path))``, and the same file again (``_file_key``: the same path, size,
+    times and inode) from the prepared bytes kept in this process: quantize --data prepares its model in
     every step (27 times on a ViT-S, whose 97 MB took about 0.7 s a time to read, check, serialize
     and hash). Each call gets a model of its own. As with ``prepare``, a command that prepares
     once keeps no bytes. ``loaded``: ``load_model(path)`` where the caller has it already (read
@@ -177,11 +178,14 @@ def prepare_file(path: str | Path, source: str | None = None, loaded: onnx.Model
     prepared = prepare(loaded, source or f"model file '{path}'")
     kept = None
     if again:
-        try:
-            kept = prepared.SerializeToString()
-            _last_prepared = None  # kept here instead: one copy of the bytes
-        except Exception:  # over 2 GB: prepared every time
-            pass
+        # prepare, given the same model again, has just kept its bytes: take them over (one copy)
+        kept = _last_prepared[1] if _last_prepared is not None else None
+        _last_prepared = None
+        if kept is None:
+            try:
+                kept = prepared.SerializeToString()
+            except Exception:  # over 2 GB: prepared every time
+                pass
     _last_file = None if key is None else (key, kept, default_opset(loaded))
     return prepared
 
