@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from . import fusion
+from . import diskcache, fusion
 from .batching import release_freed
 from .errors import QtoolError
 
@@ -135,7 +135,8 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     Calibrate, quantize and verify all call this, so they see the same graph and tensor names.
     The upgrade comes first because onnx's version converter rewrites some ops (Softmax gains a
     Flatten and a Reshape going to opset 13). The same model given again (byte for byte) gets the
-    same preparation back, parsed anew: callers may change what they get."""
+    same preparation back, parsed anew: callers may change what they get. Another command's
+    preparation of the same model by the same code comes from disk (qtool/diskcache.py)."""
     global _last_prepared
     try:
         key = hashlib.sha256(model.SerializeToString()).digest()
@@ -144,13 +145,14 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     again = key is not None and _last_prepared is not None and _last_prepared[0] == key
     if again and _last_prepared[1] is not None:
         return onnx.load_model_from_string(_last_prepared[1])
-    prepared = _prepare(model, source)
-    kept = None
-    if again:
+    prepared, kept = _prepared_on_disk(model, source, key)
+    if again and kept is None:
         try:
             kept = prepared.SerializeToString()
         except Exception:
             pass
+    elif not again:
+        kept = None
     _last_prepared = None if key is None else (key, kept)
     return prepared
 
@@ -197,6 +199,29 @@ def file_opset(path: str | Path) -> int:
     if key is not None and _last_file is not None and _last_file[0] == key:
         return _last_file[2]
     return default_opset(load_model(path))
+
+
+def _prepared_on_disk(model: onnx.ModelProto, source: str, digest: bytes | None
+                      ) -> tuple[onnx.ModelProto, bytes | None]:
+    """``_prepare(model)`` and its bytes (None where not serialized), from the copy an earlier
+    command kept on disk where there is one (qtool/diskcache.py), else prepared now and kept.
+    ``digest``: the sha256 of the model's bytes (None: not kept)."""
+    if digest is None or diskcache.folder() is None:
+        return _prepare(model, source), None
+    name = diskcache.key(digest)
+    kept = diskcache.read(name)
+    if kept is not None:
+        try:
+            return onnx.load_model_from_string(kept), kept
+        except Exception:  # not a model after all: prepared again below
+            diskcache.forget(name)
+    prepared = _prepare(model, source)
+    try:
+        data = prepared.SerializeToString()
+    except Exception:  # over 2 GB: not kept
+        return prepared, None
+    diskcache.write(name, data)
+    return prepared, data
 
 
 def _prepare(model: onnx.ModelProto, source: str) -> onnx.ModelProto:

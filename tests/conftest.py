@@ -6,6 +6,15 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "qtool" / "demo"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_folder(tmp_path_factory):
+    """The suite's prepared models (qtool/diskcache.py) go to a folder of its own, not the user's."""
+    import os
+
+    os.environ["QTOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("qtool-cache"))
+    os.environ.pop("QTOOL_NO_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     return DEMO / "digits_cnn.onnx"

@@ -82,6 +82,7 @@ def test_a_model_prepared_again_gets_the_same_preparation_as_a_model_of_its_own(
     real = model_module._prepare
     monkeypatch.setattr(model_module, "_prepare", lambda m, s: calls.append(s) or real(m, s))
     monkeypatch.setattr(model_module, "_last_prepared", None)
+    monkeypatch.setenv("QTOOL_NO_CACHE", "1")  # within one process (tests/test_diskcache.py: between)
     first = prepare(load_model(demo_model), "a")
     assert model_module._last_prepared[1] is None  # prepared once: no bytes kept
     second = prepare(load_model(demo_model), "b")
