@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, OneAtATime, fixed_bytes
-from .sizing import batch_is_chosen, default_batch
+from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, EXEC_FACTOR_WIDE, OneAtATime, fixed_bytes
+from .sizing import batch_is_chosen, default_batch, wide_activations
 from .data import check_sampling, images_for, load_dataset, output_sample_axes
 from .errors import QtoolError
 from .executor import IntegerExecutor
@@ -49,8 +49,9 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
     data = load_dataset(inputs, model, pre)
     as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
     chosen = batch_is_chosen(model, batch_size)
+    factor = EXEC_FACTOR_WIDE if wide_activations(model) else EXEC_FACTOR
     batch_size, note = ((1, "") if as_they_are else
-                        default_batch(model, data, batch_size, EXEC_FACTOR, memory_mb, EXEC_BATCH_CAP,
+                        default_batch(model, data, batch_size, factor, memory_mb, EXEC_BATCH_CAP,
                                       held=fixed_bytes(0, os.path.getsize(qmodel_path))))
     # states in and out with their samples on another axis: one batch, written as it is
     one_batch = any(data.sample_axis(name) not in (0, None) for name in executor.input_names) \

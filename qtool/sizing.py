@@ -158,6 +158,12 @@ def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelP
     return sum(tensor_sizes(model, data, typed, sizes).values())
 
 
+def wide_activations(qmodel: onnx.ModelProto) -> bool:
+    """The quantized model has 16-bit activations (a 16-bit zero point)."""
+    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+    return any(t.data_type in wide for t in qmodel.graph.initializer)
+
+
 def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
     """Whether ``default_batch`` chooses the batch from the memory budget."""
     return not (fixed_batch(model) or requested)
