@@ -118,7 +118,8 @@ def _int16_params(weight, pads, strides, dilations, group):
                       rounding="half_up", dtype="int16")
 
 
-@pytest.mark.parametrize("engine, numba_on", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("engine, numba_on, integer", [(True, True, True), (True, True, False), (False, True, True),
+                                                       (True, False, True)])
 @pytest.mark.parametrize("shape, c_out, kernel, pads, strides, dilations, group", [
     ((2, 8, 7, 9), 6, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), 1),  # im2col
     ((1, 16, 6, 6), 16, (3, 3), (1, 0, 2, 1), (2, 2), (1, 1), 16),  # depthwise, strided, one-sided pads
@@ -128,9 +129,10 @@ def _int16_params(weight, pads, strides, dilations, group):
     ((2, 24, 48, 48), 24, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), 24),
     ((2, 16, 48, 48), 40, (1, 1), (0, 0, 0, 0), (1, 1), (1, 1), 1),
 ])
-def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, shape, c_out, kernel, pads,
-                                                              strides, dilations, group, monkeypatch):
+def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, integer, shape, c_out, kernel,
+                                                              pads, strides, dilations, group, monkeypatch):
     monkeypatch.setattr(ortconv, "ENABLED", engine)
+    monkeypatch.setattr(ortconv, "INTEGER", integer)
     monkeypatch.setattr(compiled, "ENABLED", numba_on)
     rng = np.random.default_rng(sum(shape) + c_out)
     weight = rng.integers(-127, 128, size=(c_out, shape[1] // group, *kernel)).astype(np.int8)
@@ -144,6 +146,8 @@ def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, 
     assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
     high = plan.engines["split16"][0]
     assert (high is not None) == engine
+    if engine:  # dense convs on ConvInteger unless switched off
+        assert high.integer == (integer and group == 1)
     if engine and shape[2] > 40:  # one session a core
         assert len(high.parts) == min(parallel.WORKERS, shape[1])
 

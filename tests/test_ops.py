@@ -313,12 +313,14 @@ def _conv_params(weight, bias, multiplier, rshift, zero_in=0, zero_out=0, pads=(
                       group=group, rounding="half_up", dtype=dtype)
 
 
-@pytest.fixture(params=["numpy", "onnxruntime"])
+@pytest.fixture(params=["numpy", "onnxruntime", "onnxruntime float"])
 def conv_engine(request, monkeypatch):
-    """Each float32 Conv test on both ways of summing: numpy's (taps, BLAS) and onnxruntime's Conv."""
+    """Each float32 Conv test on every way of summing: numpy's (taps, BLAS), onnxruntime's
+    ConvInteger (dense convs; else its Conv) and onnxruntime's Conv alone."""
     from qtool.ops import ortconv
 
-    monkeypatch.setattr(ortconv, "ENABLED", request.param == "onnxruntime")
+    monkeypatch.setattr(ortconv, "ENABLED", request.param != "numpy")
+    monkeypatch.setattr(ortconv, "INTEGER", request.param == "onnxruntime")
     return request.param
 
 
@@ -353,7 +355,7 @@ def test_conv_float32_path_is_exact_at_its_bound(dtype, x_value, k, fast, conv_e
     got = REGISTRY["Conv"].run(plan, x)
     assert got.dtype == np.int32 and got[0, :, 0, 0].tolist() == want
     assert isinstance(plan, ConvPlan)
-    assert (plan.engine(np.dtype(dtype)) is not None) == (fast and conv_engine == "onnxruntime")
+    assert (plan.engine(np.dtype(dtype)) is not None) == (fast and conv_engine != "numpy")
 
 
 def test_depthwise_float32_taps_are_exact_at_their_bound(conv_engine, requant_form):
@@ -366,7 +368,7 @@ def test_depthwise_float32_taps_are_exact_at_their_bound(conv_engine, requant_fo
         assert (np.dtype("int8") in plan.tails) == fast
         got = REGISTRY["Conv"].run(plan, np.full((1, 2, size, size), -128, dtype=np.int8))
         assert got.shape == (1, 2, 3, 3) and (got == -128 * 127 * size * size).all()
-        assert (plan.engine(np.dtype("int8")) is not None) == (fast and conv_engine == "onnxruntime")
+        assert (plan.engine(np.dtype("int8")) is not None) == (fast and conv_engine != "numpy")
 
 
 @pytest.mark.parametrize("c_in, c_out, group, kernel, strides, dilations, pads, method", [
@@ -384,13 +386,15 @@ def test_depthwise_float32_taps_are_exact_at_their_bound(conv_engine, requant_fo
     (6, 2, 1, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), "im2col"),  # strided
 ])
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
-@pytest.mark.parametrize("summing", ["numpy, channels first", "numpy, channels last", "onnxruntime"])
+@pytest.mark.parametrize("summing", ["numpy, channels first", "numpy, channels last", "onnxruntime",
+                                     "onnxruntime float"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, strides, dilations, pads,
                                                    method, dtype, summing, threads, requant_form, monkeypatch):
     from qtool.ops import conv, ortconv, parallel
 
-    monkeypatch.setattr(ortconv, "ENABLED", summing == "onnxruntime")
+    monkeypatch.setattr(ortconv, "ENABLED", summing.startswith("onnxruntime"))
+    monkeypatch.setattr(ortconv, "INTEGER", summing == "onnxruntime")
     monkeypatch.setattr(conv, "CHANNELS_LAST_FROM", 1 if summing.endswith("last") else 10**9)
     monkeypatch.setattr(parallel, "WORKERS", threads)  # output rows in 3 ranges, on the pool
     monkeypatch.setattr(parallel, "SPLIT_FROM", 0)
@@ -410,7 +414,10 @@ def test_conv_float32_paths_equal_the_scanned_path(c_in, c_out, group, kernel, s
     want = conv.run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got == want).all()
-    assert (plan.engine(np.dtype(dtype)) is not None) == (summing == "onnxruntime")
+    engine = plan.engine(np.dtype(dtype))
+    assert (engine is not None) == summing.startswith("onnxruntime")
+    if engine is not None:  # ConvInteger for a dense conv unless switched off; Conv otherwise
+        assert engine.integer == (summing == "onnxruntime" and group == 1)
 
 
 def test_conv_scans_only_channels_whose_bias_may_overflow(monkeypatch):

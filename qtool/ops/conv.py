@@ -6,8 +6,8 @@ padding fills with ``Z_x`` (real zero) and the weights need zero point 0.
 The kernel sums on float32 where the weights prove it exact and the accumulator in range
 (``ConvPlan``, set up once per input shape), and requantizes with the bias and zero point folded
 into one multiply, add and shift (``OffsetRequant``); otherwise exactly, scanning for overflow.
-The float32 sums come from onnxruntime's Conv where it is available (qtool/ops/ortconv.py), else
-from numpy; the requantization runs as a compiled loop where numba is installed
+The sums come from onnxruntime's ConvInteger or float32 Conv where it is available
+(qtool/ops/ortconv.py), else from numpy; the requantization runs as a compiled loop where numba is installed
 (qtool/ops/compiled.py).
 """
 
@@ -237,9 +237,11 @@ def _run_compiled(plan: "ConvPlan", engine: "ortconv.OrtConv", tail: "Tail", x: 
         if chosen.size:
             check_int32(engine.corrected(sums[:, chosen - lo], chosen), params.bias[chosen].reshape(-1, 1, 1))
 
+    fed = engine.feed(x)
+
     def channels(first: int, stop: int) -> None:
         for k in range(first, stop):
-            lo, hi, sums = engine.part(x, k)
+            lo, hi, sums = engine.part(fed, k)
             scan(sums, lo, hi)
             tail.requant.rows(sums, out, 0, plan.out_hw[0], table, engine.border, (lo, hi))
 
@@ -268,7 +270,7 @@ def _run_split16_parts(plan: "ConvPlan", tail: "Tail", x: np.ndarray) -> np.ndar
     whole-tensor sums are concatenated, and the requantization runs on every core."""
     params = plan.params
     high, low, extra = plan.split_engines()
-    upper, lower = split_high(x), split_low(x)
+    upper, lower = high.feed(split_high(x)), low.feed(split_low(x))
     out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
 
     def channels(first: int, stop: int) -> None:
