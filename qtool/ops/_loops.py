@@ -17,8 +17,10 @@ def _level(x, m, o, r, zero, lo, hi):  # pragma: no cover (compiled)
 
 @numba.njit(nogil=True, cache=True)
 def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, table, border,
-                    out):  # pragma: no cover
-    """Rows [start, stop) of [n, C, H, W] ``acc`` into ``out``; an output is ``table[byte]`` when
+                    out, c0):  # pragma: no cover
+    """Rows [start, stop) of [n, C, H, W] ``acc`` into channels [c0, c0 + C) of ``out``
+    (whole, so that the loop writes a C-contiguous array: a view of some of its channels, with
+    more than one sample, is strided and ran 4x slower); an output is ``table[byte]`` when
     ``table`` has entries. ``border`` = (first, last, lead, tail, top, bottom, left, right) adds,
     before requantizing, a per-channel correction to rows [0, first) (``top`` [C, first, W]) and
     [last, H) (``bottom``), and in the rows between to columns [0, lead) (``left``) and [tail, W)
@@ -50,16 +52,17 @@ def requantize_rows(acc, start, stop, multiplier, offset, rshift, zero, lo, hi, 
                         row[j] = _level(acc[b, c, i, j] + extra, m, o, r, zero, lo, hi)
                 if mapped:
                     for j in range(cols):
-                        out[b, c, i, j] = table[np.uint8(row[j] & 255)]
+                        out[b, c0 + c, i, j] = table[np.uint8(row[j] & 255)]
                 else:
                     for j in range(cols):
-                        out[b, c, i, j] = row[j]
+                        out[b, c0 + c, i, j] = row[j]
 
 
 @numba.njit(nogil=True, cache=True)
-def requantize_joined(high, low, extra, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
+def requantize_joined(high, low, extra, multiplier, offset, rshift, zero, lo, hi, out, c0):  # pragma: no cover
     """[n, C, H, W] sums given as ``256 * high + low + extra[c]`` (an int16 Conv's two byte
-    halves, qtool/ops/conv.py) joined in int64 and requantized into ``out``."""
+    halves, qtool/ops/conv.py) joined in int64 and requantized into channels [c0, c0 + C)
+    of ``out`` (whole, as ``requantize_rows``)."""
     n, channels, rows, cols = high.shape
     for b in range(n):
         for c in range(channels):
@@ -67,7 +70,7 @@ def requantize_joined(high, low, extra, multiplier, offset, rshift, zero, lo, hi
             for i in range(rows):
                 for j in range(cols):
                     x = np.int64(high[b, c, i, j]) * 256 + np.int64(low[b, c, i, j]) + e
-                    out[b, c, i, j] = min(max(((x * m + o) >> r) + zero, lo), hi)
+                    out[b, c0 + c, i, j] = min(max(((x * m + o) >> r) + zero, lo), hi)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -99,7 +99,7 @@ class CompiledRequant:
             out = np.empty(high.shape, dtype=self.exact.dtype)
         lo, hi = channels if channels is not None else (0, self.multiplier.size)
         _loops.requantize_joined(high, low, extra, self.multiplier[lo:hi], self.offset[lo:hi], self.rshift[lo:hi],
-                                 self.exact.zero_out, self.lo, self.hi, out[:, lo:hi] if channels else out)
+                                 self.exact.zero_out, self.lo, self.hi, out, lo)
         return out
 
     def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,
@@ -119,10 +119,9 @@ class CompiledRequant:
             border = no_border(acc.shape[2], acc.shape[3])
         lo, hi = channels if channels is not None else (0, self.multiplier.size)
         if channels is not None:
-            out = out[:, lo:hi]
             border = border[:4] + tuple(band[lo:hi] for band in border[4:])
         _loops.requantize_rows(acc, start, stop, self.multiplier[lo:hi], self.offset[lo:hi],
-                               self.rshift[lo:hi], self.exact.zero_out, self.lo, self.hi, table, border, out)
+                               self.rshift[lo:hi], self.exact.zero_out, self.lo, self.hi, table, border, out, lo)
 
 
 def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
