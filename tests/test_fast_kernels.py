@@ -152,6 +152,26 @@ def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, 
         assert len(high.parts) == min(parallel.WORKERS, shape[1])
 
 
+@pytest.mark.parametrize("faster", ["integer", "float"])
+def test_a_dense_conv_keeps_the_faster_of_two_engines_that_check_out(faster, monkeypatch):
+    # both engines give the same sums; by default (INTEGER None) the quicker on the probe is kept
+    monkeypatch.setattr(ortconv, "INTEGER", None)
+    monkeypatch.setattr(ortconv, "_seconds", lambda engine, probe: float(engine.integer != (faster == "integer")))
+    rng = np.random.default_rng(11)
+    weight = rng.integers(-127, 128, size=(6, 8, 3, 3)).astype(np.int8)
+    p = _params(weight, zero_in=-77, pads=(1, 1, 1, 1))
+    plan = REGISTRY["Conv"].specialize(p, [(2, 8, 7, 9)])
+    engine = plan.engine(np.dtype(np.int8))
+    assert engine is not None and engine.integer == (faster == "integer")
+    x = rng.integers(-128, 128, size=(2, 8, 7, 9)).astype(np.int8)
+    assert np.array_equal(engine(x), plan.numpy_sums(x))
+    assert (REGISTRY["Conv"].run(plan, x) == run_scanned(p, x)).all()
+    # a depthwise conv has the float engine only, and is not raced
+    depthwise = _params(rng.integers(-127, 128, size=(8, 1, 3, 3)).astype(np.int8), zero_in=0, group=8)
+    monkeypatch.setattr(ortconv, "_seconds", lambda engine, probe: pytest.fail("raced"))
+    assert not REGISTRY["Conv"].specialize(depthwise, [(1, 8, 6, 6)]).engine(np.dtype(np.int8)).integer
+
+
 def test_int16_split_raises_where_the_exact_path_does():
     # sums past int32 with a multiplier not narrowed for them: both paths refuse, neither wraps
     weight = np.full((2, 56, 3, 3), 127, np.int8)

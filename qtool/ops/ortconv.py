@@ -22,13 +22,17 @@ so its sums are exact by the same proof, and the same self-check holds it to the
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..batching import release_freed
 from . import parallel
 
 ENABLED = True
-INTEGER = True  # dense convs try onnxruntime's ConvInteger first (see ``build``)
+# dense convs on onnxruntime's ConvInteger (``build``): None, where it is the faster of the two
+# engines on this host; True, wherever it checks out; False, never
+INTEGER: bool | None = None
 CHECK_ELEMENTS = 1 << 20  # the self-check's numpy sums and patches, a band of rows at a time
 
 _ELEMENT = {np.dtype(np.int8): 3, np.dtype(np.uint8): 2}  # onnx TensorProto INT8, UINT8
@@ -107,22 +111,39 @@ def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.
     stop) of input ``x``, compared a band of rows at a time so that its patches stay small); None
     where onnxruntime cannot build or run it, or where it disagrees.
 
-    A dense conv (one group) tries onnxruntime's ConvInteger first, on uint8 operands (weights
-    ``w + 128`` with zero point 128; an int8 input as ``x + 128`` with zero point 128, which is
-    also what it pads with, so padding adds nothing): int32 sums, 1.3-1.6x faster than the float
-    engine on a 2-core AMD EPYC with AVX-512 VNNI (3x3 and 1x1 convs of PP-OCRv4 det and rec).
-    uint8 by uint8 is the form MLAS computes without a saturating step (its int8-weight form
-    saturates pairs of products on x86 without VNNI, seed 002), and the engine's self-check below
-    holds it to the numpy path's sums on extreme values like the float one. Depthwise and grouped
-    convs keep the float engine, faster there (MLAS's depthwise kernel)."""
+    A dense conv (one group) also gets an engine on onnxruntime's ConvInteger, on uint8 operands
+    (weights ``w + 128`` with zero point 128; an int8 input as ``x + 128`` with zero point 128,
+    which is also what it pads with, so padding adds nothing): int32 sums, 1.3-1.6x faster than
+    the float engine on a 2-core AMD EPYC with AVX-512 VNNI (3x3 and 1x1 convs of PP-OCRv4 det and
+    rec). uint8 by uint8 is the form MLAS computes without a saturating step (its int8-weight form
+    saturates pairs of products on x86 without VNNI, seed 002, and ran 3x slower than the float
+    Conv there), and the same self-check holds it to the numpy path's sums. Where both check out,
+    the faster on the probe (``INTEGER`` None) is kept: both give the same sums, so the choice
+    changes the time only, on hosts whose kernels differ. Depthwise and grouped convs keep the
+    float engine, faster there (MLAS's depthwise kernel)."""
     if not ENABLED or np.dtype(dtype) not in _ELEMENT:
         return None
-    c_out, c_per_group = params.weight.shape[:2]
-    if INTEGER and params.group == 1:
-        engine = _checked(params, in_shape, out_hw, np.dtype(dtype), reference, True)
-        if engine is not None:
-            return engine
-    return _checked(params, in_shape, out_hw, np.dtype(dtype), reference, False)
+    dtype = np.dtype(dtype)
+    integer = None
+    if INTEGER is not False and params.group == 1:
+        integer = _checked(params, in_shape, out_hw, dtype, reference, True)
+        if integer is not None and INTEGER:
+            return integer
+    floating = _checked(params, in_shape, out_hw, dtype, reference, False)
+    if integer is None or floating is None:
+        return integer or floating
+    probe = _probe(in_shape, dtype)
+    return integer if _seconds(integer, probe) <= _seconds(floating, probe) else floating
+
+
+def _seconds(engine: OrtConv, probe: np.ndarray, runs: int = 2) -> float:
+    """The engine's quickest of ``runs`` on ``probe`` (after the self-check's first run)."""
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine(probe)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _checked(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.dtype, reference,
