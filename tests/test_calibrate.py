@@ -417,3 +417,29 @@ def test_without_weight_bytes_leaves_the_model_as_it_was(demo_model, demo_table)
         for t in light.graph.initializer:
             t.raw_data = whole[t.name].raw_data
         assert light.SerializeToString() == before
+
+
+@pytest.mark.parametrize("method, spinning", [("minmax", "1"), ("kl", "0"), ("percentile", "0")])
+def test_onnxruntime_threads_sleep_while_histograms_are_binned(demo_model, demo_calib, method, spinning,
+                                                                monkeypatch):
+    # the binning thread works while onnxruntime runs the next batch: onnxruntime's threads do not
+    # spin between kernels then (they took its core); minmax bins nothing and keeps them spinning
+    import qtool.calibrate as calibrate_module
+
+    sessions = []
+    real = calibrate_module.FloatRunner
+
+    def recorded(*args, **kwargs):
+        runner = real(*args, **kwargs)
+        sessions.append(runner.session)
+        return runner
+
+    monkeypatch.setattr(calibrate_module, "FloatRunner", recorded)
+    table = calibrate(demo_model, demo_calib, method=method, progress=False)
+    assert table.tensors and len(sessions) == 1
+    options = sessions[0].get_session_options()
+    try:
+        entry = options.get_session_config_entry("session.intra_op.allow_spinning")
+    except RuntimeError:  # not set: onnxruntime's default, spinning
+        entry = "1"
+    assert entry == spinning
