@@ -6,9 +6,10 @@ per activation byte, measured on PP-OCRv4 rec as the growth of peak RSS per extr
 batch and rounded up for other models: calibrate ~0.25 (onnxruntime's arena; the statistics are
 reduced inside the graph), exec 0.14-0.27 (the executor frees each activation after its last
 reader: what grows is the live activations and the kernels' temporaries; PP-OCRv4 rec 0.16, det
-at 320 0.27, a ViT-S 0.14, at 512 samples; with 16-bit activations, det 0.45), verify ~3.7 (every float and integer tensor of the
-batch side by side, and the executor's temporaries). The batch is the largest, up
-to a cap beyond which nothing ran faster, whose estimate fits the budget; at least 1. The choice
+at 320 0.27, a ViT-S 0.14, at 512 samples; with 16-bit activations, det 0.45), verify ~3.7
+(every float and integer tensor of the batch side by side, and the executor's temporaries). The
+batch is the largest, up to a cap beyond which nothing ran faster, whose estimate fits the
+budget; at least 1. The choice
 depends only on the model, the data's shapes and the options, so every run makes the same one:
 the float reference (onnxruntime) computes in the last bits differently at different batch
 sizes, and tables must not change from run to run.

@@ -8,7 +8,8 @@ prepared model's bytes are kept in a folder of their own, named by a digest of
 * the float model's bytes,
 * the source of this qtool package (every ``.py`` file under it: a changed preparation, even
   uncommitted, is another key),
-* onnx's and onnxruntime's versions (preparation runs their converter and optimizer),
+* numpy's, onnx's and onnxruntime's versions (preparation runs onnx's converter and
+  onnxruntime's optimizer, and folds constants in numpy),
 
 so an entry can only be what preparing that model with this code would give again. An entry is
 written to a temporary file and renamed, so a reader sees a whole entry or none; one that does
@@ -46,13 +47,15 @@ def folder() -> Path | None:
 
 
 def _code() -> bytes:
-    """A digest of this package's source and of the onnx and onnxruntime versions."""
+    """A digest of this package's source and of the numpy, onnx and onnxruntime versions."""
     global _code_digest
     if _code_digest is None:
+        import numpy
         import onnx
         import onnxruntime
 
-        h = hashlib.sha256(f"onnx {onnx.__version__} onnxruntime {onnxruntime.__version__}".encode())
+        h = hashlib.sha256(f"numpy {numpy.__version__} onnx {onnx.__version__} "
+                           f"onnxruntime {onnxruntime.__version__}".encode())
         package = Path(__file__).resolve().parent
         for path in sorted(package.rglob("*.py")):
             h.update(str(path.relative_to(package)).encode() + b"\0")
@@ -75,9 +78,12 @@ def read(name: str) -> bytes | None:
     path = where / (name + SUFFIX)
     try:
         data = path.read_bytes()
-        os.utime(path)
     except OSError:
         return None
+    try:
+        os.utime(path)
+    except OSError:  # a folder this process may read but not write: the entry serves all the same
+        pass
     return data
 
 

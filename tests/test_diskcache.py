@@ -99,3 +99,12 @@ def test_the_folder_keeps_its_limit_least_recently_read_first(cache, monkeypatch
     assert [p.name.split(".")[0] for p in _entries(cache)] == ["a", "c", "d"]
     assert diskcache.read("b") is None
     assert not list(cache.glob(".writing-*"))
+
+
+def test_an_entry_in_a_folder_it_cannot_write_is_still_read(cache, monkeypatch):
+    diskcache.write("a", b"prepared")
+
+    def refused(*args, **kwargs):
+        raise PermissionError("read-only folder")
+    monkeypatch.setattr(os, "utime", refused)
+    assert diskcache.read("a") == b"prepared"

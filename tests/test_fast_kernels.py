@@ -540,3 +540,21 @@ def test_dequantizing_8_and_16_bit_integers_in_float32_gives_the_int64_forms_flo
         want, got = int64_form(q, qp), dequantize_array(q, qp)
         assert got.dtype == np.float32 and got.shape == want.shape
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (trial, qp)
+
+
+@needs_numba
+def test_compiled_requantization_refuses_an_output_it_would_write_past():
+    # the loops index without bounds checks: channels [lo, hi) must lie inside the output given
+    exact, bound = _exact(4, "int8", 0, seed=12)
+    fast = compiled.requantizer(exact)
+    sums = _sums((2, 2, 3, 5), bound, seed=13)
+    out = np.zeros((2, 4, 3, 5), np.int8)
+    fast.rows(sums, out, 0, 3, channels=(2, 4))  # the last two channels: fits
+    assert out[:, :2].tolist() == np.zeros((2, 2, 3, 5)).tolist() and out[:, 2:].any()
+    for bad_out, channels in ((np.zeros((2, 3, 3, 5), np.int8), (2, 4)),  # one channel short
+                              (np.zeros((1, 4, 3, 5), np.int8), (2, 4)),  # one sample short
+                              (np.zeros((2, 4, 3, 5), np.int8), (1, 4))):  # sums for 2, range of 3
+        with pytest.raises(ValueError, match="do not fit"):
+            fast.rows(sums, bad_out, 0, 3, channels=channels)
+        with pytest.raises(ValueError, match="do not fit"):
+            fast.joined(sums, sums, np.zeros(2, np.int64), out=bad_out, channels=channels)

@@ -98,6 +98,7 @@ class CompiledRequant:
         if out is None:
             out = np.empty(high.shape, dtype=self.exact.dtype)
         lo, hi = channels if channels is not None else (0, self.multiplier.size)
+        _fits(out, high, lo, hi)
         _loops.requantize_joined(high, low, extra, self.multiplier[lo:hi], self.offset[lo:hi], self.rshift[lo:hi],
                                  self.exact.zero_out, self.lo, self.hi, out, lo)
         return out
@@ -120,8 +121,18 @@ class CompiledRequant:
         lo, hi = channels if channels is not None else (0, self.multiplier.size)
         if channels is not None:
             border = border[:4] + tuple(band[lo:hi] for band in border[4:])
+        _fits(out, acc, lo, hi)
         _loops.requantize_rows(acc, start, stop, self.multiplier[lo:hi], self.offset[lo:hi],
                                self.rshift[lo:hi], self.exact.zero_out, self.lo, self.hi, table, border, out, lo)
+
+
+def _fits(out: np.ndarray, sums: np.ndarray, lo: int, hi: int) -> None:
+    """The compiled loops write channels [lo, hi) of ``out`` without bounds checks: refuse an
+    ``out`` they would write past."""
+    if out.ndim != 4 or sums.ndim != 4 or out.shape[1] < hi or sums.shape[1] != hi - lo \
+            or out.shape[0] != sums.shape[0] or out.shape[3] != sums.shape[3] or out.shape[2] < sums.shape[2]:
+        raise ValueError(f"sums {list(sums.shape)} for channels [{lo}, {hi}) do not fit an output of "
+                         f"shape {list(out.shape)}")
 
 
 def lookup_per_channel(table: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:

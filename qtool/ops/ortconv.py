@@ -16,8 +16,9 @@ Each engine checks itself once when it is built: its sums on a seeded input of e
 must equal the numpy path's; if they do not, or onnxruntime cannot build or run the sessions, the
 plan keeps the numpy path (``ENABLED`` switches the engine off, for tests).
 
-Dense convs try onnxruntime's ConvInteger first, on uint8 operands (``build``); it sums in int32,
-so its sums are exact by the same proof, and the same self-check holds it to the numpy path.
+A dense conv also gets an engine on onnxruntime's ConvInteger, on uint8 operands (``build``): it
+sums in int32, so its sums are exact by the same proof, and the same self-check holds it to the
+numpy path; the faster of the two on this host is kept.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def build(params, in_shape: tuple[int, ...], out_hw: tuple[int, int], dtype: np.
     which is also what it pads with, so padding adds nothing): int32 sums, 1.3-1.6x faster than
     the float engine on a 2-core AMD EPYC with AVX-512 VNNI (3x3 and 1x1 convs of PP-OCRv4 det and
     rec). uint8 by uint8 is the form MLAS computes without a saturating step (its int8-weight form
-    saturates pairs of products on x86 without VNNI, seed 002, and ran 3x slower than the float
-    Conv there), and the same self-check holds it to the numpy path's sums. Where both check out,
+    saturates pairs of products on x86 without VNNI, seed 002; on that AVX-512 host it also ran 3x
+    slower than the float Conv), and the same self-check holds it to the numpy path's sums. Where both check out,
     the faster on the probe (``INTEGER`` None) is kept: both give the same sums, so the choice
     changes the time only, on hosts whose kernels differ. Depthwise and grouped convs keep the
     float engine, faster there (MLAS's depthwise kernel)."""
