@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 from pathlib import Path
 
+from .errors import QtoolError
+from .fileio import atomic_write
+
 LIMIT_BYTES = 1 << 30
 SUFFIX = ".prepared.onnx"
+TEMPORARY = ".*" + SUFFIX + ".*.tmp"  # atomic_write's temporary files, left by a writer killed
 
 _code_digest: bytes | None = None
 
@@ -88,27 +91,17 @@ def read(name: str) -> bytes | None:
 
 
 def write(name: str, data: bytes) -> None:
-    """Keep ``data`` under ``name`` (whole or not at all), then trim the folder to ``LIMIT_BYTES``."""
+    """Keep ``data`` under ``name`` (whole or not at all: ``fileio.atomic_write``), then trim the
+    folder to ``LIMIT_BYTES``."""
     where = folder()
     if where is None or len(data) > LIMIT_BYTES:
         return
-    tmp = None
     try:
         where.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".writing-", dir=where)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, where / (name + SUFFIX))
-        tmp = None
-        _trim(where)
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        atomic_write(where / (name + SUFFIX), data)
+    except (OSError, QtoolError):
+        return
+    _trim(where)
 
 
 def forget(name: str) -> None:
@@ -125,7 +118,7 @@ def _trim(where: Path) -> None:
     """Remove the least recently read entries beyond ``LIMIT_BYTES``, and what a writer killed
     mid-write left (an hour old)."""
     stale = time.time() - 3600
-    for path in where.glob(".writing-*"):
+    for path in where.glob(TEMPORARY):
         try:
             if path.stat().st_mtime < stale:
                 path.unlink()

@@ -98,7 +98,7 @@ def test_the_folder_keeps_its_limit_least_recently_read_first(cache, monkeypatch
     diskcache.write("d", bytes(100))
     assert [p.name.split(".")[0] for p in _entries(cache)] == ["a", "c", "d"]
     assert diskcache.read("b") is None
-    assert not list(cache.glob(".writing-*"))
+    assert not list(cache.glob(diskcache.TEMPORARY)) and not list(cache.glob(".*"))
 
 
 def test_an_entry_in_a_folder_it_cannot_write_is_still_read(cache, monkeypatch):
@@ -108,3 +108,13 @@ def test_an_entry_in_a_folder_it_cannot_write_is_still_read(cache, monkeypatch):
         raise PermissionError("read-only folder")
     monkeypatch.setattr(os, "utime", refused)
     assert diskcache.read("a") == b"prepared"
+
+
+def test_what_a_killed_writer_left_is_removed_once_an_hour_old(cache):
+    cache.mkdir()
+    old, fresh = cache / ".a.prepared.onnx.x1.tmp", cache / ".b.prepared.onnx.x2.tmp"
+    for path in (old, fresh):
+        path.write_bytes(b"half an entry")
+    os.utime(old, (0, 0))
+    diskcache.write("c", b"prepared")
+    assert not old.exists() and fresh.exists() and diskcache.read("c") == b"prepared"
