@@ -138,23 +138,26 @@ def prepare(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     same preparation back, parsed anew: callers may change what they get. Another command's
     preparation of the same model by the same code comes from disk (qtool/diskcache.py)."""
     global _last_prepared
-    try:
-        key = hashlib.sha256(model.SerializeToString()).digest()
-    except Exception:  # a model protobuf cannot serialize (over 2 GB): prepared every time
-        key = None
+    given = _serialized(model)  # None: over 2 GB, prepared every time
+    key = None if given is None else hashlib.sha256(given).digest()
+    del given
     again = key is not None and _last_prepared is not None and _last_prepared[0] == key
     if again and _last_prepared[1] is not None:
         return onnx.load_model_from_string(_last_prepared[1])
-    prepared, kept = _prepared_on_disk(model, source, key)
-    if again and kept is None:
-        try:
-            kept = prepared.SerializeToString()
-        except Exception:
-            pass
-    elif not again:
-        kept = None
+    prepared, data = _prepared_on_disk(model, source, key)
+    kept = None
+    if again:
+        kept = data if data is not None else _serialized(prepared)
     _last_prepared = None if key is None else (key, kept)
     return prepared
+
+
+def _serialized(model: onnx.ModelProto) -> bytes | None:
+    """The model's bytes, or None where protobuf cannot serialize it (over 2 GB)."""
+    try:
+        return model.SerializeToString()
+    except Exception:
+        return None
 
 
 # the last model file prepared in this process (``prepare_file``): (its identity, ``_file_key``;
@@ -184,10 +187,7 @@ def prepare_file(path: str | Path, source: str | None = None, loaded: onnx.Model
         kept = _last_prepared[1] if _last_prepared is not None else None
         _last_prepared = None
         if kept is None:
-            try:
-                kept = prepared.SerializeToString()
-            except Exception:  # over 2 GB: prepared every time
-                pass
+            kept = _serialized(prepared)  # None over 2 GB: prepared every time
     _last_file = None if key is None else (key, kept, default_opset(loaded))
     return prepared
 
@@ -216,11 +216,9 @@ def _prepared_on_disk(model: onnx.ModelProto, source: str, digest: bytes | None
         except Exception:  # not a model after all: prepared again below
             diskcache.forget(name)
     prepared = _prepare(model, source)
-    try:
-        data = prepared.SerializeToString()
-    except Exception:  # over 2 GB: not kept
-        return prepared, None
-    diskcache.write(name, data)
+    data = _serialized(prepared)
+    if data is not None:  # over 2 GB: not kept
+        diskcache.write(name, data)
     return prepared, data
 
 
