@@ -375,8 +375,8 @@ class Evaluator:
         # a piece that is zero in float has no SQNR to keep; it does not decide the score
         self.pieces = [p for p in self.pieces if self._energy(p, self.reference) > 0] or self.pieces[:1]
 
-    def _run(self, model: onnx.ModelProto, extra: list[str] = (), serialized: bytes | None = None
-             ) -> list[list[np.ndarray]]:
+    def _run(self, model: onnx.ModelProto, extra: list[str] = (), serialized: bytes | None = None,
+             cut: int | None = None) -> list[list[np.ndarray]]:
         names = []
         for _, node_name, out in self.items:
             if node_name is None:
@@ -390,8 +390,11 @@ class Evaluator:
         given = model
         pixels = pixel_inputs(model)
         if self._prefixes and not pixels:
-            signatures = [n.SerializeToString() for n in model.graph.node]
-            cut, prefix = max(((p.cut(signatures), p) for p in self._prefixes), key=lambda c: c[0])
+            if cut is None:
+                signatures = [n.SerializeToString() for n in model.graph.node]
+                cut, prefix = max(((p.cut(signatures), p) for p in self._prefixes), key=lambda c: c[0])
+            else:  # the model is the first base, run from a cut its variants will share
+                prefix = self._prefixes[0]
             try:
                 shared = prefix.run(model, names, cut)
             except Exception:  # the whole run below says what fails, or succeeds
@@ -417,18 +420,37 @@ class Evaluator:
         return sum(float((self._values(piece, runs, b).astype(np.float64) ** 2).sum())
                    for b in range(len(runs)))
 
-    def scores(self, model: onnx.ModelProto) -> list[float]:
+    def scores(self, model: onnx.ModelProto, cut: int | None = None) -> list[float]:
         """The SQNR of each scored piece (an output, its logits, or one part of a join)."""
         serialized = model.SerializeToString()
         key = _digest(serialized)
         if key not in self._scores:
-            self._scores[key] = self._score(model, serialized)
+            self._scores[key] = self._score(model, serialized, cut)
             while len(self._scores) > self.KEPT_SCORES:
                 self._scores.popitem(last=False)
         return list(self._scores[key])
 
-    def _score(self, model: onnx.ModelProto, serialized: bytes | None = None) -> list[float]:
-        got = self._run(model, serialized=serialized)
+    def sqnrs(self, base: onnx.ModelProto, *variants: onnx.ModelProto) -> list[float]:
+        """``sqnr`` of ``base`` and of each of ``variants``, where the variants share a first part
+        of ``base``'s nodes (a judged step's candidates differ from the model it started from
+        where the step changed something): that part runs once, the base and each variant from
+        where they part (qtool/prefix.py). The same numbers as scoring each alone: on PP-OCRv4
+        rec the int16 placement's groups and the fitted MatMul weights sit in its last blocks."""
+        if not variants or pixel_inputs(base):
+            return [self.sqnr(m) for m in (base, *variants)]
+        kept = self._prefixes
+        prefix = SharedPrefix(base, self.runs)
+        self._prefixes = (prefix,)
+        try:
+            cut = min(prefix.cut([n.SerializeToString() for n in v.graph.node]) for v in variants)
+            first = min(self.scores(base, cut if cut < len(base.graph.node) else None))
+            return [first] + [self.sqnr(v) for v in variants]
+        finally:
+            self._prefixes = kept
+
+    def _score(self, model: onnx.ModelProto, serialized: bytes | None = None, cut: int | None = None
+               ) -> list[float]:
+        got = self._run(model, serialized=serialized, cut=cut)
         out = []
         for piece in self.pieces:
             i, b_range = piece[0], range(len(got))

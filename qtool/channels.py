@@ -172,8 +172,8 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     judge = Evaluator(float_model, held)
     pick.heldout, pick.scored = held.samples, judge.scored
     plain = replace(options, strict=False)
-    pick.judge(judge.sqnr(quantize(model_path, table, plain, table_name, scored_only=True)[0]),
-               judge.sqnr(quantize(model_path, table, plain, table_name, channel_ranges=ranges,
-                                   scored_only=True)[0]))
+    pick.judge(*judge.sqnrs(quantize(model_path, table, plain, table_name, scored_only=True)[0],
+                            quantize(model_path, table, plain, table_name, channel_ranges=ranges,
+                                     scored_only=True)[0]))
     pick.seconds = time.perf_counter() - start
     return (ranges if pick.kept else None), pick

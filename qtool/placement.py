@@ -145,18 +145,20 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
                         scored_only=True)[0]
 
     models = {(): build([])}
-    result.fit_int8_db = best = evaluator.sqnr(models[()])
+    best = None
     chosen: list[str] = []
     tries = len(found) * (len(found) + 1) // 2
     with progress_bar(tries, "int16 placement", progress, unit="try") as bar:
         while len(chosen) < len(found):
-            scores = {}
-            for name in found:
-                if name not in chosen:
-                    key = tuple(chosen + [name])
-                    models[key] = build(list(key))
-                    scores[name] = evaluator.sqnr(models[key])
-                    bar.update(1)
+            names = [name for name in found if name not in chosen]
+            for name in names:
+                models[tuple(chosen + [name])] = build(chosen + [name])
+                bar.update(1)
+            # each try changes the model from its group's first op on: what comes before runs once
+            got = evaluator.sqnrs(models[tuple(chosen)], *(models[tuple(chosen + [n])] for n in names))
+            if best is None:
+                result.fit_int8_db = best = got[0]
+            scores = dict(zip(names, got[1:]))
             result.rounds.append(scores)
             pick = max(scores, key=lambda g: scores[g])
             if not scores[pick] >= best + GAIN_DB:
@@ -169,8 +171,7 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
     if chosen and held is not None:
         judge = Evaluator(float_model, held)
         result.heldout = held.samples
-        result.heldout_int8_db = judge.sqnr(models[()])
-        result.heldout_chosen_db = judge.sqnr(models[tuple(chosen)])
+        result.heldout_int8_db, result.heldout_chosen_db = judge.sqnrs(models[()], models[tuple(chosen)])
         if result.heldout_chosen_db > result.heldout_int8_db:
             result.int16 = [n for g in chosen for n in found[g]]
     result.seconds = time.perf_counter() - start

@@ -195,6 +195,34 @@ def test_variants_run_from_where_they_differ_compute_what_they_compute_whole(dem
     assert shared >= len(qdq.ops)  # most variants differ late enough to share a prefix
 
 
+def test_a_base_and_its_variants_scored_together_score_what_each_scores_alone(demo, monkeypatch):
+    # Evaluator.sqnrs (the judged steps' base and candidates): the base runs from the earliest
+    # place a variant leaves it, each variant from its own; the figures equal lone scorings
+    from qtool.analyze import Batches
+    from qtool.prefix import SharedPrefix
+
+    float_model, qmodel, _, batches = demo
+    qdq = QdqModel(qmodel, float_model)
+    split = Batches([{"input": b} for b in np.split(np.asarray(batches[0]["input"][:16]), 2)], 16,
+                    axes={"input": 0})
+    ops = {op.node: op for op in qdq.ops}
+    middle, last = qdq.left_float([ops["block_conv2"]]), qdq.left_float([ops["fc"]])
+    alone = [Evaluator(float_model, split).sqnr(m) for m in (qmodel, middle, last)]
+    shared = []
+    original = SharedPrefix.run
+
+    def run(self, *args, **kwargs):
+        shared.append(original(self, *args, **kwargs))
+        return shared[-1]
+
+    monkeypatch.setattr(SharedPrefix, "run", run)
+    evaluator = Evaluator(float_model, split)
+    assert evaluator.sqnrs(qmodel, last, middle) == alone[:1] + alone[:0:-1]
+    assert len(set(alone)) == 3
+    assert len(shared) == 3 and all(r is not None for r in shared)  # none of the three ran whole
+    assert evaluator._prefixes == ()  # the base's prefix is not left behind for later scorings
+
+
 def test_the_analysis_is_the_same_with_and_without_shared_prefixes(demo_model, demo_heldout, demo, monkeypatch):
     _, qmodel, _, _ = demo
     shared = analyze(demo_model, qmodel, demo_heldout, num_samples=32, batch_size=8, progress=False)
