@@ -24,7 +24,7 @@ from .bias_correction import BIAS_SAMPLES, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
 from .sizing import fixed_batch, wide_activations
-from .quantize import DATA_STEPS_KEY, quantize
+from .quantize import DATA_STEPS_KEY, keeping_candidates, quantize
 from .rounding import fit as fit_rounding
 from .search import choose_method, choose_methods, search
 from .table import Table
@@ -58,8 +58,9 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
     """Quantize MODEL with the judged steps of ``steps`` fitted on DATA: returns the model, its
     report (each step's summary in it), the table the model was quantized from and whether that
     table differs from ``table`` (a method choice changed it). The steps share their float
-    references and scores for the duration (``Evaluator.keeping``)."""
-    with Evaluator.keeping():
+    references, scores and candidate builds for the duration (``Evaluator.keeping``,
+    ``quantize.keeping_candidates``)."""
+    with Evaluator.keeping(), keeping_candidates():
         return _quantize_with_data(model_path, table, options, table_name, data_path, steps, progress)
 
 
