@@ -190,13 +190,14 @@ class QuantizeReport:
         return out
 
 
-# The judged steps of quantize --data each build the model they start from (on PP-OCRv4 rec four
-# steps built the same candidate, 0.19 s each). Inside ``keeping_candidates()`` scored-only builds
-# are kept by the content of their arguments and handed out as copies: the same arguments give
-# the same bytes. At most KEPT_CANDIDATES of them and KEPT_BYTES in all, the last used kept.
-_CANDIDATES: OrderedDict | None = None
-KEPT_CANDIDATES = 4
-KEPT_BYTES = 256 << 20
+# The judged steps of quantize --data each build the model they start from (on PP-OCRv4 rec the
+# channel scales, the placement and the rounding built the same candidate, 0.19 s each). Inside
+# ``keeping_candidates()`` scored-only builds are kept by the content of their arguments and
+# handed out as copies: the same arguments give the same bytes. KEPT_CANDIDATES of them at most
+# (a ViT-S's or MiniLM's QDQ model holds about 25 MB); a candidate asked for again is kept before
+# one that was not, then the last built.
+_CANDIDATES: OrderedDict | None = None  # key -> [model, report, times asked for again]
+KEPT_CANDIDATES = 2
 
 
 @contextmanager
@@ -266,20 +267,20 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
         key = _content_key(str(model_path), file_digest(model_path), table, options, table_name,
                            bias_corrections, rounded_weights, channel_ranges)
         if key in _CANDIDATES:
-            _CANDIDATES.move_to_end(key)
-            kept, kept_report = _CANDIDATES[key]
+            entry = _CANDIDATES[key]
+            entry[2] += 1
             model = onnx.ModelProto()
-            model.CopyFrom(kept)
-            return model, copy.deepcopy(kept_report)
+            model.CopyFrom(entry[0])
+            return model, copy.deepcopy(entry[1])
     model, report = _quantize(model_path, table, options, table_name, bias_corrections, rounded_weights,
                               channel_ranges, scored_only)
     if key is not None:
+        while _CANDIDATES and len(_CANDIDATES) >= KEPT_CANDIDATES:
+            unasked = [k for k, entry in _CANDIDATES.items() if not entry[2]]
+            del _CANDIDATES[unasked[0] if unasked else next(iter(_CANDIDATES))]
         kept = onnx.ModelProto()
         kept.CopyFrom(model)
-        _CANDIDATES[key] = (kept, copy.deepcopy(report))
-        while len(_CANDIDATES) > KEPT_CANDIDATES or (
-                len(_CANDIDATES) > 1 and sum(m.ByteSize() for m, _ in _CANDIDATES.values()) > KEPT_BYTES):
-            _CANDIDATES.popitem(last=False)
+        _CANDIDATES[key] = [kept, copy.deepcopy(report), 0]
     return model, report
 
 

@@ -57,16 +57,21 @@ def test_the_same_candidate_is_built_once_and_handed_out_as_copies(demo_model, d
     assert quantize_module._CANDIDATES is None
 
 
-def test_the_last_used_candidates_are_kept(demo_model, demo_table, monkeypatch):
+def test_a_candidate_asked_for_again_is_kept_before_the_others(demo_model, demo_table, monkeypatch):
+    # the judged steps' pattern: a step's base, its candidates, the next step's base again
     builds = _counting(monkeypatch)
     monkeypatch.setattr(quantize_module, "KEPT_CANDIDATES", 2)
-    options = [QuantizeOptions(), QuantizeOptions(symmetric=True), QuantizeOptions(per_channel=False)]
+    base, first, *others = [QuantizeOptions(), QuantizeOptions(symmetric=True), QuantizeOptions(per_channel=False),
+                            QuantizeOptions(symmetric=True, per_channel=False)]
     with keeping_candidates():
-        for o in options:
-            quantize(demo_model, demo_table, o, scored_only=True)
-        assert len(builds) == 3
-        quantize(demo_model, demo_table, options[2], scored_only=True)
-        quantize(demo_model, demo_table, options[1], scored_only=True)
-        assert len(builds) == 3
-        quantize(demo_model, demo_table, options[0], scored_only=True)  # the first went
+        for options in (base, first, base):
+            quantize(demo_model, demo_table, options, scored_only=True)
+        assert len(builds) == 2
+        for options in others:  # each new one takes the place of the last one not asked for again
+            quantize(demo_model, demo_table, options, scored_only=True)
+        assert len(builds) == 4 and len(quantize_module._CANDIDATES) == 2
+        quantize(demo_model, demo_table, base, scored_only=True)
+        quantize(demo_model, demo_table, others[-1], scored_only=True)
         assert len(builds) == 4
+        quantize(demo_model, demo_table, first, scored_only=True)  # gone
+        assert len(builds) == 5
