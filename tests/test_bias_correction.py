@@ -289,3 +289,48 @@ def test_pieces_equal_prefixes_on_ppocr_rec(tmp_path, monkeypatch):
     assert len(prefixes.deltas) > 30
     for node, delta in prefixes.deltas.items():
         np.testing.assert_array_equal(pieces.deltas[node], delta, err_msg=node)
+
+
+def test_the_float_means_come_in_runs_bounded_by_bytes_with_the_same_shifts(demo_model, demo_table, demo_calib,
+                                                                           monkeypatch):
+    # the float reference's per-channel means: as many outputs a run as hold REFERENCE_BYTES of
+    # one sample (sizes by shape inference at the first feed's shapes), else REFERENCE_CHUNK; each
+    # tensor's sums are the same in any grouping, so the shifts are
+    from qtool import bias_correction as bc
+    from qtool.analyze import split_batches
+    from qtool.runs import Runs
+
+    float_model = prepare(load_model(demo_model))
+    fit, _ = split_batches(float_model, demo_calib, 8, 8, 8, None)
+    every = {n.name: 0.0 for n in float_model.graph.node if n.op_type in bc.CHANNEL_AXIS}
+    work, _ = quantize(demo_model, demo_table, QuantizeOptions(), "t", every)
+    outputs = {n.name: n.output[0] for n in float_model.graph.node}
+    found = [t for t in targets(work) if t.node in outputs]
+    names = [outputs[t.node] for t in found]
+    one = Runs(fit).feeds[:1]  # one sample
+    sizes = bc._one_sample_bytes(float_model, names, one)
+    first = np.asarray(one[0]["input"])
+    assert first.shape[0] == 1
+    assert set(sizes) == set(names)
+    conv = next(n for n in float_model.graph.node if n.op_type == "Conv")
+    channels = next(t.dims[0] for t in float_model.graph.initializer if t.name == conv.input[1])
+    assert sizes[conv.output[0]] == 4 * channels * first.shape[0] * first.shape[2] * first.shape[3]  # same padding
+
+    runs = []
+    original = bc._channel_means
+    monkeypatch.setattr(bc, "_channel_means", lambda model, n, *a: runs.append(len(n)) or original(model, n, *a))
+    whole = bc.correct_biases(float_model, work, fit, progress=False)
+    assert runs == [len(found)]  # the demo's outputs fit one run
+    runs.clear()
+    monkeypatch.setattr(bc, "REFERENCE_BYTES", 2 * max(sizes.values()))
+    split = bc.correct_biases(float_model, work, fit, progress=False)
+    assert len(runs) > 1 and sum(runs) == len(found)
+    runs.clear()
+    monkeypatch.setattr(bc, "_one_sample_bytes", lambda *a: None)  # no sizes: REFERENCE_CHUNK a run
+    monkeypatch.setattr(bc, "REFERENCE_CHUNK", 2)
+    fixed = bc.correct_biases(float_model, work, fit, progress=False)
+    assert runs == [2] * (len(found) // 2) + [len(found) % 2] * (len(found) % 2)
+    for other in (split, fixed):
+        assert list(other.deltas) == list(whole.deltas)
+        for node, delta in whole.deltas.items():
+            np.testing.assert_array_equal(other.deltas[node], delta, err_msg=node)
