@@ -75,3 +75,28 @@ def test_a_candidate_asked_for_again_is_kept_before_the_others(demo_model, demo_
         assert len(builds) == 4
         quantize(demo_model, demo_table, first, scored_only=True)  # gone
         assert len(builds) == 5
+
+
+def test_weights_rounded_once_give_the_bytes_of_fresh_builds(demo_model, demo_table, monkeypatch):
+    # inside keeping_candidates each weight's nearest integers are kept by the model's digest, the
+    # pixel folding (which changes the first weights), the opset and the weight's (S, Z): builds
+    # that differ in anything else reuse them, and every build is the bytes of a fresh one
+    from qtool.pixels import PixelInput
+
+    options = [QuantizeOptions(), QuantizeOptions(symmetric=True), QuantizeOptions(per_channel=False),
+               QuantizeOptions(input_pixels=PixelInput((0.5,), (0.25,), 1 / 255)), QuantizeOptions(weight_type="int4"),
+               QuantizeOptions(symmetric=True, rounding="half_to_even")]
+    fresh = [quantize(demo_model, demo_table, o, scored_only=True)[0].SerializeToString() for o in options]
+    rounded = []  # per build, how many weights (arrays of two or more axes) quantize_array rounded
+    original = quantize_module.quantize_array
+    monkeypatch.setattr(quantize_module, "quantize_array",
+                        lambda x, qp: rounded.__setitem__(-1, rounded[-1] + (np.ndim(x) > 1)) or original(x, qp))
+    with keeping_candidates():
+        kept = []
+        for o in options:
+            rounded.append(0)
+            kept.append(quantize(demo_model, demo_table, o, scored_only=True)[0].SerializeToString())
+    assert kept == fresh
+    assert rounded[0] > 0 and rounded[2] > 0  # the first build, and weights per tensor: new scales
+    assert rounded[1] == rounded[5] == 0  # activation options only: every weight's integers kept
+    assert rounded[3] == rounded[0]  # pixels folded into the weights: another model, rounded anew
