@@ -165,7 +165,9 @@ def channels_summary(cp: dict) -> str:
     held = (f"held-out per tensor {cp['heldout_per_tensor_sqnr_db']} -> per channel "
             f"{cp['heldout_per_channel_sqnr_db']} dB on {cp['heldout_samples']} samples")
     what = f"{cp['tensors']} activations measured per channel on {cp['fit_samples']} samples"
-    return f"{what}; {held}" + ("" if cp["kept"] else f": not {cp['gain_db']:g} dB higher, per tensor kept")
+    if not cp["kept"]:
+        return f"{what}; {held}: not {cp['gain_db']:g} dB higher, per tensor kept"
+    return f"{what}; {held}" + ("; kept, measured again on all of DATA" if cp.get("ranges_from_all_samples") else "")
 
 
 def search_summary(sr: dict) -> str:

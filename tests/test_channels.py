@@ -84,6 +84,19 @@ def test_the_step_is_judged_kept_and_the_model_verifies(made):
     assert pick.tensors == 4 and pick.fit_samples == 16 and pick.heldout == 16, pick.to_dict()
     assert pick.after_db >= pick.before_db + GAIN_DB and pick.kept, pick.to_dict()
     assert set(ranges) == {"a", "b", "c", "d"} and all(lo.shape == (C,) for lo, _ in ranges.values())
+    # judged with the fit samples' ranges, kept ones are measured again on all of DATA (32 here)
+    from qtool.analyze import split_batches
+    from qtool.channels import channel_ranges
+
+    float_model = prepare(load_model(model), "m")
+    everything = channel_ranges(float_model, list(ranges), [{"x": np.load(data)["x"]}], progress=False)
+    fitted, _ = split_batches(float_model, data, 16, 16, 8)
+    fit_only = channel_ranges(float_model, list(ranges), fitted, progress=False)
+    assert pick.to_dict()["ranges_from_all_samples"]
+    for t, (lo, hi) in ranges.items():
+        np.testing.assert_array_equal(lo, everything[t][0], err_msg=t)
+        np.testing.assert_array_equal(hi, everything[t][1], err_msg=t)
+    assert any(not np.array_equal(hi, fit_only[t][1]) for t, (_, hi) in ranges.items())
     qmodel, report = quantize(model, table, QuantizeOptions(), "t", channel_ranges=ranges)
     fences = _fences(qmodel)
     # 'd' sits between two links that pin it to both types (int8 after 'c', uint8 before the
@@ -165,6 +178,7 @@ def test_cli_step_report_bytes_and_refusals(made):
     assert outs[0] == outs[1]  # same data, same bytes
     result = invoke("quantize", model, "-t", table, "-o", folder / "human.onnx", "--data", data)
     assert "scales:  4 activations measured per channel on 16 samples" in result.stderr + result.stdout
+    assert "; kept, measured again on all of DATA" in result.stderr + result.stdout
     result = invoke("quantize", model, "-t", table, "-o", folder / "off.onnx", "--data", data,
                     "--no-channel-scales", "--json")
     assert result.exit_code == 0 and "channel_scales" not in json.loads(result.stdout)
@@ -189,3 +203,22 @@ def test_a_scored_only_build_is_the_same_graph(made):
     assert full.graph.SerializeToString() == scored.graph.SerializeToString()
     keys = {p.key for p in scored.metadata_props}
     assert "qtool.params" in {p.key for p in full.metadata_props} and "qtool.params" not in keys
+
+
+def test_a_model_with_a_fixed_batch_is_measured_again_in_whole_batches(made, tmp_path):
+    # all of DATA in batches of the model's own size: 32 samples at a fixed batch of 5 are 30
+    _, model, data, _, table = made
+    fixed = onnx.load(str(model))
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 5
+    path = tmp_path / "fixed.onnx"
+    onnx.save(fixed, str(path))
+    ranges, pick = fit(path, table, QuantizeOptions(), "t", data, progress=False)
+    assert pick.kept, pick.to_dict()
+    from qtool.channels import channel_ranges
+
+    x = np.load(data)["x"]
+    want = channel_ranges(prepare(load_model(path), "m"), list(ranges),
+                          [{"x": x[i:i + 5]} for i in range(0, 30, 5)], progress=False)
+    for t, (lo, hi) in ranges.items():
+        np.testing.assert_array_equal(lo, want[t][0], err_msg=t)
+        np.testing.assert_array_equal(hi, want[t][1], err_msg=t)
