@@ -37,15 +37,15 @@ import onnx
 from onnx import helper
 
 from .analyze import Evaluator
-from .errors import QtoolError
 from .data import load_dataset
+from .errors import QtoolError
 from .model import FloatRunner, first_line, prepare_file
-from .sizing import fixed_batch
 from .ops import REGISTRY
 from .ops.lut import LookupTable
 from .quantize import quantize
 from .report import progress_bar
 from .search import JudgedStep
+from .sizing import fixed_batch
 from .table import Table
 from .targets import DEFAULT_TARGET
 

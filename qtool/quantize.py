@@ -198,8 +198,9 @@ class QuantizeReport:
 # one that was not, then the last built.
 _CANDIDATES: OrderedDict | None = None  # key -> [model, report, times asked for again]
 KEPT_CANDIDATES = 2
-# and, for the same duration, each weight's nearest integers by the content of the weight and its
-# (S, Z): every build rounded all of rec's 2.7 million weights again (27 ms a build)
+# and, for the same duration, each weight's nearest integers, by the model it comes from (its
+# file's digest, the pixel folding, the opset: ``_Rewriter.source``), its name and its (S, Z):
+# every build rounded all of rec's 2.7 million weights again, twice (27 ms a build)
 _INTEGERS: OrderedDict | None = None
 KEPT_INTEGER_BYTES = 64 << 20
 
@@ -284,7 +285,9 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
     table's range for the tensor.
     ``scored_only``: the model is a candidate a judged step only runs in onnxruntime to score
     (QDQ): the executor's lowering, and what it gives (the float-op list, the hazards, the integer
-    parameters), are left out. They change no node of the graph, so the score is the same."""
+    parameters), and onnx's checker (the model written is checked) are left out. They change no
+    node of the graph, so the score is the same. Inside ``keeping_candidates()`` a scored-only
+    build asked for again is a copy of the first."""
     options.check()
     key = None
     if scored_only and _CANDIDATES is not None:
