@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .analyze import Evaluator, split_batches, with_outputs
+from .analyze import Batches, Evaluator, split_batches, with_outputs
 from .errors import QtoolError
 from .model import first_line, prepare_file, without_weights
 from .pixels import feeds_for, pixel_inputs
@@ -272,7 +272,8 @@ def _reference_chunks(model: onnx.ModelProto, found: list, names: list[str], bat
     feed's input shapes; REFERENCE_CHUNK at a time where any size is unknown. Each tensor's means
     are the same sums whatever else a run returns: only the number of float runs changes (PP-OCRv4
     rec: 38 targets, three runs before, one now)."""
-    sizes = _one_sample_bytes(model, names, Runs(batches).feeds[:1])
+    first = list(batches[:1])  # its samples one by one where they split (qtool/runs.py): the first
+    sizes = _one_sample_bytes(model, names, Runs(Batches(first, 0, getattr(batches, "axes", None))).feeds[:1])
     if sizes is None or any(n not in sizes for n in names):
         return [found[i:i + REFERENCE_CHUNK] for i in range(0, len(found), REFERENCE_CHUNK)]
     chunks, held = [[]], 0
