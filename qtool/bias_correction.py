@@ -28,11 +28,12 @@ from onnx import helper, numpy_helper
 
 from .analyze import Batches, Evaluator, split_batches, with_outputs
 from .errors import QtoolError
-from .model import first_line, prepare_file, without_weights
+from .model import first_line, prepare_file
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
 from .report import finite, progress_bar
 from .runs import Runs
+from .sizing import one_feed_bytes
 
 CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}  # the axis the bias runs along
 REFERENCE_CHUNK = 16  # float tensors fetched per run where their sizes are not known
@@ -273,7 +274,7 @@ def _reference_chunks(model: onnx.ModelProto, found: list, names: list[str], bat
     are the same sums whatever else a run returns: only the number of float runs changes (PP-OCRv4
     rec: 38 targets, three runs before, one now)."""
     first = list(batches[:1])  # its samples one by one where they split (qtool/runs.py): the first
-    sizes = _one_sample_bytes(model, names, Runs(Batches(first, 0, getattr(batches, "axes", None))).feeds[:1])
+    sizes = one_feed_bytes(model, names, Runs(Batches(first, 0, getattr(batches, "axes", None))).feeds[:1])
     if sizes is None or any(n not in sizes for n in names):
         return [found[i:i + REFERENCE_CHUNK] for i in range(0, len(found), REFERENCE_CHUNK)]
     chunks, held = [[]], 0
@@ -284,35 +285,6 @@ def _reference_chunks(model: onnx.ModelProto, found: list, names: list[str], bat
         chunks[-1].append(target)
         held += sizes[name]
     return chunks
-
-
-def _one_sample_bytes(model: onnx.ModelProto, names: list[str], feeds: list[dict]) -> dict[str, int] | None:
-    """The bytes of each of ``names`` for ``feeds[0]`` (the inputs' shapes fixed to its arrays'),
-    by onnx's shape inference; None where there is no feed or the inference fails."""
-    if not feeds:
-        return None
-    shaped = onnx.ModelProto()
-    shaped.CopyFrom(model)
-    del shaped.graph.value_info[:]
-    for vi in shaped.graph.input:
-        value = feeds[0].get(vi.name)
-        if value is None or not vi.type.HasField("tensor_type"):
-            continue
-        dims = vi.type.tensor_type.shape
-        dims.Clear()
-        for size in np.shape(value):
-            dims.dim.add().dim_value = int(size)
-    try:
-        typed = without_weights(lambda m: onnx.shape_inference.infer_shapes(m, data_prop=True), shaped)
-    except Exception:  # a help, not a requirement: the fixed chunks do without it
-        return None
-    out = {}
-    for vi in [*typed.graph.value_info, *typed.graph.output]:
-        t = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in t.shape.dim]
-        if vi.name in names and t.HasField("shape") and dims and all(d > 0 for d in dims):
-            out[vi.name] = int(np.prod(dims)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
-    return out
 
 
 def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],

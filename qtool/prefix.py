@@ -19,8 +19,12 @@ from onnx import helper
 
 from .model import graph_inputs, node_reads, submodel
 from .runs import Runs
+from .sizing import one_feed_bytes
 
 MIN_CUT_FRACTION = 0.1  # a variant that changes the base within its first tenth runs whole
+# the base's tensors held at a cut, over all the feeds, at most: more (a detector's early feature
+# maps for 16 samples, or 64 with --num-samples 64) and the variant runs whole
+STATE_BYTES = 256 << 20
 
 
 def _inputs_like(names: list[str], values: dict) -> list[onnx.ValueInfoProto]:
@@ -50,6 +54,7 @@ class SharedPrefix:
         for o in graph.output:
             self.last_read[o.name] = len(graph.node)
         self.state: tuple[int, list[dict]] | None = None  # (cut, per batch the tensors kept there)
+        self._sizes: dict[str, int] | None = None  # bytes of each tensor for one feed (_held_bytes)
         self._inits_bytes: dict[str, bytes] = {}
 
     def _init_bytes(self, name: str) -> bytes:
@@ -84,6 +89,8 @@ class SharedPrefix:
         read_after = {n for node in suffix for n in node_reads(node)} | set(names) | \
             {o.name for o in variant.graph.output}
         needed = sorted(n for n in read_after if n in prefix_made)
+        if self._held_bytes(self._keep(cut, needed)) > STATE_BYTES:
+            return None
         states = self._state_at(cut, needed)
         given = [n for n in names if n in prefix_made or n in self.inputs]
         wanted = [n for n in names if n not in given]
@@ -103,6 +110,14 @@ class SharedPrefix:
             got = dict(zip(wanted, run))
             out.append([got[n] if n in got else (state[n] if n in state else batch[n]) for n in names])
         return out
+
+    def _held_bytes(self, names: list[str]) -> int:
+        """What holding ``names`` for every feed takes, by their sizes at the first feed's shapes
+        (shape inference, once); 0 where they are not known (held as before the bound)."""
+        if self._sizes is None:
+            made = {o for n in self.base.graph.node for o in n.output if o}
+            self._sizes = one_feed_bytes(self.base, made, self.batches[:1]) or {}
+        return sum(self._sizes.get(n, 0) for n in names) * len(self.batches)
 
     def _keep(self, cut: int, needed: list[str]) -> list[str]:
         """What to hold at ``cut``: ``needed`` and the base's tensors read at or after it. (A

@@ -152,6 +152,35 @@ def probe_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     return submodel(model, part, inputs, outputs, initializers, "qtool_size_probe")
 
 
+def one_feed_bytes(model: onnx.ModelProto, names, feeds: list[dict]) -> dict[str, int] | None:
+    """The bytes of each of ``names`` (those shape inference sizes) for ``feeds[0]``, the graph's
+    inputs fixed to its arrays' shapes; None where there is no feed or the inference fails."""
+    if not feeds:
+        return None
+    shaped = onnx.ModelProto()
+    shaped.CopyFrom(model)
+    del shaped.graph.value_info[:]
+    for vi in shaped.graph.input:
+        value = feeds[0].get(vi.name)
+        if value is None or not vi.type.HasField("tensor_type"):
+            continue
+        dims = vi.type.tensor_type.shape
+        dims.Clear()
+        for size in np.shape(value):
+            dims.dim.add().dim_value = int(size)
+    try:
+        typed = without_weights(lambda m: onnx.shape_inference.infer_shapes(m, data_prop=True), shaped)
+    except Exception:  # a help, not a requirement: callers do without it
+        return None
+    out = {}
+    for vi in [*typed.graph.value_info, *typed.graph.output]:
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in t.shape.dim]
+        if vi.name in names and t.HasField("shape") and dims and all(d > 0 for d in dims):
+            out[vi.name] = int(np.prod(dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
+    return out
+
+
 def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelProto, int] | None = None,
                  sizes: tuple[dict[str, int], list[str]] | None = None) -> int:
     """Bytes of one sample's float activations (``tensor_sizes``, summed)."""

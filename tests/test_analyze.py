@@ -287,3 +287,28 @@ def test_runs_come_back_in_the_samples_order_with_at_most_one_a_core_ahead(monke
         assert started[0] - read <= runs.workers
         got.append(float(out[0][0, 0]))
     assert got == [0, 2, 4, 6, 8, 10] and peak[0] == 2
+
+
+def test_a_prefix_whose_held_tensors_would_pass_the_bound_runs_the_variant_whole(demo, monkeypatch):
+    # qtool/prefix.py: the base's tensors at a cut are held for every feed; where that would take
+    # more than STATE_BYTES (sized by shape inference at the first feed's shapes), the variant
+    # runs whole, with the same outputs
+    from qtool import prefix as prefix_module
+    from qtool.prefix import SharedPrefix
+    from qtool.runs import Runs
+
+    float_model, qmodel, _, batches = demo
+    qdq = QdqModel(qmodel, float_model)
+    variant = qdq.left_float([next(op for op in qdq.ops if op.node == "fc")])
+    names = [o.name for o in qmodel.graph.output]
+    runs = Runs(batches)
+    roomy = SharedPrefix(qmodel, runs)
+    got = roomy.run(variant, names)
+    assert got is not None and roomy.state is not None
+    cut, kept = roomy.state
+    held = roomy._held_bytes(list(kept[0]))
+    assert held > 0 and held == sum(np.asarray(v).nbytes for state in kept for v in state.values())
+    monkeypatch.setattr(prefix_module, "STATE_BYTES", held - 1)
+    tight = SharedPrefix(qmodel, runs)
+    assert tight.run(variant, names) is None and tight.state is None
+    np.testing.assert_array_equal(got[0][0], _run(variant, batches[0]))

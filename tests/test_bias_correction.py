@@ -308,7 +308,7 @@ def test_the_float_means_come_in_runs_bounded_by_bytes_with_the_same_shifts(demo
     found = [t for t in targets(work) if t.node in outputs]
     names = [outputs[t.node] for t in found]
     one = Runs(fit).feeds[:1]  # one sample
-    sizes = bc._one_sample_bytes(float_model, names, one)
+    sizes = bc.one_feed_bytes(float_model, names, one)
     first = np.asarray(one[0]["input"])
     assert first.shape[0] == 1
     assert set(sizes) == set(names)
@@ -326,7 +326,7 @@ def test_the_float_means_come_in_runs_bounded_by_bytes_with_the_same_shifts(demo
     split = bc.correct_biases(float_model, work, fit, progress=False)
     assert len(runs) > 1 and sum(runs) == len(found)
     runs.clear()
-    monkeypatch.setattr(bc, "_one_sample_bytes", lambda *a: None)  # no sizes: REFERENCE_CHUNK a run
+    monkeypatch.setattr(bc, "one_feed_bytes", lambda *a: None)  # no sizes: REFERENCE_CHUNK a run
     monkeypatch.setattr(bc, "REFERENCE_CHUNK", 2)
     fixed = bc.correct_biases(float_model, work, fit, progress=False)
     assert runs == [2] * (len(found) // 2) + [len(found) % 2] * (len(found) % 2)
