@@ -44,11 +44,12 @@ STEPS = (("method_pick", "method", "heldout_table_sqnr_db", "heldout_chosen_sqnr
          ("bias_correction", "bias", "heldout_plain_sqnr_db", "heldout_best_sqnr_db"))
 
 
-def timed(argv: list[str]) -> dict:
-    """Run ``argv``; its exit code, stdout, last stderr line, wall seconds and peak RSS (MB)."""
+def timed(argv: list[str], env: dict | None = None, cwd: Path | None = None) -> dict:
+    """Run ``argv`` (in ``env`` and ``cwd`` where given); its exit code, stdout, last stderr line,
+    wall seconds and peak RSS (MB)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         out.seek(0), err.seek(0)

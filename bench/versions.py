@@ -23,30 +23,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-NEW = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from steps import timed  # noqa: E402  (bench/ is not a package)
+
+NEW = BENCH.parent
 LAUNCH = "import sys; sys.argv = ['qtool'] + sys.argv[1:]; from qtool.cli import main; main()"
 
 
 def run(folder: Path, argv: list[str], cwd: Path) -> dict:
-    """``qtool argv`` with ``folder``'s qtool: exit code, stdout, last stderr line, seconds, peak MB."""
-    env = {**os.environ, "PYTHONPATH": str(folder)}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *argv], stdout=out, stderr=err, text=True,
-                                env=env, cwd=cwd)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = stderr.strip().splitlines()
-    return {"code": os.waitstatus_to_exitcode(status), "stdout": stdout, "last": lines[-1] if lines else "",
-            "seconds": seconds, "peak_mb": usage.ru_maxrss / 1024}
+    """``qtool argv`` with ``folder``'s qtool (``steps.timed``: exit code, stdout, last stderr line,
+    seconds, peak MB)."""
+    return timed([sys.executable, "-c", LAUNCH, *argv], env={**os.environ, "PYTHONPATH": str(folder)}, cwd=cwd)
 
 
 def without_times(value):
