@@ -7,8 +7,8 @@ outputs are the same bytes.
 
 ``{out}`` in the command becomes a file of each version's own (``OUT/old.onnx``, ``OUT/new.onnx``,
 the suffix kept), and the two are compared byte for byte; so is stdout, as JSON without any
-``seconds`` entries where it parses as JSON (``--json`` reports), else as text. "new" is the
-checkout this script belongs to; each run is a whole process (``python -c`` on ``qtool.cli``
+``seconds`` or ``phases`` entries where it parses as JSON (``--json`` reports), else as text.
+"new" is the checkout this script belongs to; each run is a whole process (``python -c`` on ``qtool.cli``
 with the version's folder first on ``PYTHONPATH``, run from a scratch folder so that the current
 directory shadows neither), old and new in turns, so that a host whose speed drifts spreads the
 drift over both. Peak RSS comes from ``os.wait4``.
@@ -42,10 +42,13 @@ def run(folder: Path, argv: list[str], cwd: Path) -> dict:
     return timed([sys.executable, "-c", LAUNCH, *argv], env={**os.environ, "PYTHONPATH": str(folder)}, cwd=cwd)
 
 
+TIMES = ("seconds", "phases")  # a step's seconds; the search's seconds per phase
+
+
 def without_times(value):
-    """A JSON value without its ``seconds`` entries, at any depth."""
+    """A JSON value without its ``TIMES`` entries, at any depth."""
     if isinstance(value, dict):
-        return {k: without_times(v) for k, v in value.items() if k != "seconds"}
+        return {k: without_times(v) for k, v in value.items() if k not in TIMES}
     if isinstance(value, list):
         return [without_times(v) for v in value]
     return value
