@@ -391,8 +391,7 @@ class Evaluator:
         pixels = pixel_inputs(model)
         if self._prefixes and not pixels:
             if cut is None:
-                signatures = [n.SerializeToString() for n in model.graph.node]
-                cut, prefix = max(((p.cut(signatures), p) for p in self._prefixes), key=lambda c: c[0])
+                cut, prefix = max(((p.shared(model), p) for p in self._prefixes), key=lambda c: c[0])
             else:  # the model is the first base, run from a cut its variants will share
                 prefix = self._prefixes[0]
             try:
@@ -442,7 +441,7 @@ class Evaluator:
         prefix = SharedPrefix(base, self.runs)
         self._prefixes = (prefix,)
         try:
-            cut = min(prefix.cut([n.SerializeToString() for n in v.graph.node]) for v in variants)
+            cut = min(prefix.shared(v) for v in variants)
             first = min(self.scores(base, cut if cut < len(base.graph.node) else None))
             return [first] + [self.sqnr(v) for v in variants]
         finally:

@@ -69,6 +69,19 @@ class SharedPrefix:
             cut += 1
         return cut
 
+    def shared(self, variant: onnx.ModelProto) -> int:
+        """How many first nodes ``variant`` shares with the base, reading the same constants: a
+        candidate that changes only initializers (fitted weight integers) leaves the base at the
+        first node that reads one of them, not at its end."""
+        cut = self.cut([n.SerializeToString() for n in variant.graph.node])
+        theirs = {t.name: t for t in variant.graph.initializer}
+        for i in range(cut):
+            for name in self.reads[i]:
+                if name in self.inits and (name not in theirs or
+                                           theirs[name].SerializeToString() != self._init_bytes(name)):
+                    return i
+        return cut
+
     def run(self, variant: onnx.ModelProto, names: list[str], cut: int | None = None
             ) -> list[list[np.ndarray]] | None:
         """``names`` of ``variant`` on every batch, run from its first node that differs from the
@@ -76,7 +89,7 @@ class SharedPrefix:
         (the caller runs it whole)."""
         nodes = variant.graph.node
         if cut is None:
-            cut = self.cut([n.SerializeToString() for n in nodes])
+            cut = self.shared(variant)
         if cut < MIN_CUT_FRACTION * len(self.signatures) or cut >= len(self.signatures):
             return None
         prefix_made = {o for i in range(cut) for o in self.base.graph.node[i].output if o}

@@ -221,6 +221,23 @@ def test_a_base_and_its_variants_scored_together_score_what_each_scores_alone(de
     assert len(set(alone)) == 3
     assert len(shared) == 3 and all(r is not None for r in shared)  # none of the three ran whole
     assert evaluator._prefixes == ()  # the base's prefix is not left behind for later scorings
+    # a candidate that changes constants only (fitted weight integers) leaves the base at the first
+    # node that reads one of them: the fc weight's DequantizeLinear, near the end
+    refitted = onnx.ModelProto()
+    refitted.CopyFrom(qmodel)
+    fc = next(n for n in refitted.graph.node if n.name == "fc")
+    dq = next(n for n in refitted.graph.node if n.output[0] == fc.input[1])
+    weight = next(t for t in refitted.graph.initializer if t.name == dq.input[0])
+    values = onnx.numpy_helper.to_array(weight).copy()
+    values.flat[0] = values.flat[0] // 2
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    prefix = SharedPrefix(qmodel, evaluator.runs)
+    nodes = list(refitted.graph.node)
+    assert prefix.shared(refitted) == nodes.index(dq) and prefix.cut([n.SerializeToString() for n in nodes]) == len(nodes)
+    shared.clear()
+    lone = Evaluator(float_model, split).sqnr(refitted)
+    assert evaluator.sqnrs(qmodel, refitted) == [alone[0], lone] and lone != alone[0]
+    assert len(shared) == 1 and shared[0] is not None  # the base's score was kept; the candidate ran from the cut
 
 
 def test_the_analysis_is_the_same_with_and_without_shared_prefixes(demo_model, demo_heldout, demo, monkeypatch):
