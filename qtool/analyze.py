@@ -392,7 +392,7 @@ class Evaluator:
         if self._prefixes and not pixels:
             if cut is None:
                 cut, prefix = max(((p.shared(model), p) for p in self._prefixes), key=lambda c: c[0])
-            else:  # the model is the first base, run from a cut its variants will share
+            else:  # a cut the caller found (sqnrs: the base's, its variants')
                 prefix = self._prefixes[0]
             try:
                 shared = prefix.run(model, names, cut)
@@ -441,9 +441,8 @@ class Evaluator:
         prefix = SharedPrefix(base, self.runs)
         self._prefixes = (prefix,)
         try:
-            cut = min(prefix.shared(v) for v in variants)
-            first = min(self.scores(base, cut if cut < len(base.graph.node) else None))
-            return [first] + [self.sqnr(v) for v in variants]
+            cuts = [prefix.shared(v) for v in variants]  # each found once (a cut at the end: run whole)
+            return [min(self.scores(m, cut)) for m, cut in ((base, min(cuts)), *zip(variants, cuts))]
         finally:
             self._prefixes = kept
 
