@@ -116,6 +116,18 @@ class Statistics:
                      params=dict(sorted(self.params.items())), input_shapes=self.input_shapes,
                      preprocess=self.preprocess)
 
+    def table_keeping_ends(self, ends: set[str]) -> Table:
+        """``table()``, with the tensors of ``ends`` (``past_last_layer``) at their whole observed
+        range: there a clipping method cuts the signal itself (YOLOv8n's class logits, whose
+        few positive values are the detections, cut by percentile to at most -4.2)."""
+        table = self.table()
+        for name in ends & set(table.tensors):
+            hist = getattr(self.calibrators[name], "hist", None)
+            if hist is not None and hist.finite:
+                lo, hi = float(hist.min), float(hist.max)
+                table.tensors[name] = TensorEntry(lo, hi, max(-lo, hi), "minmax")
+        return table
+
     def header(self) -> dict:
         return {"qtool_stats": STATS_VERSION, "model": self.model, "model_sha256": self.model_sha256,
                 "method": self.method, "params": self.params, "samples": self.samples,
@@ -472,6 +484,25 @@ def calibrate(model_path: str | Path, data_path: str | Path, method: str = "minm
               params: dict | None = None, preprocess=None) -> Table:
     return collect(model_path, data_path, method, params, num_samples, batch_size, progress,
                    preprocess).table()
+
+
+LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "MatMulInteger", "ConvInteger")
+
+
+def past_last_layer(model: onnx.ModelProto) -> set[str]:
+    """The main graph's tensors from which no Conv, ConvTranspose, MatMul or Gemm can be reached:
+    a model's head after its last layer (scores, logits, decoded boxes)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in set(node.input):
+            readers.setdefault(name, []).append(node)
+    feeds_layer: dict[str, bool] = {}
+    for node in reversed(model.graph.node):  # topological order: readers come later
+        for out in node.output:
+            feeds_layer[out] = any(r.op_type in LAYERS or r.attribute and any(
+                a.type == onnx.AttributeProto.GRAPH for a in r.attribute) or
+                any(feeds_layer.get(o, True) for o in r.output) for r in readers.get(out, []))
+    return {t for t, reaches in feeds_layer.items() if not reaches}
 
 
 def merge(paths: list[str | Path]) -> Table:

@@ -127,7 +127,9 @@ def pick_summary(mp: dict) -> str:
     held = (f"held-out {mp['table_method']} {mp['heldout_table_sqnr_db']} -> {best} "
             f"{mp['heldout_chosen_sqnr_db']} dB on {mp['heldout_samples']} others")
     if mp["changed"]:
-        return f"{mp['chosen']} chosen (recalibrated on DATA); {text}; {held}"
+        ends = mp.get("ends_at_whole_range", 0)
+        whole = f", {ends} tensors past the last layer at their whole range" if ends else ""
+        return f"{mp['chosen']} chosen (recalibrated on DATA{whole}); {text}; {held}"
     return f"{mp['table_method']} kept; {text}; {held}: not higher"
 
 

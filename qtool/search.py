@@ -35,7 +35,7 @@ import onnx
 
 from .analyze import GROUP_FROM, Evaluator, QdqModel, costliest_groups, split_batches
 from .bias_correction import BIAS_SAMPLES, CHANNEL_AXIS, quantize_corrected
-from .calibrate import calibrate, collect_methods
+from .calibrate import calibrate, collect, collect_methods, past_last_layer
 from .errors import QtoolError
 from .model import prepare_file
 from .quantize import quantize, record_float_nodes
@@ -463,6 +463,10 @@ def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
     return {renamed.get(name, name): names for name, names in decided.items()}
 
 
+def _table(stats, ends: set[str]) -> Table:
+    return stats.table_keeping_ends(ends) if ends else stats.table()
+
+
 MODEL_METHODS = ("minmax", "percentile", "mse")  # what --data tries for the whole model by default
 
 
@@ -480,6 +484,7 @@ class MethodPick:
     heldout_chosen_db: float = 0.0  # the best method on the fit samples, calibrated on them
     scored: str = ""
     seconds: float = 0.0
+    ends: int = 0  # tensors past the last layer the clipping methods' tables keep at min-max
 
     @property
     def changed(self) -> bool:
@@ -491,7 +496,7 @@ class MethodPick:
                 "fit_samples": self.fit_samples, "heldout_samples": self.heldout,
                 "heldout_table_sqnr_db": finite(self.heldout_table_db),
                 "heldout_chosen_sqnr_db": finite(self.heldout_chosen_db), "scored": self.scored,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2), "ends_at_whole_range": self.ends}
 
 
 def choose_method(model_path, table: Table, options, table_name: str, data_path,
@@ -518,13 +523,15 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     evaluator = Evaluator(float_model, fit)
     pick.scored, pick.fit_samples = evaluator.scored, fit.samples
     candidates = list(dict.fromkeys([table.method, *methods]))
+    ends = past_last_layer(float_model)
+    pick.ends = len(ends & set(table.tensors))
     # one pass over the fit samples for the methods that read the same histograms
     collected = collect_methods(model_path, data_path, [m for m in candidates if m != table.method],
                                 batch_size=batch_size, progress=False, preprocess=preprocess, feeds=fit)
     models = {}
     with progress_bar(len(candidates), "methods", progress, unit="method") as bar:
         for method in candidates:
-            fitted = table if method == table.method else collected[method].table()
+            fitted = table if method == table.method else _table(collected[method], ends)
             models[method], _ = quantize(model_path, fitted, qdq_options, table_name, scored_only=True)
             pick.fit_db[method] = evaluator.sqnr(models[method])
             bar.update(1)
@@ -540,6 +547,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
         pick.seconds = time.perf_counter() - start
         return table, pick
     pick.chosen = best
-    chosen = calibrate(model_path, data_path, best, batch_size=batch_size, progress=False, preprocess=preprocess)
+    chosen = _table(collect(model_path, data_path, best, batch_size=batch_size, progress=False,
+                            preprocess=preprocess), ends)
     pick.seconds = time.perf_counter() - start
     return chosen, pick

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.analyze import split_batches
-from qtool.calibrate import calibrate
+from qtool.calibrate import calibrate, collect, past_last_layer
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.search import choose_method
@@ -26,15 +26,17 @@ from test_cli import assert_user_error, invoke
 
 @pytest.fixture(scope="module")
 def heavy(tmp_path_factory):
-    """Conv -> Relu on Student-t inputs: rare large values stretch minmax ranges."""
+    """Conv -> Relu -> Conv on Student-t inputs: rare large values stretch minmax ranges."""
     folder = tmp_path_factory.mktemp("heavy")
     rng = np.random.default_rng(0)
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["h"], name="conv"),
-         helper.make_node("Relu", ["h"], ["y"], name="relu")], "g",
+         helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 16, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])],
-        [numpy_helper.from_array(rng.normal(0, .5, (4, 4, 1, 1)).astype(np.float32), "w")])
+        [numpy_helper.from_array(rng.normal(0, .5, (4, 4, 1, 1)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.normal(0, .5, (4, 4, 1, 1)).astype(np.float32), "w2")])
     model = folder / "m.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), model)
     np.savez(folder / "d.npz", x=rng.standard_t(3, (64, 4, 16, 16)).astype(np.float32))
@@ -57,13 +59,19 @@ def test_a_method_that_wins_on_held_out_samples_replaces_the_table(heavy, tmp_pa
     model, data = heavy
     table = calibrate(model, data, progress=False)
     chosen, pick = choose_method(model, table, QuantizeOptions(), "t", data, progress=False)
-    assert pick.changed and pick.chosen == chosen.method == "percentile"
-    assert chosen.tensors == calibrate(model, data, "percentile", progress=False).tensors  # all of DATA
+    method = pick.chosen
+    assert pick.changed and method == chosen.method and method in ("percentile", "mse")
+    # calibrated again on all of DATA; the model's output, past its last layer, at its whole range
+    whole = calibrate(model, data, method, progress=False).tensors
+    whole["y"] = table.tensors["y"]
+    assert chosen.tensors == whole and whole["y"].method == "minmax" and pick.ends == 1
     float_model = prepare(load_model(model))
     fit, held = split_batches(float_model, data, 16, 16, 8)
     np.savez(tmp_path / "fit.npz", x=np.concatenate([b["x"] for b in fit]))
     options = QuantizeOptions(format="qdq")
-    fitted = quantize(model, calibrate(model, tmp_path / "fit.npz", "percentile", progress=False), options)[0]
+    fit_table = calibrate(model, tmp_path / "fit.npz", method, progress=False)
+    fit_table.tensors["y"] = calibrate(model, tmp_path / "fit.npz", progress=False).tensors["y"]
+    fitted = quantize(model, fit_table, options)[0]
     ref = _run(float_model, held)
     assert pick.heldout == 16
     assert pick.heldout_chosen_db == pytest.approx(_sqnr(ref, _run(fitted, held)), abs=1e-3)
@@ -71,7 +79,42 @@ def test_a_method_that_wins_on_held_out_samples_replaces_the_table(heavy, tmp_pa
                                                   abs=1e-3)
     assert pick.heldout_chosen_db > pick.heldout_table_db
     fit_ref = _run(float_model, fit)
-    assert pick.fit_db["percentile"] == pytest.approx(_sqnr(fit_ref, _run(fitted, fit)), abs=1e-3)
+    assert pick.fit_db[method] == pytest.approx(_sqnr(fit_ref, _run(fitted, fit)), abs=1e-3)
+
+
+def test_past_the_last_layer_are_the_tensors_no_layer_reads_later():
+    # x -> Conv -> a -> Relu -> b -> Conv -> c -> Sigmoid -> d;  b -> Identity -> side
+    nodes = [helper.make_node("Conv", ["x", "w"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Conv", ["b", "w"], ["c"]), helper.make_node("Sigmoid", ["c"], ["d"]),
+             helper.make_node("Identity", ["b"], ["side"])]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [value("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+                              [value("d", TensorProto.FLOAT, None), value("side", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones((2, 2, 1, 1), np.float32), "w")])
+    assert past_last_layer(helper.make_model(graph)) == {"c", "d", "side"}
+
+
+def test_a_clipping_method_keeps_a_detection_head_whole(tmp_path):
+    # scores past the last layer whose few large values are the detections: percentile would
+    # cut them to the background's level (YOLOv8n's class logits: at most -4.2 instead of 1.7)
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["logits"]), helper.make_node("Sigmoid", ["logits"], ["scores"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 64, 64])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 1, 64, 64])],
+        [numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), tmp_path / "m.onnx")
+    x = rng.normal(-8, 0.5, (8, 1, 64, 64)).astype(np.float32)
+    x[5, 0, 3, 5] = 2.0  # one detection in 32768 values
+    np.savez(tmp_path / "d.npz", x=x)
+    stats = collect(tmp_path / "m.onnx", tmp_path / "d.npz", "percentile", progress=False)
+    ends = past_last_layer(prepare(load_model(tmp_path / "m.onnx")))
+    assert ends == {"logits", "scores"}
+    assert stats.table().tensors["logits"].max < 0  # cut below every detection
+    kept = stats.table_keeping_ends(ends).tensors
+    assert (kept["logits"].min, kept["logits"].max) == (float(x.min()), 2.0)
+    assert kept["scores"].max == pytest.approx(1 / (1 + np.exp(-2.0)))
+    assert kept["x"] == stats.table().tensors["x"]  # the input reaches a layer: clipped as before
 
 
 def test_methods_that_read_the_same_histograms_share_one_pass(heavy, monkeypatch):
@@ -113,8 +156,8 @@ def test_quantize_with_data_chooses_and_reports(heavy, tmp_path):
                     "--table-out", tmp_path / "chosen.yaml", "--json")
     assert result.exit_code == 0, result.output
     pick = json.loads(result.stdout)["method_pick"]
-    assert pick["chosen"] == "percentile" and pick["changed"]
-    assert "method: percentile" in (tmp_path / "chosen.yaml").read_text()
+    assert pick["chosen"] in ("percentile", "mse") and pick["changed"] and pick["ends_at_whole_range"] == 1
+    assert f"method: {pick['chosen']}" in (tmp_path / "chosen.yaml").read_text()
     result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q2.onnx", "--data", data,
                     "--no-method-choice", "--json")
     assert result.exit_code == 0 and "method_pick" not in json.loads(result.stdout)
