@@ -51,6 +51,7 @@ BLOCKED_OPS = ("MatMul", "Gemm")  # the ops whose constant B may be int4 / block
 INT16_OPSET = 21
 MS_DOMAIN = "com.microsoft"
 WIDE_TABLE_VALUES = 2**20  # at most this many values: an int16 Gather's table is stored int16 (_wide_tables)
+DEAD_CHANNEL = 1e-6  # a channel whose largest weight is under this part of its layer's largest: all but zero
 FORMATS = ("qdq", "qoperator")
 # Outputs whose range the op itself fixes. Softmax's calibrated maximum is below 1 on small data;
 # onnxruntime fuses DQ -> Softmax -> Q into QLinearSoftmax, which outputs zeros when the output
@@ -1107,12 +1108,17 @@ class _Rewriter:
                 widened = np.maximum(scale, needed).astype(np.float32)
                 key = (w_name, w_spec.axis if self.opt.per_channel and self.inits[w_name].ndim > 1 else None)
                 self.weight_qparams[key] = replace(w_qp, scale=widened if scale.ndim else float(widened))
-                raised.append((node.name, int(np.sum(needed > scale))))
+                raised.append((node.name, int(np.sum(needed > scale)),
+                               int(np.sum((needed > scale) & (scale <= DEAD_CHANNEL * scale.max(initial=0.0))))
+                               if scale.ndim else 0))
         if raised:
-            names = ", ".join(f"'{n}' ({c})" for n, c in raised[:4]) + (", ..." if len(raised) > 4 else "")
+            names = ", ".join(f"'{n}' ({c})" for n, c, _ in raised[:4]) + (", ..." if len(raised) > 4 else "")
+            count, dead = sum(c for _, c, _ in raised), sum(d for _, _, d in raised)
+            note = "" if not dead else (f" ({'all' if dead == count else dead} of them with weights under "
+                                        f"{DEAD_CHANNEL:g} of their layer's largest: outputs that are their bias)")
             self.report.warnings.append(
-                f"the weight scale of {sum(c for _, c in raised)} channel(s) in {len(raised)} layer(s) "
-                f"raised so that their int32 bias cannot overflow: {names}")
+                f"the weight scale of {count} channel(s) in {len(raised)} layer(s) "
+                f"raised so that their int32 bias cannot overflow: {names}{note}")
 
     def _weight_integers(self, name: str, qp: QParams) -> np.ndarray:
         """The weight's integers: rounded to nearest, or fitted (qtool.rounding) on these scales."""

@@ -15,10 +15,10 @@ from qtool.executor import IntegerExecutor
 from qtool.quantize import quantize
 
 
-def _model(path):
+def _model(path, small=1e-7):
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.5, (3, 2, 3, 3)).astype(np.float32)
-    w[1] = 1e-7 * np.sign(w[1])  # a dead channel
+    w[1] = small * np.sign(w[1])  # a dead channel (1e-7 of the others)
     b = np.array([0.1, 5.0, -0.2], np.float32)  # whose bias carries its whole output
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])], "g",
@@ -35,7 +35,8 @@ def test_a_dead_channel_keeps_its_bias(tmp_path):
     qmodel, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz",
                                                               progress=False))
     assert any("the weight scale of 1 channel(s) in 1 layer(s) raised so that their int32 bias cannot "
-               "overflow: 'conv' (1)" in w for w in report.warnings)
+               "overflow: 'conv' (1) (all of them with weights under 1e-06 of their layer's largest: outputs "
+               "that are their bias)" in w for w in report.warnings)
     inits = {i.name: numpy_helper.to_array(i).astype(np.int64) for i in qmodel.graph.initializer}
     bias_q = inits["b_quantized"]
     w_q = inits["w_quantized"] - inits["w_zero_point"].reshape(-1, 1, 1, 1)
@@ -46,3 +47,12 @@ def test_a_dead_channel_keeps_its_bias(tmp_path):
     step = (ref.max() - min(ref.min(), 0)) / 255
     assert np.abs(got - ref).max() <= 1.01 * step  # the dead channel reads 5.0, as in float
     assert np.abs(got[:, 1] - 5.0).max() <= 1.01 * step
+
+
+def test_a_small_channel_that_is_not_dead_is_not_called_dead(tmp_path):
+    _model(tmp_path / "m.onnx", small=1e-5)  # 1e-5 of the layer's largest weight
+    x = np.random.default_rng(1).uniform(0, 0.01, (4, 2, 6, 6)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    _, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False))
+    raised = [w for w in report.warnings if "raised so that their int32 bias cannot overflow" in w]
+    assert raised and raised[0].endswith("'conv' (1)")  # no note that it is all but zero
