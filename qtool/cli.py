@@ -485,8 +485,9 @@ def quantize(
                                                  help="Score TABLE against minmax, percentile and mse "
                                                  "calibrated on DATA's fit samples; the best replaces "
                                                  "TABLE (recalibrated on DATA) only if it also scores "
-                                                 "higher on the --holdout samples [default: on with "
-                                                 "--data, unless --try-methods]."),
+                                                 "higher on the --holdout samples; with 16-bit activations "
+                                                 "TABLE stays [default: on with --data, unless "
+                                                 "--try-methods]."),
     placement: Optional[bool] = typer.Option(None, "--placement/--no-placement", help="In a "
                                              "transformer, give int16 to the groups (residual stream, "
                                              "Softmax, GELU, attention MatMuls) that raise the SQNR on "

@@ -117,6 +117,8 @@ def methods_summary(mc: dict, base: str) -> str:
 
 def pick_summary(mp: dict) -> str:
     """One line on the whole-model method choice (``MethodPick.to_dict()``)."""
+    if mp.get("reason"):
+        return f"{mp['table_method']} kept ({mp['reason']})"
     if not mp["fit_sqnr_db"]:
         return f"{mp['table_method']} kept (no held-out samples to judge another method on)"
     fit = ", ".join(f"{m} {v}" for m, v in mp["fit_sqnr_db"].items())

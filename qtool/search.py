@@ -485,6 +485,7 @@ class MethodPick:
     scored: str = ""
     seconds: float = 0.0
     ends: int = 0  # tensors past the last layer the clipping methods' tables keep at min-max
+    reason: str = ""  # why no other method was tried
 
     @property
     def changed(self) -> bool:
@@ -496,7 +497,7 @@ class MethodPick:
                 "fit_samples": self.fit_samples, "heldout_samples": self.heldout,
                 "heldout_table_sqnr_db": finite(self.heldout_table_db),
                 "heldout_chosen_sqnr_db": finite(self.heldout_chosen_db), "scored": self.scored,
-                "seconds": round(self.seconds, 2), "ends_at_whole_range": self.ends}
+                "seconds": round(self.seconds, 2), "ends_at_whole_range": self.ends, "reason": self.reason}
 
 
 def choose_method(model_path, table: Table, options, table_name: str, data_path,
@@ -511,9 +512,19 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     No method suits every model (zoo, no data: percentile gains PP-OCRv4 det 4.3 dB and costs
     YOLOv8n's class scores 6.4 dB; mse gains orientation 2.2 dB and costs YOLOX 4 dB), so the
     choice is per model and judged on samples it was not made on. Without held-out samples
-    (``holdout`` 0, or one sample), nothing changes."""
+    (``holdout`` 0, or one sample), nothing changes.
+
+    Nor with 16-bit activations: the clipping methods cut where an 8-bit grid's rounding and
+    clipping errors balance (mse) or at a fixed tail (percentile), far too deep for 65536 steps,
+    and the fit-sample score that preferred them came before bias correction, which undoes most
+    of what it measured (zoo and transformer bench, `--activation-type int16 --data`: the only
+    two models where another method was chosen lost 7.4 dB (CRNN + BiLSTM, mse) and 3.0 dB
+    (PP-OCRv4 rec, mse) against keeping the minmax table)."""
     start = time.perf_counter()
     pick = MethodPick(table_method=table.method, chosen=table.method)
+    if options.activation_type == "int16":
+        pick.reason = "int16 activations: percentile's and mse's cuts are made for 8-bit steps"
+        return table, pick
     float_model = prepare_file(model_path)
     fit, held = fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, preprocess)
     if held is None:

@@ -175,3 +175,22 @@ def test_method_choice_errors(demo_model, demo_calib, tmp_path, args, message):
     result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", *args)
     assert_user_error(result, message)
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_int16_activations_keep_the_table(heavy, tmp_path, monkeypatch):
+    # the clipping methods' cuts are made for 8-bit steps: nothing is calibrated or scored
+    import qtool.search as search_module
+
+    model, data = heavy
+    table = calibrate(model, data, progress=False)
+    monkeypatch.setattr(search_module, "collect_methods", lambda *a, **k: pytest.fail("calibrated"))
+    chosen, pick = choose_method(model, table, QuantizeOptions(activation_type="int16"), "t", data, progress=False)
+    assert chosen is table and not pick.changed and not pick.fit_db
+    assert pick.reason.startswith("int16 activations")
+    monkeypatch.undo()
+    write_table(table, tmp_path / "t.yaml")
+    result = invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--data", data,
+                    "--activation-type", "int16")
+    assert result.exit_code == 0, result.output
+    assert ("method:  minmax kept (int16 activations: percentile's and mse's cuts are made for 8-bit steps)"
+            in result.output)
