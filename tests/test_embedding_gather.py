@@ -188,9 +188,11 @@ def test_an_int16_gather_stores_a_small_table_int16(tmp_path):
     assert np.abs(rows - table_rows).max() <= 1.001 * words.scale
 
 
-def test_a_large_or_int8_gathered_table_stays_one_byte(tmp_path):
-    from qtool.quantize import WIDE_TABLE_VALUES
+def test_a_large_or_int8_gathered_table_stays_one_byte(tmp_path, monkeypatch):
+    import qtool.quantize as quantize_module
 
+    monkeypatch.setattr(quantize_module, "WIDE_TABLE_VALUES", ROWS * WIDTH)  # the rule, not the bound's size
+    WIDE_TABLE_VALUES = quantize_module.WIDE_TABLE_VALUES
     onnx.save(_model(), tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", ids=_every_row())
     table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
