@@ -497,12 +497,15 @@ def past_last_layer(model: onnx.ModelProto) -> set[str]:
         for name in set(node.input):
             readers.setdefault(name, []).append(node)
     feeds_layer: dict[str, bool] = {}
-    for node in reversed(model.graph.node):  # topological order: readers come later
+
+    def reaches(reader: onnx.NodeProto) -> bool:  # a layer, a body that may hold one, or on the way
+        return (reader.op_type in LAYERS or any(a.type == onnx.AttributeProto.GRAPH for a in reader.attribute)
+                or any(feeds_layer.get(o, True) for o in reader.output))
+
+    for node in reversed(model.graph.node):  # topological order: a node's readers come after it
         for out in node.output:
-            feeds_layer[out] = any(r.op_type in LAYERS or r.attribute and any(
-                a.type == onnx.AttributeProto.GRAPH for a in r.attribute) or
-                any(feeds_layer.get(o, True) for o in r.output) for r in readers.get(out, []))
-    return {t for t, reaches in feeds_layer.items() if not reaches}
+            feeds_layer[out] = any(reaches(r) for r in readers.get(out, []))
+    return {t for t, reached in feeds_layer.items() if not reached}
 
 
 def merge(paths: list[str | Path]) -> Table:
