@@ -1076,14 +1076,14 @@ class _Rewriter:
         35.66 dB."""
         wide: dict[str, bool] = {}
         for node in self.graph.node:
+            op = integer.get(node.name)
+            wide_out = (op is not None and op.accepts_constants and bool(node.output)
+                        and getattr(qparams.get(node.output[0]), "dtype", "") == "int16")
+            own = dict(op.constants(node)) if wide_out else {}  # its weights and biases: not operands
             for i, name in enumerate(node.input):
-                if name not in self.inits or self.inits[name].dtype.kind != "f":
-                    continue
-                op = integer.get(node.name)
-                ok = (op is not None and op.accepts_constants and i not in dict(op.constants(node))
-                      and node.output and getattr(qparams.get(node.output[0]), "dtype", "") == "int16"
-                      and self.inits[name].size <= WIDE_TABLE_VALUES)
-                wide[name] = wide.get(name, True) and ok
+                if name in self.inits and self.inits[name].dtype.kind == "f":
+                    ok = wide_out and i not in own and self.inits[name].size <= WIDE_TABLE_VALUES
+                    wide[name] = wide.get(name, True) and ok
         return {name for name, ok in wide.items() if ok}
 
     def _fit_biases(self, integer: dict, qparams: dict) -> None:

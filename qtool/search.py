@@ -463,10 +463,6 @@ def _decided_initializers(model: onnx.ModelProto) -> dict[str, list[str]]:
     return {renamed.get(name, name): names for name, names in decided.items()}
 
 
-def _table(stats, ends: set[str]) -> Table:
-    return stats.table_keeping_ends(ends) if ends else stats.table()
-
-
 MODEL_METHODS = ("minmax", "percentile", "mse")  # what --data tries for the whole model by default
 
 
@@ -542,7 +538,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     models = {}
     with progress_bar(len(candidates), "methods", progress, unit="method") as bar:
         for method in candidates:
-            fitted = table if method == table.method else _table(collected[method], ends)
+            fitted = table if method == table.method else collected[method].table_keeping_ends(ends)
             models[method], _ = quantize(model_path, fitted, qdq_options, table_name, scored_only=True)
             pick.fit_db[method] = evaluator.sqnr(models[method])
             bar.update(1)
@@ -558,7 +554,7 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
         pick.seconds = time.perf_counter() - start
         return table, pick
     pick.chosen = best
-    chosen = _table(collect(model_path, data_path, best, batch_size=batch_size, progress=False,
-                            preprocess=preprocess), ends)
+    chosen = collect(model_path, data_path, best, batch_size=batch_size, progress=False,
+                     preprocess=preprocess).table_keeping_ends(ends)
     pick.seconds = time.perf_counter() - start
     return chosen, pick
