@@ -67,6 +67,11 @@ class BiasCorrection:
     reason: str = ""  # why it was not judged
 
     @property
+    def score_db(self) -> float | None:
+        """The held-out SQNR of the model with the shifts applied (None: not scored)."""
+        return self.scores[self.factor] if self.factor and self.factor in self.scores else self.plain_db
+
+    @property
     def applied(self) -> dict[str, np.ndarray]:
         """The shifts quantize applies: the fitted ones times the chosen factor."""
         if not self.factor:
@@ -303,15 +308,13 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
     return [mean.result() for mean in means]
 
 
-def quantize_corrected(model_path, table, options, table_name: str, data_path,
-                       num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
-                       preprocess=None, holdout: int | None = None, rounded_weights: dict | None = None,
-                       channel_ranges: dict | None = None):
-    """``quantize`` with bias correction fitted on ``num_samples`` of DATA and judged on
-    ``holdout`` others (None: as many; 0: not judged, applied as fitted), both spread over DATA:
-    returns the model, its report (with a ``bias_correction`` entry) and the correction.
-    ``rounded_weights``: fitted weight integers (qtool.rounding), ``channel_ranges``: per-channel
-    activation ranges (qtool.channels), in every model built here."""
+def fit_correction(model_path, table, options, table_name: str, data_path,
+                   num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
+                   preprocess=None, holdout: int | None = None, rounded_weights: dict | None = None,
+                   channel_ranges: dict | None = None, scored: bool = False) -> BiasCorrection:
+    """The bias correction of ``quantize_corrected``, fitted and judged (``BiasCorrection.score_db``:
+    the held-out SQNR of the model it gives, where it was judged; ``scored``: also where nothing
+    is corrected)."""
     start = time.perf_counter()
     float_model = prepare_file(model_path)
     fit_count = BIAS_SAMPLES if num_samples is None else num_samples
@@ -321,10 +324,12 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
     qdq = replace(options, format="qdq", strict=False)
     work, _ = quantize(model_path, table, qdq, table_name, every, rounded_weights, channel_ranges, scored_only=True)
     correction = correct_biases(float_model, work, fit, progress)
-    if held is not None and correction.deltas:
+    if held is not None and (correction.deltas or scored):
         evaluator = Evaluator(float_model, held)
-        correction.heldout, correction.scored = held.samples, evaluator.scored
         correction.plain_db = evaluator.sqnr(work)  # the zero shifts change no integer
+        correction.scored = evaluator.scored
+    if held is not None and correction.deltas:
+        correction.heldout = held.samples
         best, best_db = 0.0, correction.plain_db
         for factor in FACTORS:
             correction.factor = factor
@@ -340,8 +345,26 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
                              f"--holdout 0 applies it unjudged")
     elif correction.deltas:
         correction.reason = "--holdout 0: applied as fitted"
+    correction.seconds = time.perf_counter() - start
+    return correction
+
+
+def quantize_corrected(model_path, table, options, table_name: str, data_path,
+                       num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8, progress: bool = True,
+                       preprocess=None, holdout: int | None = None, rounded_weights: dict | None = None,
+                       channel_ranges: dict | None = None, correction: BiasCorrection | None = None):
+    """``quantize`` with bias correction fitted on ``num_samples`` of DATA and judged on
+    ``holdout`` others (None: as many; 0: not judged, applied as fitted), both spread over DATA:
+    returns the model, its report (with a ``bias_correction`` entry) and the correction.
+    ``rounded_weights``: fitted weight integers (qtool.rounding), ``channel_ranges``: per-channel
+    activation ranges (qtool.channels), in every model built here; ``correction``: the one
+    ``fit_correction`` gave for these already (the weight rounding's judge fitted it)."""
+    start = time.perf_counter()
+    if correction is None:
+        correction = fit_correction(model_path, table, options, table_name, data_path, num_samples, batch_size,
+                                    progress, preprocess, holdout, rounded_weights, channel_ranges)
     qmodel, report = quantize(model_path, table, options, table_name, correction.applied, rounded_weights,
                               channel_ranges)
-    correction.seconds = time.perf_counter() - start
+    correction.seconds += time.perf_counter() - start
     report.bias_correction = correction.to_dict()
     return qmodel, report, correction

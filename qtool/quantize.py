@@ -1146,9 +1146,17 @@ class _Rewriter:
     def _weight_integers(self, name: str, qp: QParams) -> np.ndarray:
         """The weight's integers: rounded to nearest, or fitted (qtool.rounding) on these scales."""
         fitted = self.rounded.get(name)
-        if fitted is not None and fitted.values.shape == self.inits[name].shape \
-                and np.array_equal(np.asarray(fitted.scale, np.float32), np.asarray(qp.scale, np.float32)):
-            return fitted.values.astype(qp.dtype)
+        if fitted is not None and fitted.values.shape == self.inits[name].shape:
+            mine, asked = np.asarray(fitted.scale, np.float32), np.asarray(qp.scale, np.float32)
+            if np.array_equal(mine, asked):
+                return fitted.values.astype(qp.dtype)
+            if mine.shape == asked.shape and mine.ndim == 1 and qp.axis is not None and np.any(mine == asked):
+                # the channels whose scale ``_fit_biases`` raised take nearest rounding, the others
+                # keep theirs (each output channel is fitted on its own)
+                nearest = _nearest_integers(self.source, name, self.inits[name], qp)
+                shape = [1] * nearest.ndim
+                shape[qp.axis] = mine.size
+                return np.where((mine == asked).reshape(shape), fitted.values.astype(qp.dtype), nearest)
         return _nearest_integers(self.source, name, self.inits[name], qp)
 
     def _blocked(self, node, spec) -> bool:

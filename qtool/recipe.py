@@ -20,7 +20,7 @@ from .data import load_dataset
 from .errors import QtoolError
 from .executor import IntegerExecutor
 from .model import graph_inputs, input_shape, load_model
-from .bias_correction import BIAS_SAMPLES, quantize_corrected
+from .bias_correction import BIAS_SAMPLES, fit_correction, quantize_corrected
 from .channels import fit as fit_channels
 from .placement import place
 from .sizing import fixed_batch, wide_activations
@@ -80,6 +80,7 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
         changed = pick.changed
     placed = rounding = channeled = None
     rounded = ranges = None
+    corrections: dict = {}
     if not steps.searching:
         if steps.channel_scales is not False:
             ranges, channeled = fit_channels(model_path, table, options, table_name, data_path, n, batch, **common)
@@ -87,15 +88,17 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
             options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
         # fitted on per-channel int8 scales: int4 and blocked weights keep nearest rounding
         if steps.weight_rounding is not False and options.weight_type == "int8" and not options.block_size:
-            rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch,
-                                             channel_ranges=ranges, **common)
+            rounded, rounding, corrections = _fit_rounding(model_path, table, options, table_name, data_path, steps,
+                                                           ranges, common)
     if steps.searching:
         qmodel, report, _ = search(model_path, table, options, table_name, data_path, steps.target_sqnr,
                                    steps.max_float_layers, n, batch, steps.bias_correction is not False,
                                    allow_float=steps.allow_float, **common)
     elif steps.bias_correction is not False:
         qmodel, report, _ = quantize_corrected(model_path, table, options, table_name, data_path, n, batch,
-                                               rounded_weights=rounded, channel_ranges=ranges, **common)
+                                               rounded_weights=rounded, channel_ranges=ranges,
+                                               correction=corrections.get("fitted" if rounded else "nearest"),
+                                               **common)
     else:
         qmodel, report = quantize(model_path, table, options, table_name, None, rounded, ranges)
     for name, summary in (("method_choice", choice), ("method_pick", pick), ("placement", placed),
@@ -109,6 +112,29 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     qmodel.metadata_props.append(onnx.StringStringEntryProto(key=DATA_STEPS_KEY, value=",".join(ran)))
     check_runs(qmodel, model_path, data_path, steps.preprocess)
     return qmodel, report, table, changed
+
+
+def _fit_rounding(model_path, table: Table, options, table_name: str, data_path, steps: DataSteps, ranges,
+                  common: dict):
+    """Fitted weight rounding (qtool.rounding). Where bias correction follows and depthwise Convs
+    are fitted, nearest and fitted rounding each get their own correction and the held-out SQNRs
+    of the two corrected models decide (see qtool.rounding). Returns the rounding, its summary
+    and the corrections fitted (``quantize_corrected`` reuses the chosen one)."""
+    n, batch = steps.num_samples, steps.batch_size
+    corrections: dict = {}
+
+    def corrected_judge(fitted):
+        for key, weights in (("nearest", None), ("fitted", fitted)):
+            corrections[key] = fit_correction(model_path, table, options, table_name, data_path, n, batch,
+                                              rounded_weights=weights, channel_ranges=ranges, scored=True, **common)
+        return corrections["nearest"].score_db, corrections["fitted"].score_db
+
+    rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch,
+                                     channel_ranges=ranges, **common,
+                                     corrected_judge=corrected_judge if steps.bias_correction is not False else None)
+    if corrections:
+        rounding.scored = corrections["nearest"].scored
+    return rounded, rounding, corrections
 
 
 def check_runs_on_ranges(qmodel: onnx.ModelProto, model_path, table: Table) -> None:

@@ -1,17 +1,22 @@
 """Weight rounding fitted to the layer's inputs (qtool/rounding.py, GPTQ's closed form): nearest
 rounding where inputs are uncorrelated, a smaller layer-output error where they are correlated,
-the same integers every run; in quantize --data a judged step whose model verifies; the CLI's
-refusal."""
+the same integers every run, a stack of layers as each alone; a depthwise Conv's windows as
+onnxruntime's Conv reads them, and its edge filters fitted on inputs whose level moves; in
+quantize --data a judged step (after bias correction) whose model verifies; the CLI's refusal."""
 
 import json
 
 import numpy as np
 import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibrate import calibrate
 from qtool.qparams import per_channel_symmetric
 from qtool.quantize import QuantizeOptions, quantize
-from qtool.rounding import GAIN_DB, fit, gptq, layers
+from qtool import rounding
+from qtool.rounding import GAIN_DB, Rounded, fit, gptq, layers, windows
 from qtool.verify import verify
 from test_cli import assert_user_error, invoke
 from test_placement import samples, transformer
@@ -92,3 +97,129 @@ def test_cli_reports_weight_rounding_and_refuses_it_without_data(tmp_path):
     assert_user_error(invoke("quantize", model, "-t", table, "-o", tmp_path / "q2.onnx", "--weight-rounding"),
                       "--weight-rounding needs samples", "--data")
     assert not (tmp_path / "q2.onnx").exists()
+
+
+def test_a_stack_of_layers_rounds_as_each_alone():
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 1, (5, 300, 9)) + rng.normal(0, 4, (5, 1, 1))  # five channels' windows
+    x[2] = 0.0  # a channel that is always zero
+    gram = np.matmul(x.transpose(0, 2, 1), x)
+    w = rng.normal(0, 1, (5, 9, 1))
+    scale = np.abs(w).max(axis=1) / 127
+    alone = np.stack([gptq(w[c], scale[c], gram[c]) for c in range(5)])
+    np.testing.assert_array_equal(gptq(w, scale, gram), alone)
+    assert alone[2].tolist() == [[0]] * 9
+
+
+@pytest.mark.parametrize("pads,strides,dilations", [((1, 1, 1, 1), (1, 1), (1, 1)), ((0, 2, 1, 0), (2, 1), (1, 2))])
+def test_windows_are_what_the_depthwise_conv_reads(pads, strides, dilations, monkeypatch):
+    rng = np.random.default_rng(4)
+    c = 3
+    x = rng.normal(0, 1, (2, c, 7, 9)).astype(np.float32)
+    w = rng.normal(0, 1, (c, 1, 3, 3)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], group=c, pads=list(pads), strides=list(strides),
+                            dilations=list(dilations))
+    graph = helper.make_graph([node], "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, c, 7, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    rows = windows(x, (3, 3), (pads, strides, dilations))  # [C, n * L, 9]
+    mine = np.matmul(rows, w.reshape(c, 9, 1).astype(np.float64))[..., 0]  # [C, n * L]
+    np.testing.assert_allclose(mine, y.transpose(1, 0, 2, 3).reshape(c, -1), atol=1e-4)
+    layer = rounding.Layer("x", "w", depthwise=(pads, strides, dilations))
+    monkeypatch.setattr(rounding, "WINDOW_VALUES", 2 * 9 * y.shape[2] * y.shape[3])  # a sample's channels in 2 parts
+    gram = rounding.grams(model, {"dw": layer}, [{"x": x}])[layer.gram_key]
+    np.testing.assert_allclose(gram, np.matmul(rows.transpose(0, 2, 1), rows), rtol=1e-5)
+    spread = np.linspace(0, y.shape[2] * y.shape[3] - 1, 5).round().astype(int)  # five positions a sample
+    monkeypatch.setattr(rounding, "WINDOW_POSITIONS", 5)
+    few = windows(x, (3, 3), (pads, strides, dilations)).reshape(c, 2, 5, 9)
+    np.testing.assert_array_equal(few, rows.reshape(c, 2, -1, 9)[:, :, spread])
+
+CHANNELS = 8
+
+
+def edge_block(path, seed=0):
+    """A depthwise Conv of edge filters (taps up to ~10 summing to zero) and a pointwise Conv."""
+    rng = np.random.default_rng(seed)
+    dw = rng.normal(0, 2.0, (CHANNELS, 1, 3, 3))
+    dw[:, 0, 1, 1] += rng.choice([-8.0, 8.0], CHANNELS)
+    dw -= dw.mean(axis=(2, 3), keepdims=True)
+    pw = rng.normal(0, CHANNELS ** -0.5, (4, CHANNELS, 1, 1))
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+             (("dw", dw), ("db", rng.normal(0, 0.1, CHANNELS)), ("pw", pw), ("pb", np.zeros(4)))]
+    nodes = [helper.make_node("Conv", ["x", "dw", "db"], ["c"], name="dw", pads=[1, 1, 1, 1], group=CHANNELS),
+             helper.make_node("Conv", ["c", "pw", "pb"], ["y"], name="pw")]
+    graph = helper.make_graph(
+        nodes, "edges", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", CHANNELS, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def lines(path, n, seed):
+    """Texture on a level that moves from sample to sample and channel to channel (a text line's
+    background)."""
+    rng = np.random.default_rng(seed)
+    level = rng.uniform(-20, 20, (n, CHANNELS, 1, 1))
+    np.savez(path, x=(level + rng.normal(0, 1, (n, CHANNELS, 16, 16))).astype(np.float32))
+    return path
+
+
+def test_layers_finds_depthwise_convs_only(tmp_path):
+    model = onnx.load(edge_block(tmp_path / "edges.onnx"))
+    found = layers(model)
+    assert list(found) == ["dw"] and found["dw"].depthwise == ((1, 1, 1, 1), (1, 1), (1, 1))
+    model.graph.node[0].attribute.append(helper.make_attribute("auto_pad", "SAME_UPPER"))
+    assert layers(model) == {}  # implicit pads: not fitted
+
+
+def test_depthwise_edge_filters_fitted_verify_higher(tmp_path):
+    model = edge_block(tmp_path / "edges.onnx")
+    data, held = lines(tmp_path / "data.npz", 32, 1), lines(tmp_path / "held.npz", 16, 2)
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
+    scores = {}
+    for name, extra in (("fitted", ()), ("nearest", ("--no-weight-rounding",))):
+        result = invoke("quantize", model, "-t", table, "-o", tmp_path / f"{name}.onnx", "--data", data,
+                        "--activation-type", "int16", "--json", "-q", *extra)
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        if name == "fitted":
+            rounding = report["weight_rounding"]
+            assert rounding["depthwise"] == 1 and rounding["layers"] == 0 and rounding["after_bias_correction"]
+            assert rounding["kept"] and rounding["heldout_fitted_sqnr_db"] > rounding["heldout_nearest_sqnr_db"] + 5
+        checked = verify(model, tmp_path / f"{name}.onnx", held, progress=False)
+        scores[name] = checked.outputs[0].sqnr
+    int8 = invoke("quantize", model, "-t", table, "-o", tmp_path / "int8.onnx", "--data", data, "--json", "-q")
+    assert int8.exit_code == 0, int8.output  # int8 activations: depthwise Convs keep nearest rounding
+    assert "no depthwise Conv with int16 activations" in json.loads(int8.stdout)["weight_rounding"]["reason"]
+    # the taps' sum kept: the moving level no longer leaks into the output
+    assert scores["fitted"] > scores["nearest"] + 3, scores
+    fitted, nearest = (onnx.load(tmp_path / f"{n}.onnx") for n in ("fitted", "nearest"))
+    weights = {i.name: numpy_helper.to_array(i) for i in fitted.graph.initializer}
+    plain = {i.name: numpy_helper.to_array(i) for i in nearest.graph.initializer}
+    changed = [n for n in weights if n in plain and not np.array_equal(weights[n], plain[n])]
+    # the depthwise weight's integers, and the biases their own bias correction gave; no scale
+    assert "dw_quantized" in changed and all(n == "dw_quantized" or weights[n].dtype == np.int32 for n in changed)
+    assert not [n for n in weights if n.endswith("_scale") and not np.array_equal(weights[n], plain[n])]
+
+
+def test_a_channel_whose_scale_was_raised_takes_nearest_rounding(tmp_path):
+    model = edge_block(tmp_path / "edges.onnx")
+    data = lines(tmp_path / "data.npz", 8, 1)
+    table = calibrate(model, data, progress=False)
+    w = numpy_helper.to_array(onnx.load(model).graph.initializer[0])  # dw [C, 1, 3, 3]
+    qp = per_channel_symmetric(w, 0)
+    nearest = np.clip(np.rint(w / qp.scale.reshape(-1, 1, 1, 1)), -127, 127)
+    mine = np.clip(nearest + 1, -127, 127).astype(np.int8)  # integers fitted on these scales
+    scale = np.asarray(qp.scale, np.float32).copy()
+    scale[0] *= 0.5  # as if quantize had raised channel 0's scale since: its integers no longer apply
+    written, _ = quantize(model, table, QuantizeOptions(), "t", None, {"dw": Rounded(scale, mine)})
+    inits = {i.name: numpy_helper.to_array(i) for i in written.graph.initializer}
+    dq = next(n for n in written.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "dw_quantized")
+    got = inits["dw_quantized"].astype(np.int64) - inits[dq.input[2]].astype(np.int64).reshape(-1, 1, 1, 1)
+    np.testing.assert_array_equal(got[0], nearest[0])
+    np.testing.assert_array_equal(got[1:], mine[1:])
