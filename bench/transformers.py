@@ -26,6 +26,7 @@ For each, 32 fit and 32 held-out samples (disjoint seeds), then as separate proc
     qtool calibrate M --data fit.npz -o t.yaml -q
     qtool quantize M -t t.yaml -o q8.onnx --data fit.npz -q            # the recommended pipeline
     qtool quantize M -t t.yaml -o q16.onnx --activation-type int16 -q
+    qtool quantize M -t t.yaml -o w16.onnx --activation-type int16 --weight-type int16 --data fit.npz -q
     qtool verify M qN.onnx --data held.npz --json -q                   # default tolerance
     qtool exec qN.onnx --input held.npz -o int.npz -q                  # task metric from these
 
@@ -539,7 +540,8 @@ def bench_model(model: Model, work: Path, qtool: str) -> dict:
         return row
     data = ["--data", str(folder / "fit.npz"), *batch]
     variants = {"qtool int8": [], "qtool int8 --data": data, "qtool int16": ["--activation-type", "int16"],
-                "qtool int16 --data": ["--activation-type", "int16", *data]}
+                "qtool int16 --data": ["--activation-type", "int16", *data],
+                "qtool int16 w16 --data": ["--activation-type", "int16", "--weight-type", "int16", *data]}
     for label, extra in variants.items():
         q = folder / (label.replace(" ", "_").replace("-", "") + ".onnx")
         quantized = zoo.run_stage([qtool, "quantize", str(path), "-t", str(table), "-o", str(q), "--json", "-q", *extra])

@@ -423,11 +423,13 @@ def quantize(
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="Weight scales."),
     symmetric: bool = typer.Option(False, "--symmetric/--asymmetric", help="Activation ranges."),
     activation_type: str = typer.Option("int8", help="int8, uint8 or int16 (symmetric, zero point 0; "
-                                        "weights stay int8; below opset 21 its QuantizeLinear/"
-                                        "DequantizeLinear are onnxruntime's com.microsoft ones)."),
-    weight_type: str = typer.Option("int8", "--weight-type", help="MatMul/Gemm weights: int8 or int4 "
-                                    "(symmetric, -7..7; opset 21, which the model is upgraded to). "
-                                    "Conv weights stay int8."),
+                                        "weights stay int8 unless --weight-type int16; below opset 21 "
+                                        "its QuantizeLinear/DequantizeLinear are onnxruntime's "
+                                        "com.microsoft ones)."),
+    weight_type: str = typer.Option("int8", "--weight-type", help="int8; int4: MatMul/Gemm weights "
+                                    "(symmetric, -7..7; opset 21, which the model is upgraded to; Conv "
+                                    "weights stay int8); int16: Conv, ConvTranspose, MatMul and Gemm "
+                                    "weights, with --activation-type int16 (16x16)."),
     block_size: int = typer.Option(0, "--block-size", help="MatMul/Gemm weights: one scale per BLOCK "
                                    "rows along K and column (DequantizeLinear's block_size, opset 21); "
                                    "0: one per column."),
@@ -538,6 +540,7 @@ def quantize(
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --params-out params.json
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --activation-type int16   # 16x8
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --weight-type int4 --block-size 32   # 4-bit MatMul weights
+      qtool quantize model.onnx -t table.yaml -o model.q.onnx --activation-type int16 --weight-type int16   # 16x16
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --precision-table qtable.txt
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz   # method, biases
       qtool quantize model.onnx -t table.yaml -o model.q.onnx --data calib.npz --target-sqnr 30

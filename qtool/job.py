@@ -627,8 +627,9 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                 f"{'symmetric' if opt.symmetric else 'asymmetric'} {opt.activation_type}, "
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
     if opt.weight_type != "int8" or opt.block_size:
-        quantize += f", MatMul/Gemm weights {opt.weight_type}" + (f" in blocks of {opt.block_size}"
-                                                               if opt.block_size else "")
+        which = "Conv/MatMul/Gemm" if opt.weight_type == "int16" else "MatMul/Gemm"
+        quantize += f", {which} weights {opt.weight_type}" + (f" in blocks of {opt.block_size}"
+                                                            if opt.block_size else "")
     if opt.keep_float:
         quantize += f", keep float: {', '.join(opt.keep_float)}"
     if opt.int16:

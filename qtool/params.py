@@ -3,7 +3,7 @@
 They come from the integer executor's own lowering of the QDQ model, so they are exactly what
 ``qtool exec`` computes with: per integer op, the (S, Z) of its inputs and outputs and the kernel's
 parameters (per-channel multiplier and rshift, zero-point-compensated int32 bias, lookup tables,
-rounding mode). Weights are not repeated: they are the model's int8 initializers, named here.
+rounding mode). Weights are not repeated: they are the model's integer initializers, named here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .qparams import QParams
 
 PARAMS_FORMAT = "qtool-params/1"
 PARAMS_KEY = "qtool.params"  # the model metadata entry that carries them
-_SKIPPED = {"weight"}  # int8 weights stay in the model; and fields declared with ops.NOT_DUMPED
+_SKIPPED = {"weight"}  # the integer weights stay in the model; and fields declared with ops.NOT_DUMPED
 
 
 def _qparams(qp: QParams | None) -> dict | None:

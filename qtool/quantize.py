@@ -42,7 +42,10 @@ from .targets import x86
 from .targets.form import guard_float_ops, to_unsigned
 
 ACTIVATION_TYPES = ("int8", "uint8", "int16")
-WEIGHT_TYPES = ("int8", "int4")
+WEIGHT_TYPES = ("int8", "int4", "int16")
+# the ops whose weights --weight-type int16 stores int16 (with int16 activations: 16x16 products,
+# summed in 64 bits by the executor's exact paths)
+WIDE_WEIGHT_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 # int4 weights and blocked scales (DequantizeLinear's block_size) are standard ONNX from opset 21
 BLOCKED_OPSET = 21
 BLOCKED_OPS = ("MatMul", "Gemm")  # the ops whose constant B may be int4 / blocked
@@ -110,6 +113,11 @@ class QuantizeOptions:
                              f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
         if self.weight_type not in WEIGHT_TYPES:
             raise QtoolError(f"unknown weight type '{self.weight_type}'; choose one of {', '.join(WEIGHT_TYPES)}")
+        if self.weight_type == "int16" and self.activation_type != "int16":
+            raise QtoolError("--weight-type int16 goes with --activation-type int16 (16-bit weights on "
+                             "16-bit activations); add it, or keep int8 weights")
+        if self.weight_type == "int16" and self.block_size:
+            raise QtoolError("--block-size is for int8 and int4 weights; int16 weights take one scale per channel")
         if self.block_size < 0 or self.block_size == 1:
             raise QtoolError(f"--block-size must be 0 (per channel) or at least 2, got {self.block_size}")
         if (self.weight_type != "int8" or self.block_size) and (self.format != "qdq"
@@ -326,14 +334,14 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
         report.warnings.append(f"{table_name} was made for model '{table.model}' "
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")
-    if (options.weight_type != "int8" or options.block_size) and default_opset(model) < BLOCKED_OPSET:
+    if (options.weight_type == "int4" or options.block_size) and default_opset(model) < BLOCKED_OPSET:
         model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
                         "int4 and blocked weights are standard ONNX from there")
     report.opset = default_opset(model)
     written = file_opset(model_path)
     if written < report.opset:
         why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and \
-            (options.weight_type != "int8" or options.block_size) else ""
+            (options.weight_type == "int4" or options.block_size) else ""
         report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
     pixels = None
     if options.input_pixels is not None:
@@ -515,7 +523,7 @@ class _Rewriter:
         self.new_inits: list[onnx.TensorProto] = []
         self.weight_cache: dict[tuple, str] = {}  # (weight, axis) -> DequantizeLinear output
         self.weight_qparams: dict[tuple, QParams] = {}
-        self.wide_tables: set[str] = set()  # embedding tables stored int16 (_wide_tables)
+        self.wide_tables: set[str] = set()  # constants stored int16 (_wide_tables, _wide_operands, _wide_weights)
         self.masks = masks.find(model, self.inits)
 
     def run(self) -> onnx.ModelProto:
@@ -525,7 +533,8 @@ class _Rewriter:
         self.report.quantized = dict(sorted(counts.items()))
         activations = self._activations(integer)
         qparams = self._activation_qparams(integer, activations)
-        self.wide_tables = self._wide_tables(integer, qparams) | self._wide_operands(integer, qparams)
+        self.wide_tables = self._wide_tables(integer, qparams) | self._wide_operands(integer, qparams) | \
+            self._wide_weights(integer)
         self._fit_biases(integer, qparams)
         dq_name = {}
         if self.pixels is not None:
@@ -1067,6 +1076,22 @@ class _Rewriter:
                 and self.inits[node.input[0]].size <= WIDE_TABLE_VALUES
                 and getattr(qparams.get(node.output[0]), "dtype", "") == "int16"}
 
+    def _wide_weights(self, integer: dict) -> set[str]:
+        """With ``--weight-type int16``: the weights of the integer ``WIDE_WEIGHT_OPS``, stored int16
+        per channel. The int8 weights of a convolutional backbone are what limits an int16 model
+        (PP-OCRv4 rec's logits with int16 activations: every Conv's weights int8 14.3 dB, int16
+        42.6 dB, before bias correction)."""
+        if self.opt.weight_type != "int16":
+            return set()
+        found = set()
+        for node in self.graph.node:
+            op = integer.get(node.name)
+            if op is None or node.op_type not in WIDE_WEIGHT_OPS:
+                continue
+            found |= {node.input[i] for i, spec in op.constants(node).items()
+                      if isinstance(spec, Weight) and i < len(node.input) and node.input[i] in self.inits}
+        return found
+
     def _wide_operands(self, integer: dict, qparams: dict) -> set[str]:
         """The constant operands (``accepts_constants``: an Add's bias or position table, a Mul's
         factor) whose every reader is integer with an int16 output: stored int16, as their int8
@@ -1162,7 +1187,7 @@ class _Rewriter:
     def _blocked(self, node, spec) -> bool:
         """This weight of ``node`` is written int4 and/or in blocks (the options ask, the op takes it)."""
         return (node.op_type in BLOCKED_OPS and isinstance(spec, Weight) and spec.axis is not None
-                and (self.opt.weight_type != "int8" or self.opt.block_size > 0)
+                and (self.opt.weight_type == "int4" or self.opt.block_size > 0)
                 and getattr(self.inits.get(node.input[1] if len(node.input) > 1 else ""), "ndim", 0) == 2)
 
     def _blocked_weight(self, name: str, spec: Weight) -> str:

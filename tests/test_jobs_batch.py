@@ -179,9 +179,11 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
     (lambda s: s["jobs"][0].update(quantize={"block_size": -4}), ["jobs[0].quantize.block_size: must be >= 0, got -4"]),
     (lambda s: s["jobs"][0].update(quantize={"block_size": 1}),
      ["jobs[0].quantize: --block-size must be 0 (per channel) or at least 2, got 1"]),
+    (lambda s: s["jobs"][0].update(quantize={"weight_type": "int16"}),
+     ["jobs[0].quantize: --weight-type int16 goes with --activation-type int16"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
         "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels",
-        "method-choice", "weight-type", "block-size", "block-size-1"])
+        "method-choice", "weight-type", "block-size", "block-size-1", "weight-type-int16"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
