@@ -110,9 +110,10 @@ def layers(model: onnx.ModelProto) -> dict[str, Layer]:
     return found
 
 
-def _int16(options, node: str) -> bool:
-    """The node's activations are int16 (``--activation-type int16``, or the node given int16)."""
-    return options.activation_type == "int16" or node in options.int16
+def _int16(options, node: onnx.NodeProto) -> bool:
+    """The node's activations are int16 (``--activation-type int16``, or the node or its op type
+    given int16)."""
+    return options.activation_type == "int16" or node.name in options.int16 or node.op_type in options.int16
 
 
 def gptq(weight: np.ndarray, scale: np.ndarray, gram: np.ndarray, qmin: int = -128, qmax: int = 127) -> np.ndarray:
@@ -240,8 +241,9 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     start = time.perf_counter()
     pick = RoundingPick()
     float_model = prepare_file(model_path)
+    nodes = {node.name: node for node in float_model.graph.node}
     found = {name: layer for name, layer in layers(float_model).items()
-             if layer.depthwise is None or _int16(options, name)}
+             if layer.depthwise is None or _int16(options, nodes[name])}
     pick.depthwise = sum(layer.depthwise is not None for layer in found.values())
     pick.layers = len(found) - pick.depthwise
     if not found:

@@ -196,6 +196,12 @@ def test_depthwise_edge_filters_fitted_verify_higher(tmp_path):
     int8 = invoke("quantize", model, "-t", table, "-o", tmp_path / "int8.onnx", "--data", data, "--json", "-q")
     assert int8.exit_code == 0, int8.output  # int8 activations: depthwise Convs keep nearest rounding
     assert "no depthwise Conv with int16 activations" in json.loads(int8.stdout)["weight_rounding"]["reason"]
+    table16 = tmp_path / "q16.txt"
+    table16.write_text("dw INT16\n")  # the depthwise Conv alone given int16: fitted
+    chosen = invoke("quantize", model, "-t", table, "-o", tmp_path / "chosen.onnx", "--data", data, "--json", "-q",
+                    "--precision-table", table16)
+    assert chosen.exit_code == 0, chosen.output
+    assert json.loads(chosen.stdout)["weight_rounding"]["depthwise"] == 1
     # the taps' sum kept: the moving level no longer leaks into the output
     assert scores["fitted"] > scores["nearest"] + 3, scores
     fitted, nearest = (onnx.load(tmp_path / f"{n}.onnx") for n in ("fitted", "nearest"))
