@@ -1088,8 +1088,7 @@ class _Rewriter:
             op = integer.get(node.name)
             if op is None or node.op_type not in WIDE_WEIGHT_OPS:
                 continue
-            found |= {node.input[i] for i, spec in op.constants(node).items()
-                      if isinstance(spec, Weight) and i < len(node.input) and node.input[i] in self.inits}
+            found |= {node.input[i] for i, spec in self._specs(node, op).items() if isinstance(spec, Weight)}
         return found
 
     def _wide_operands(self, integer: dict, qparams: dict) -> set[str]:
