@@ -73,6 +73,7 @@ _ONNX_INT = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8,
 
 
 ACTIVATION_KEY = "qtool.activation_type"  # metadata: the options' activation type (int8, int16, ...)
+WEIGHT_KEY = "qtool.weight_type"  # metadata: the options' weight type, where not int8
 FLOAT_NODES_KEY = "qtool.float_nodes"  # metadata: node name -> why it runs float, as quantize reported it
 DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
 
@@ -361,6 +362,8 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     meta = {"qtool.version": __version__, "qtool.rounding": options.rounding,
             "qtool.multiplier_bits": str(options.multiplier_bits), "qtool.source_sha256": digest,
             TARGET_KEY: options.target, ACTIVATION_KEY: options.activation_type}
+    if options.weight_type != "int8":
+        meta[WEIGHT_KEY] = options.weight_type
     if table.preprocess:  # how the calibration images became tensors: verify and exec reuse it
         meta[PREPROCESS_KEY] = json.dumps(table.preprocess, sort_keys=True)
     for key, value in meta.items():

@@ -3,6 +3,8 @@ ConvTranspose, MatMul and Gemm stored int16 per channel, behind standard Dequant
 executor's exact 64-bit sums against onnxruntime running the model as written; a smaller error
 than int8 weights on samples the table was not made on; the refusals."""
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -124,3 +126,20 @@ def test_refusals(made, args, fragments):
     out = folder / "refused.onnx"
     assert_user_error(invoke("quantize", model, "-t", table, "-o", out, *args), *fragments)
     assert not out.exists()
+
+
+def test_a_failing_int16_model_points_to_int16_weights(made):
+    folder, model, data, held, _ = made
+    table = folder / "t_steps.yaml"
+    assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
+    strict = ("--tolerance", "0.99999,90", "--json", "-q")
+    steps = {}
+    for weights in ("int8", "int16"):
+        out = folder / f"steps_{weights}.onnx"
+        assert invoke("quantize", model, "-t", table, "-o", out, "--activation-type", "int16",
+                      "--weight-type", weights, "-q").exit_code == 0
+        result = invoke("verify", model, out, "--data", held, *strict)
+        assert result.exit_code == 1, result.output
+        steps[weights] = " ".join(json.loads(result.stdout)["next_steps"])
+    assert "--weight-type int16" in steps["int8"]
+    assert "--weight-type int16" not in steps["int16"] and "qtool analyze" in steps["int16"]

@@ -414,6 +414,9 @@ def next_steps(report: VerifyReport) -> list[str]:
     if made.get("qtool.activation_type", "int8") in ("int8", "uint8"):
         steps.append("16-bit activations: --activation-type int16 for all, or --data CALIB.npz --target-sqnr DB "
                      "for the fewest ops that reach DB dB (the model stays integer)")
+    elif made.get("qtool.weight_type", "int8") == "int8":
+        steps.append("16-bit weights too: --activation-type int16 --weight-type int16 (Conv, ConvTranspose, "
+                     "MatMul and Gemm weights int16: 16x16)")
     start = report.loss_start()
     where = f"; the loss starts at {start[0].name} ({start[0].op_type})" if start is not None else ""
     steps.append(f"find the costly ops: qtool analyze MODEL --data CALIB.npz --table TABLE, or verify "
