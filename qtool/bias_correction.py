@@ -65,6 +65,7 @@ class BiasCorrection:
     factor: float = 1.0
     scored: str = ""
     reason: str = ""  # why it was not judged
+    fitted_in_rounding: bool = False  # fitted by the weight rounding's judge (its seconds are that step's)
 
     @property
     def score_db(self) -> float | None:
@@ -88,6 +89,8 @@ class BiasCorrection:
             out["scored"] = self.scored
         if self.reason:
             out["not_judged"] = self.reason
+        if self.fitted_in_rounding:
+            out["fitted_in_rounding"] = True
         return out
 
 
@@ -359,12 +362,15 @@ def quantize_corrected(model_path, table, options, table_name: str, data_path,
     ``rounded_weights``: fitted weight integers (qtool.rounding), ``channel_ranges``: per-channel
     activation ranges (qtool.channels), in every model built here; ``correction``: the one
     ``fit_correction`` gave for these already (the weight rounding's judge fitted it)."""
-    start = time.perf_counter()
-    if correction is None:
+    fitted_here = correction is None
+    if fitted_here:
         correction = fit_correction(model_path, table, options, table_name, data_path, num_samples, batch_size,
                                     progress, preprocess, holdout, rounded_weights, channel_ranges)
+    start = time.perf_counter()
     qmodel, report = quantize(model_path, table, options, table_name, correction.applied, rounded_weights,
                               channel_ranges)
-    correction.seconds += time.perf_counter() - start
+    # a correction the weight rounding's judge fitted is in that step's seconds already
+    correction.fitted_in_rounding = not fitted_here
+    correction.seconds = (correction.seconds if fitted_here else 0.0) + time.perf_counter() - start
     report.bias_correction = correction.to_dict()
     return qmodel, report, correction

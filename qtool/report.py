@@ -100,6 +100,8 @@ def bias_summary(bc: dict) -> str:
     if bc["ops"] and applied != "none":
         text += (f" (largest shift {bc['largest_shift']['relative']:.3f} x the output RMS, "
                  f"'{bc['largest_shift']['node']}')")
+    if bc.get("fitted_in_rounding"):
+        return text + " (fitted for the weight rounding's judge; its time is that step's)"
     return text + f" in {bc['seconds']:.1f} s"
 
 

@@ -191,6 +191,10 @@ def test_depthwise_edge_filters_fitted_verify_higher(tmp_path):
             rounding = report["weight_rounding"]
             assert rounding["depthwise"] == 1 and rounding["layers"] == 0 and rounding["after_bias_correction"]
             assert rounding["kept"] and rounding["heldout_fitted_sqnr_db"] > rounding["heldout_nearest_sqnr_db"] + 5
+            # the correction written is the one the judge fitted for the fitted rounding, not fitted again
+            assert report["bias_correction"]["fitted_in_rounding"]
+            assert report["bias_correction"]["heldout_sqnr_db"][str(report["bias_correction"]["applied"])] == \
+                rounding["heldout_fitted_sqnr_db"] or report["bias_correction"]["applied"] == 0
         checked = verify(model, tmp_path / f"{name}.onnx", held, progress=False)
         scores[name] = checked.outputs[0].sqnr
     int8 = invoke("quantize", model, "-t", table, "-o", tmp_path / "int8.onnx", "--data", data, "--json", "-q")
