@@ -98,6 +98,11 @@ class QuantizeOptions:
     weight_type: str = "int8"
     block_size: int = 0
 
+    @property
+    def blocked_weights(self) -> bool:
+        """int4 and/or blocked MatMul/Gemm weights: standard ONNX from ``BLOCKED_OPSET``."""
+        return self.weight_type == "int4" or self.block_size > 0
+
     def check(self) -> None:
         get_target(self.target)
         if self.input_pixels is not None:
@@ -121,8 +126,7 @@ class QuantizeOptions:
             raise QtoolError("--block-size is for int8 and int4 weights; int16 weights take one scale per channel")
         if self.block_size < 0 or self.block_size == 1:
             raise QtoolError(f"--block-size must be 0 (per channel) or at least 2, got {self.block_size}")
-        if (self.weight_type != "int8" or self.block_size) and (self.format != "qdq"
-                                                               or self.target != DEFAULT_TARGET):
+        if self.blocked_weights and (self.format != "qdq" or self.target != DEFAULT_TARGET):
             what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
             raise QtoolError(f"int4 and blocked weights are written as QDQ (DequantizeLinear with "
                              f"block_size, opset {BLOCKED_OPSET}) for the {DEFAULT_TARGET} target; drop {what}")
@@ -335,14 +339,13 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
         report.warnings.append(f"{table_name} was made for model '{table.model}' "
                                f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
                                f"(sha256 {digest[:12]})")
-    if (options.weight_type == "int4" or options.block_size) and default_opset(model) < BLOCKED_OPSET:
+    if options.blocked_weights and default_opset(model) < BLOCKED_OPSET:
         model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
                         "int4 and blocked weights are standard ONNX from there")
     report.opset = default_opset(model)
     written = file_opset(model_path)
     if written < report.opset:
-        why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and \
-            (options.weight_type == "int4" or options.block_size) else ""
+        why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and options.blocked_weights else ""
         report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
     pixels = None
     if options.input_pixels is not None:
@@ -1189,7 +1192,7 @@ class _Rewriter:
     def _blocked(self, node, spec) -> bool:
         """This weight of ``node`` is written int4 and/or in blocks (the options ask, the op takes it)."""
         return (node.op_type in BLOCKED_OPS and isinstance(spec, Weight) and spec.axis is not None
-                and (self.opt.weight_type == "int4" or self.opt.block_size > 0)
+                and self.opt.blocked_weights
                 and getattr(self.inits.get(node.input[1] if len(node.input) > 1 else ""), "ndim", 0) == 2)
 
     def _blocked_weight(self, name: str, spec: Weight) -> str:
