@@ -189,11 +189,12 @@ def search_summary(sr: dict) -> str:
             f", target {sr['target_sqnr_db']:g} dB {'reached' if sr['reached'] else 'NOT reached'}")
     listed = f" ({names}{more})" if names else ""
     what = "given int16 activations" if int16 else "kept float"
-    text = (f"{len(picked)} ops {what}{listed}; SQNR {sr['integer_sqnr_db']} dB all int8 "
+    base = f"all {sr.get('activations', 'int8')}"  # the all-integer model the search starts from
+    text = (f"{len(picked)} ops {what}{listed}; SQNR {sr['integer_sqnr_db']} dB {base} "
             f"-> {sr['final_sqnr_db']} dB{goal} on {sr['samples']} samples")
     if sr.get("heldout_samples"):
         text += (f"; held-out {sr['heldout_integer_sqnr_db']} -> {sr['heldout_final_sqnr_db']} dB on "
-                 f"{sr['heldout_samples']} others" + (f": the ops {what} bought nothing there, all int8 "
+                 f"{sr['heldout_samples']} others" + (f": the ops {what} bought nothing there, {base} "
                                                       "kept" if sr.get("reverted") else ""))
     whole = sr.get("whole_sqnr_db")
     if whole is not None:

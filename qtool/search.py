@@ -49,6 +49,7 @@ class SearchResult:
     kept_float: list[tuple[str, str]] = field(default_factory=list)  # (op_type, node), costliest first
     int16: list[tuple[str, str]] = field(default_factory=list)  # promoted to int16 activations
     precision: str = "int16"  # what the search gives the ops it picks: "int16" or "float"
+    activations: str = "int8"  # the activation type of the all-integer model it starts from
     integer_db: float = 0.0  # every op integer
     final_db: float = 0.0  # the model returned, on the same samples
     target_db: float | None = None
@@ -74,6 +75,7 @@ class SearchResult:
     def to_dict(self) -> dict:
         return {"kept_float": [{"op_type": t, "node": n} for t, n in self.kept_float],
                 "int16": [{"op_type": t, "node": n} for t, n in self.int16], "precision": self.precision,
+                "activations": self.activations,
                 "integer_sqnr_db": finite(self.integer_db), "final_sqnr_db": finite(self.final_db),
                 "target_sqnr_db": self.target_db, "max_float_layers": self.max_float,
                 "reached": self.reached, "candidates": self.candidates, "evaluations": self.evaluations,
@@ -111,9 +113,12 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     if not allow_float and (options.format != "qdq" or options.target != DEFAULT_TARGET):
         raise QtoolError(f"the search gives ops int16 activations, written as QDQ for the "
                          f"{DEFAULT_TARGET} target; add --allow-float to keep them float instead")
+    if not allow_float and options.activation_type == "int16":
+        raise QtoolError("the search gives ops int16 activations, and --activation-type int16 has given them "
+                         "to every op already; add --allow-float to keep ops float instead")
     start = time.perf_counter()
     result = SearchResult(target_db=target_db, max_float=max_float,
-                          precision="float" if allow_float else "int16")
+                          precision="float" if allow_float else "int16", activations=options.activation_type)
     clock = [start]
 
     def phase(name: str) -> None:  # the time since the last phase ended, added to ``name``

@@ -211,6 +211,23 @@ def test_an_int16_search_refuses_8_bit_forms(demo_model, demo_table, demo_calib,
     assert not (tmp_path / "q.onnx").exists()
 
 
+def test_an_int16_search_of_an_int16_model_is_refused_and_float_search_names_its_base(demo_model, demo_table,
+                                                                                      demo_calib, tmp_path):
+    # every op has int16 activations already: an int16 search has nothing to give (it reported
+    # "0 ops given int16 activations; SQNR 43.9 dB all int8 -> 43.9 dB ... all int8 kept")
+    write_table(demo_table, tmp_path / "t.yaml")
+    args = ("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "--data", demo_calib,
+            "--target-sqnr", "60", "--activation-type", "int16")
+    result = invoke(*args)
+    assert_user_error(result, "the search gives ops int16 activations, and --activation-type int16 has given "
+                              "them to every op already; add --allow-float to keep ops float instead")
+    assert not (tmp_path / "q.onnx").exists()
+    result = invoke(*args, "--allow-float")
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("search:"))
+    assert "dB all int16 -> " in line and "int8" not in line
+
+
 def test_16_bit_tables_are_not_written_into_the_model(cnn):
     # the integer parameters travel in the model's metadata; a 65536-entry table per op made a
     # PP-OCRv4 rec with every op int16 15.7 MB instead of 4 MB
