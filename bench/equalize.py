@@ -42,28 +42,33 @@ def _attr(node, name, default):
     return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
-def equalize(model: onnx.ModelProto) -> int:
-    """Equalize every eligible conv pair of ``model`` in place; returns how many."""
-    inits = {i.name: i for i in model.graph.initializer}
+def conv_pairs(model: onnx.ModelProto, through: tuple[str, ...] = ("Relu",)):
+    """Each (a, b): Conv ``a`` whose output only Conv ``b`` reads, as its input, directly or
+    through one op of ``through`` that only ``b`` reads (f(x/s) = f(x)/s for s > 0), no graph
+    output on the way: the pairs a rescaling of a's output channels leaves exact."""
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     outputs = {o.name for o in model.graph.output}
-    pairs = 0
     for a in model.graph.node:
-        if a.op_type != "Conv" or a.input[1] not in inits:
+        if a.op_type != "Conv":
             continue
-        tensor, between = a.output[0], None
+        tensor = a.output[0]
         users = consumers.get(tensor, [])
-        if len(users) == 1 and users[0].op_type == "Relu" and tensor not in outputs:
-            between = users[0]
-            tensor = between.output[0]
+        if len(users) == 1 and users[0].op_type in through and tensor not in outputs:
+            tensor = users[0].output[0]
             users = consumers.get(tensor, [])
-        if len(users) != 1 or users[0].op_type != "Conv" or tensor in outputs or users[0].input[0] != tensor:
-            continue
-        b = users[0]
-        if b.input[1] not in inits:
+        if len(users) == 1 and users[0].op_type == "Conv" and tensor not in outputs and users[0].input[0] == tensor:
+            yield a, users[0]
+
+
+def equalize(model: onnx.ModelProto) -> int:
+    """Equalize every eligible conv pair of ``model`` in place; returns how many."""
+    inits = {i.name: i for i in model.graph.initializer}
+    pairs = 0
+    for a, b in list(conv_pairs(model)):
+        if a.input[1] not in inits or b.input[1] not in inits:
             continue
         wa = numpy_helper.to_array(inits[a.input[1]]).astype(np.float64)
         wb = numpy_helper.to_array(inits[b.input[1]]).astype(np.float64)

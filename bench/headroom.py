@@ -48,6 +48,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
+import equalize  # noqa: E402
 import zoo  # noqa: E402
 
 from qtool.analyze import Evaluator, split_batches  # noqa: E402
@@ -83,22 +84,10 @@ def weighted_inputs(qmodel: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 
 def equalizable_pairs(float_model: onnx.ModelProto) -> int:
-    """Conv pairs that cross-layer equalization can rescale exactly: a Conv whose output only a
-    Conv reads, directly or through one Relu, LeakyRelu or PRelu read only by it (f(x/s) = f(x)/s
-    for s > 0). SiLU, HardSwish, GELU and the like do not commute with a scale."""
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in float_model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    count = 0
-    for node in float_model.graph.node:
-        if node.op_type != "Conv":
-            continue
-        readers = consumers.get(node.output[0], [])
-        if len(readers) == 1 and readers[0].op_type in ("Relu", "LeakyRelu", "PRelu"):
-            readers = consumers.get(readers[0].output[0], [])
-        count += len(readers) == 1 and readers[0].op_type == "Conv"
-    return count
+    """The Conv pairs that cross-layer equalization can rescale exactly (bench/equalize.py's,
+    also through LeakyRelu and PRelu). SiLU, HardSwish, GELU and the like do not commute with a
+    scale."""
+    return sum(1 for _ in equalize.conv_pairs(float_model, ("Relu", "LeakyRelu", "PRelu")))
 
 
 def channel_ranges(float_model: onnx.ModelProto, names: list[str], files: list[Path]) -> dict[str, tuple]:
