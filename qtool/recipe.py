@@ -26,7 +26,7 @@ from .placement import place
 from .sizing import fixed_batch, wide_activations
 from .quantize import DATA_STEPS_KEY, keeping_candidates, quantize
 from .rounding import fit as fit_rounding
-from .search import choose_method, choose_methods, search
+from .search import check_search_options, choose_method, choose_methods, search
 from .table import Table
 
 
@@ -66,6 +66,8 @@ def quantize_with_data(model_path, table: Table, options, table_name: str, data_
 
 def _quantize_with_data(model_path, table: Table, options, table_name: str, data_path, steps: DataSteps,
                         progress: bool):
+    if steps.searching:
+        check_search_options(options, steps.allow_float)  # before the steps that precede it run
     common = dict(progress=progress, preprocess=steps.preprocess, holdout=steps.holdout)
     n, batch = steps.num_samples, steps.batch_size
     choice = pick = None

@@ -95,6 +95,17 @@ def realizable(qdq: QdqModel, float_ops: set[str]) -> onnx.ModelProto:
     return qdq.ablated(qdq.all_tensors() - fenced, weights)
 
 
+def check_search_options(options, allow_float: bool) -> None:
+    """Refuse a search the options leave nothing to do for, before any data step runs: int16
+    activations need the QDQ form of the default target, and an int16 model has them everywhere."""
+    if not allow_float and (options.format != "qdq" or options.target != DEFAULT_TARGET):
+        raise QtoolError(f"the search gives ops int16 activations, written as QDQ for the "
+                         f"{DEFAULT_TARGET} target; add --allow-float to keep them float instead")
+    if not allow_float and options.activation_type == "int16":
+        raise QtoolError("the search gives ops int16 activations, and --activation-type int16 has given them "
+                         "to every op already; add --allow-float to keep ops float instead")
+
+
 def search(model_path, table, options, table_name: str, data_path, target_db: float | None = None,
            max_float: int | None = None, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
            bias_correction: bool = True, progress: bool = True, preprocess=None,
@@ -110,12 +121,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         raise QtoolError("the search needs a target SQNR or a number of layers to keep float")
     if max_float is not None and max_float < 0:
         raise QtoolError(f"--max-float-layers must be >= 0, got {max_float}")
-    if not allow_float and (options.format != "qdq" or options.target != DEFAULT_TARGET):
-        raise QtoolError(f"the search gives ops int16 activations, written as QDQ for the "
-                         f"{DEFAULT_TARGET} target; add --allow-float to keep them float instead")
-    if not allow_float and options.activation_type == "int16":
-        raise QtoolError("the search gives ops int16 activations, and --activation-type int16 has given them "
-                         "to every op already; add --allow-float to keep ops float instead")
+    check_search_options(options, allow_float)
     start = time.perf_counter()
     result = SearchResult(target_db=target_db, max_float=max_float,
                           precision="float" if allow_float else "int16", activations=options.activation_type)
