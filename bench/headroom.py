@@ -90,18 +90,15 @@ def equalizable_pairs(float_model: onnx.ModelProto) -> int:
     return sum(1 for _ in equalize.conv_pairs(float_model, ("Relu", "LeakyRelu", "PRelu")))
 
 
-def channel_ranges(float_model: onnx.ModelProto, names: list[str], files: list[Path]) -> dict[str, tuple]:
-    """Each tensor's per-channel (min, max, axis) over the samples of ``files``, onnxruntime float,
+def channel_ranges(float_model: onnx.ModelProto, names: list[str], path: Path) -> dict[str, tuple]:
+    """Each tensor's per-channel (min, max, axis) over the samples of ``path``, onnxruntime float,
     one sample a run."""
     probe = onnx.ModelProto()
     probe.CopyFrom(float_model)
     del probe.graph.output[:]
     probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    data = {}
-    for path in files:
-        for key, value in np.load(path).items():
-            data[key] = np.concatenate([data[key], value]) if key in data else value
+    data = dict(np.load(path))
     wanted = {i.name for i in session.get_inputs()}
     count = len(next(iter(data.values())))
     ranges: dict[str, tuple] = {}
@@ -165,8 +162,10 @@ def bench(entry, work: Path, bias_correction: bool) -> dict:
     qmodel = onnx.load(qpath)
     targets = weighted_inputs(qmodel)
     names = sorted({q.input[0] for q in targets})
-    fitted = channel_ranges(float_model, names, [folder / "calib.npz"])
-    seen = channel_ranges(float_model, names, [folder / "calib.npz", folder / "eval.npz"])
+    fitted = channel_ranges(float_model, names, folder / "calib.npz")
+    scored = channel_ranges(float_model, names, folder / "eval.npz")
+    seen = {name: (np.minimum(lo, scored[name][0]), np.maximum(hi, scored[name][1]), axis)
+            for name, (lo, hi, axis) in fitted.items()}  # calib.npz and eval.npz together
     samples = len(next(iter(np.load(folder / "eval.npz").values())))
     batches, _ = split_batches(float_model, folder / "eval.npz", samples, 0, 1)
     evaluator = Evaluator(float_model, batches)
