@@ -26,6 +26,8 @@ Commands (``--commands``), qtool's defaults otherwise:
 - quantize-data     qtool quantize MODEL -t table.yaml -o q.onnx --data calib.npz
                     (bias correction; once per model, on the 64-sample calibration file, which
                     also has its own baseline pair)
+- quantize-search   the same with --target-sqnr 25 (int16 activations for the fewest ops that
+                    reach 25 dB; on the calibration file like quantize-data)
 q.onnx, q16.onnx and table.yaml are made once per model, untimed, from the calibration file (64 samples,
 seed 12; the timed data uses seed 11, the first k samples shared by every sample count).
 
@@ -63,7 +65,9 @@ sys.path.insert(0, str(BENCH))
 # and the parent stays small (its resident set is every child's floor of peak RSS).
 
 MODELS = ("rec", "det")
-COMMANDS = ("calibrate-minmax", "calibrate-kl", "exec", "exec-int16", "verify", "quantize-data")
+COMMANDS = ("calibrate-minmax", "calibrate-kl", "exec", "exec-int16", "verify", "quantize-data", "quantize-search")
+ON_CALIBRATION = ("quantize-data", "quantize-search")  # run once per model, on the calibration file
+SEARCH_TARGET_DB = 25.0
 ORT_BATCH = {"rec": 8, "det": 1}  # samples per onnxruntime run in the baseline
 INPUT = "x"  # the input name of both PP-OCRv4 models, and the array name in every .npz
 DATA_SEED, CALIB_SEED, CALIB_SAMPLES = 11, 12, 64
@@ -220,9 +224,10 @@ def command_argv(command: str, qtool: str, model: str, qmodel: Path, table: Path
         return [qtool, "exec", str(source), "--input", str(data), "-o", str(path), "-q"], path
     if command == "verify":
         return [qtool, "verify", model, str(qmodel), "--data", str(data), "-q", "--tolerance", "0"], out / "-"
-    if command == "quantize-data":
-        path = out / "quantize-data.onnx"
-        return [qtool, "quantize", model, "-t", str(table), "-o", str(path), "--data", str(data)], path
+    if command in ON_CALIBRATION:
+        path = out / f"{command}.onnx"
+        argv = [qtool, "quantize", model, "-t", str(table), "-o", str(path), "--data", str(data)]
+        return argv + (["--target-sqnr", f"{SEARCH_TARGET_DB:g}"] if command == "quantize-search" else []), path
     raise ValueError(f"unknown command {command!r}")
 
 
@@ -272,7 +277,7 @@ def bench_group(kind: str, model: str, n: int, data_label: str, data: Path, comm
         failed = sum(run.returncode == 1 for run in runs)
         if failed:
             notes.append(f"exit 1 (tolerance missed) in {failed}/{len(runs)}")
-        if command == "quantize-data":
+        if command in ON_CALIBRATION:
             notes.append("bias correction on the calibration file")
         rows.append(Row(kind, n, data_label, command, statistics.median(seconds), statistics.median(ratios),
                         max(run.rss_mb for run in runs), "; ".join(notes), seconds))
@@ -366,10 +371,11 @@ def run_bench(args, models: list[str], samples: list[int], commands: list[str], 
         folder = work / "runs" / kind
         table, qmodel, prep = prepare(qtool, model, calib, folder / "prepare")
         log += [f"[{kind} prepare] {line}" for line in prep]
-        if "quantize-data" in commands:
-            rows += bench_group(kind, model, CALIB_SAMPLES, "calib", calib, ["quantize-data"], args.repeats,
+        once = [c for c in commands if c in ON_CALIBRATION]
+        if once:
+            rows += bench_group(kind, model, CALIB_SAMPLES, "calib", calib, once, args.repeats,
                                 qtool, qmodel, table, folder / "calib", log)
-        per_n = [c for c in commands if c != "quantize-data"]
+        per_n = [c for c in commands if c not in ON_CALIBRATION]
         if per_n:
             for n in samples:
                 rows += bench_group(kind, model, n, "data", paths[n], per_n, args.repeats,

@@ -144,8 +144,10 @@ def _interrupted(tmp_path, module: str, function: str, *args) -> tuple[int, str]
 
     script = tmp_path / "slow.py"
     script.write_text(_SLOW.format(module=module, function=function))
+    # SIGINT handled as in a terminal, even where pytest itself runs with it ignored (a background
+    # job of a shell without job control), which a child would inherit and qtool then leaves alone
     proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr.readline() == "working\n"
         proc.send_signal(signal.SIGINT)
