@@ -36,7 +36,7 @@ from .qoperator import to_qoperator
 from .qparams import (MIN_THRESHOLD, RANGE_LIMIT, QParams, asymmetric, per_channel_activation,
                       per_channel_symmetric, quantize_array,
                       safe_range, symmetric)
-from .table import Table
+from .table import Table, TensorEntry
 from .targets import DEFAULT_TARGET, METADATA_KEY as TARGET_KEY, get_target
 from .targets import x86
 from .targets.form import guard_float_ops, to_unsigned
@@ -854,11 +854,11 @@ class _Rewriter:
         self.report.qparam_groups = [list(m) for m in groups.values() if len(m) > 1]
         wide = self._int16_tensors(integer)
         for members in groups.values():
+            dtype = "int16" if any(name in wide for name in members) else self.opt.activation_type
             lo, hi, threshold = np.inf, -np.inf, 0.0
             for name in members:
-                e_lo, e_hi, e_thr = self._effective_range(name, integer)
+                e_lo, e_hi, e_thr = self._effective_range(name, integer, dtype == "int16")
                 lo, hi, threshold = min(lo, e_lo), max(hi, e_hi), max(threshold, e_thr)
-            dtype = "int16" if any(name in wide for name in members) else self.opt.activation_type
             qp = self._qparams(lo, hi, threshold, members, dtype)
             if len(members) == 1 and members[0] in self.channel_ranges and qp.dtype in ("int8", "uint8") \
                     and not self.opt.symmetric:
@@ -948,14 +948,18 @@ class _Rewriter:
         read_by_conv = any(u.op_type == "Conv" for u in self.consumers.get(name, []))
         return per_channel_activation(np.maximum(c_lo, lo), np.minimum(c_hi, hi), dtype, read_by_conv)
 
-    def _effective_range(self, name, integer):
+    def _effective_range(self, name, integer, int16: bool = False):
         """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part.
-        An output whose range the op fixes (Softmax: [0, 1]) takes that range."""
+        An output whose range the op fixes (Softmax: [0, 1]) takes that range. An int16 one takes
+        the table's ``int16_ranges`` where it has one."""
         producer = self.producers.get(name)
         if producer is not None and producer.op_type in FIXED_OUTPUT_RANGE:
             lo, hi = FIXED_OUTPUT_RANGE[producer.op_type]
             return lo, hi, max(abs(lo), abs(hi))
         e = self.table.tensors[name]
+        if int16 and name in self.table.int16_ranges:
+            lo, hi = self.table.int16_ranges[name]
+            e = TensorEntry(lo, hi, max(abs(lo), abs(hi)), e.method)
         users = self.consumers.get(name, [])
         clamped = (users and name not in self.outputs
                    and all(integer.get(u.name) is not None and integer[u.name].clamps_below_zero

@@ -45,9 +45,14 @@ class Table:
     params: dict = field(default_factory=dict)  # the method's parameters
     input_shapes: dict = field(default_factory=dict)  # input name -> ["N", dims...] seen in the data
     preprocess: dict = field(default_factory=dict)  # how images became tensors (qtool.data.Preprocess)
+    # tensor -> (min, max) an int16 activation takes instead of its entry's: the table as
+    # calibrated, where quantize --data's method choice clipped the 8-bit ranges (a clip made for
+    # 256 steps is far too deep for 65536); not written with the table
+    int16_ranges: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        header = {k: v for k, v in asdict(self).items() if k != "tensors" and (k != "preprocess" or v)}
+        header = {k: v for k, v in asdict(self).items()
+                  if k not in ("tensors", "int16_ranges") and (k != "preprocess" or v)}
         return {"qtool_table": FORMAT_VERSION, **header,
                 "tensors": {name: asdict(e) for name, e in self.tensors.items()}}
 

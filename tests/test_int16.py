@@ -237,3 +237,39 @@ def test_16_bit_tables_are_not_written_into_the_model(cnn):
     sigmoid = next(op for op in params["ops"] if op["node"] == "sigmoid")
     assert sigmoid["params"]["table"] is None and sigmoid["params"]["in_dtype"] == "int16"
     assert len(qmodel.SerializeToString()) < 20_000
+
+
+def test_int16_activations_take_the_ranges_as_calibrated_where_a_method_choice_clipped_them(cnn):
+    # quantize --data's method choice may clip the 8-bit ranges (mse, percentile); an op the
+    # placement or the search gives int16 takes the table's own range (PP-OCRv6 small rec, mse
+    # chosen, every op int16: 11.4 dB with mse's ranges, 29.9 dB with the calibrated ones)
+    from dataclasses import replace
+
+    from qtool.recipe import int16_as_calibrated
+    from qtool.table import TensorEntry
+
+    _, model, data, _ = cnn
+    given = calibrate(model, data, progress=False)
+    clipped = replace(given, method="mse", tensors={
+        name: TensorEntry(e.min / 4, e.max / 4, e.threshold / 4, "mse") if name != "x" else e
+        for name, e in given.tensors.items()})
+    chosen = int16_as_calibrated(clipped, given)
+    assert chosen.int16_ranges == {name: (e.min, e.max) for name, e in given.tensors.items() if name != "x"}
+    assert chosen.to_dict() == clipped.to_dict()  # what --table-out writes: the chosen ranges
+
+    def fences(qmodel):  # tensor -> (scale, zero point type)
+        inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
+        return {n.input[0]: (float(inits[n.input[1]]), inits[n.input[2]].dtype)
+                for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+
+    plain = fences(quantize(model, clipped, QuantizeOptions(int16=("conv2",)))[0])
+    kept = fences(quantize(model, chosen, QuantizeOptions(int16=("conv2",)))[0])
+    for name in ("r1", "c2"):  # conv2's input and output: int16, over the calibrated range
+        whole = max(abs(given.tensors[name].min), abs(given.tensors[name].max))
+        assert kept[name] == (pytest.approx(whole / 32767, rel=1e-6), np.int16)
+        assert plain[name][0] == pytest.approx(kept[name][0] / 4, rel=1e-6)
+    # the 8-bit ones keep the chosen ranges: every int8 fence as without int16_ranges
+    assert {n: v for n, v in kept.items() if v[1] != np.int16} == {n: v for n, v in plain.items() if v[1] != np.int16}
+    # and a model with no int16 op is the same bytes either way
+    assert quantize(model, chosen, QuantizeOptions())[0].SerializeToString() == \
+        quantize(model, clipped, QuantizeOptions())[0].SerializeToString()
