@@ -162,7 +162,8 @@ def rounding_summary(rp: dict) -> str:
     held = (f"held-out nearest {rp['heldout_nearest_sqnr_db']} -> fitted {rp['heldout_fitted_sqnr_db']} dB "
             f"on {rp['heldout_samples']} samples{corrected}")
     kinds = [f"{count} {kind}" for count, kind in ((rp["layers"], "MatMul/Gemm"),
-                                                   (rp.get("depthwise", 0), "depthwise Conv")) if count]
+                                                   (rp.get("depthwise", 0), "depthwise Conv"),
+                                                   (rp.get("convs", 0), "Conv")) if count]
     what = f"{' and '.join(kinds)} weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
     return f"{what}; {held}" + ("" if rp["kept"] else f": not {rp['gain_db']:g} dB higher, nearest kept")
 
