@@ -151,9 +151,14 @@ def edge_block(path, seed=0):
              (("dw", dw), ("db", rng.normal(0, 0.1, CHANNELS)), ("pw", pw), ("pb", np.zeros(4)))]
     nodes = [helper.make_node("Conv", ["x", "dw", "db"], ["c"], name="dw", pads=[1, 1, 1, 1], group=CHANNELS),
              helper.make_node("Conv", ["c", "pw", "pb"], ["y"], name="pw")]
+    return _saved(path, "edges", nodes, inits, [4, 16, 16])
+
+
+def _saved(path, name, nodes, inits, y_dims):
+    """The graph of ``nodes`` from x [N, CHANNELS, 16, 16] to y [N, *y_dims], checked and saved."""
     graph = helper.make_graph(
-        nodes, "edges", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", CHANNELS, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])], inits)
+        nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", CHANNELS, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *y_dims])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     onnx.save(model, path)
@@ -247,13 +252,7 @@ def squeeze_block(path, seed=0):
     nodes = [helper.make_node("Conv", ["x", "w3", "b3"], ["c"], name="conv", pads=[1, 1, 1, 1]),
              helper.make_node("GlobalAveragePool", ["c"], ["g"], name="gap"),
              helper.make_node("Conv", ["g", "se"], ["y"], name="se")]
-    graph = helper.make_graph(
-        nodes, "squeeze", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", CHANNELS, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 1, 1])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return _saved(path, "squeeze", nodes, inits, [4, 1, 1])
 
 
 def test_a_group_1_conv_fitted_on_its_windows_lowers_its_output_error_on_other_samples(tmp_path):
