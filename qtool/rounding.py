@@ -71,6 +71,7 @@ DAMP = 0.01
 # --activation-type int16 --data), PP-OCRv4 rec 27.4 / 27.4 / 34.7 / 29.8 dB at 0.01 / 0.03 / 0.1 /
 # 1.0, PP-OCRv6 small rec 28.9 / 33.4 / 32.2 dB at 0.01 / 0.1 / 1.0
 CONV_DAMP = 0.1
+GRAM_BYTES = 128 << 20  # the Gram matrices one pass over the fit samples holds at once (_gram_groups)
 # the held-out gain that keeps fitted rounding: on PP-OCRv4 rec it scored 0.04 dB higher on 16
 # judging samples and 0.75 dB lower on the job's evaluation set; a gain that small is noise
 GAIN_DB = 0.5
@@ -230,6 +231,38 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dic
     return sums
 
 
+def _inputs(layer: Layer, inits: dict) -> int:
+    """``K``: the inputs of one output of ``layer`` (a depthwise Conv's: of one channel)."""
+    dims = list(inits[layer.weight].dims)
+    if layer.conv is not None or layer.depthwise is not None:
+        return int(np.prod(dims[1:]))
+    return dims[1] if layer.transposed else dims[0]
+
+
+def _gram_groups(found: dict[str, Layer], inits: dict) -> list[dict[str, Layer]]:
+    """``found`` in groups whose Gram matrices (float64) together hold at most ``GRAM_BYTES``, in
+    graph order, a gram key's layers in one group: each group is one pass over the fit samples
+    (YOLOX's 69 Convs hold 208 MB of Gram matrices, a ResNet-50's several GB)."""
+    size: dict = {}
+    for layer in found.values():
+        k = _inputs(layer, inits)
+        channels = inits[layer.weight].dims[0] if layer.depthwise is not None else 1
+        size[layer.gram_key] = channels * k * k * 8
+    groups: list[dict[str, Layer]] = []
+    held, placed = 0, {}
+    for name, layer in found.items():
+        key = layer.gram_key
+        if key not in placed:
+            if groups and held + size[key] <= GRAM_BYTES:
+                held += size[key]
+            else:
+                groups.append({})
+                held = size[key]
+            placed[key] = len(groups) - 1
+        groups[placed[key]][name] = layer
+    return groups
+
+
 def _fitted(layer: Layer, w: np.ndarray, qp, gram: np.ndarray) -> np.ndarray:
     """The integers of ``w`` (the weight as stored) fitted on ``gram``."""
     if layer.conv is not None:
@@ -289,23 +322,28 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     if held is None:
         return None, pick
     inits = {i.name: i for i in float_model.graph.initializer}
-    sums = grams(float_model, found, fit_batches)
-    # a Conv whose rows do not outnumber its inputs K = C kh kw is left to nearest rounding (an SE
-    # block's 1 x 1 convs see one row a sample: fitted on 16, PP-OCRv4 rec's lost 25 dB held out)
-    found = {name: layer for name, layer in found.items()
-             if layer.conv is None or sums[("rows", layer.gram_key)] >= np.prod(inits[layer.weight].dims[1:])}
-    pick.convs = sum(layer.conv is not None for layer in found.values())
     rounded: dict[str, Rounded] = {}
+    pick.convs = 0
     with progress_bar(len(found), "weight rounding", progress, unit="layer") as bar:
-        for layer in found.values():
-            if layer.weight not in rounded:
-                w = onnx.numpy_helper.to_array(inits[layer.weight]).astype(np.float32)
-                axis = 0 if layer.transposed or layer.depthwise is not None or layer.conv is not None else 1
-                qp = per_channel_symmetric(w, axis) if options.per_channel else \
-                    symmetric(float(np.abs(w).max(initial=0.0)), "int8")
-                q = _fitted(layer, w, qp, sums[layer.gram_key])
-                rounded[layer.weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
-            bar.update(1)
+        for group in _gram_groups(found, inits):  # one pass over the fit samples each
+            sums = grams(float_model, group, fit_batches)
+            for layer in group.values():
+                # a Conv whose rows do not outnumber its inputs K = C kh kw keeps nearest rounding
+                # (an SE block's 1 x 1 convs see one row a sample: fitted on 16, PP-OCRv4 rec's lost
+                # 25 dB of their output on other lines)
+                if layer.conv is not None and sums[("rows", layer.gram_key)] < _inputs(layer, inits):
+                    bar.update(1)
+                    continue
+                pick.convs += layer.conv is not None
+                if layer.weight not in rounded:
+                    w = onnx.numpy_helper.to_array(inits[layer.weight]).astype(np.float32)
+                    axis = 0 if layer.transposed or layer.depthwise is not None or layer.conv is not None else 1
+                    qp = per_channel_symmetric(w, axis) if options.per_channel else \
+                        symmetric(float(np.abs(w).max(initial=0.0)), "int8")
+                    q = _fitted(layer, w, qp, sums[layer.gram_key])
+                    rounded[layer.weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
+                bar.update(1)
+            del sums
     pick.heldout = held.samples
     if corrected:
         pick.corrected = True

@@ -309,3 +309,20 @@ def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_pa
                        for n in ("fitted", "nearest"))
     np.testing.assert_array_equal(fitted["se_quantized"], nearest["se_quantized"])
     assert not np.array_equal(fitted["w3_quantized"], nearest["w3_quantized"])
+
+
+def test_gram_matrices_in_several_passes_give_the_same_model(tmp_path, monkeypatch):
+    # the Gram matrices are held a group at a time (GRAM_BYTES), one pass over the fit samples each
+    model = squeeze_block(tmp_path / "squeeze.onnx")
+    data = lines(tmp_path / "data.npz", 32, 1)
+    table = calibrate(model, data, progress=False)
+    found = {name: layer for name, layer in layers(onnx.load(model)).items()}
+    inits = {i.name: i for i in onnx.load(model).graph.initializer}
+    assert [list(g) for g in rounding._gram_groups(found, inits)] == [["conv", "se"]]
+    options = QuantizeOptions(activation_type="int16")
+    together, _ = fit(model, table, options, "t", data, progress=False)
+    monkeypatch.setattr(rounding, "GRAM_BYTES", 1)
+    assert [list(g) for g in rounding._gram_groups(found, inits)] == [["conv"], ["se"]]
+    apart, pick = fit(model, table, options, "t", data, progress=False)
+    assert pick.convs == 1 and set(together) == set(apart) == {"w3"}
+    np.testing.assert_array_equal(together["w3"].values, apart["w3"].values)
