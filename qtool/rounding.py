@@ -104,7 +104,8 @@ class Layer(NamedTuple):
 
 def layers(model: onnx.ModelProto) -> dict[str, Layer]:
     """node name -> ``Layer`` of each MatMul/Gemm whose weight is a 2-D constant and of each 2-D
-    depthwise Conv (a constant weight [C, 1, kh, kw], explicit pads)."""
+    Conv, depthwise (a constant weight [C, 1, kh, kw]) or of one group ([N, C, kh, kw]), with
+    explicit pads."""
     inits = {i.name: i for i in model.graph.initializer}
     found = {}
     for node in model.graph.node:
@@ -299,12 +300,12 @@ class RoundingPick(JudgedStep):
 def fit(model_path, table: Table, options, table_name: str, data_path, num_samples: int | None = None,
         batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None,
         channel_ranges=None, corrected_judge=None) -> tuple[dict[str, Rounded] | None, RoundingPick]:
-    """The fitted integers of every MatMul/Gemm weight, and of every depthwise Conv's whose
-    activations are int16 (see the module's docstring), or None where they do not score higher
-    on the held-out samples (or there is nothing to fit or judge). ``corrected_judge(rounded) ->
-    (nearest dB, fitted dB)``: bias correction follows, and scores the two models each with its
-    own correction; it judges where depthwise Convs are fitted (elsewhere, or without it, the
-    models are scored as quantized)."""
+    """The fitted integers of every MatMul/Gemm weight, and of every Conv's (depthwise, or of one
+    group with more rows than inputs) whose activations are int16 (see the module's docstring),
+    or None where they do not score higher on the held-out samples (or there is nothing to fit or
+    judge). ``corrected_judge(rounded) -> (nearest dB, fitted dB)``: bias correction follows, and
+    scores the two models each with its own correction; it judges where Convs are fitted
+    (elsewhere, or without it, the models are scored as quantized)."""
     start = time.perf_counter()
     pick = RoundingPick()
     float_model = prepare_file(model_path)
@@ -344,6 +345,10 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
                     rounded[layer.weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
                 bar.update(1)
             del sums
+    if not rounded:
+        pick.reason = "no Conv with more rows on the fit samples than inputs, no MatMul or Gemm"
+        pick.seconds = time.perf_counter() - start
+        return None, pick
     pick.heldout = held.samples
     if corrected:
         pick.corrected = True

@@ -309,6 +309,14 @@ def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_pa
                        for n in ("fitted", "nearest"))
     np.testing.assert_array_equal(fitted["se_quantized"], nearest["se_quantized"])
     assert not np.array_equal(fitted["w3_quantized"], nearest["w3_quantized"])
+    # the SE conv alone given int16: nothing to fit, and no judge run for it
+    (tmp_path / "q16.txt").write_text("se INT16\n")
+    alone = invoke("quantize", model, "-t", table, "-o", tmp_path / "alone.onnx", "--data", data, "--json", "-q",
+                   "--precision-table", tmp_path / "q16.txt")
+    assert alone.exit_code == 0, alone.output
+    report = json.loads(alone.stdout)["weight_rounding"]
+    assert report["reason"].startswith("no Conv with more rows on the fit samples than inputs")
+    assert not report["kept"] and report["heldout_samples"] == 0
 
 
 def test_gram_matrices_in_several_passes_give_the_same_model(tmp_path, monkeypatch):
