@@ -102,7 +102,7 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     elif steps.bias_correction is not False:
         qmodel, report, _ = quantize_corrected(model_path, table, options, table_name, data_path, n, batch,
                                                rounded_weights=rounded, channel_ranges=ranges,
-                                               correction=corrections.get("fitted" if rounded else "nearest"),
+                                               correction=corrections.get(rounding.variant if rounded else "nearest"),
                                                **common)
     else:
         qmodel, report = quantize(model_path, table, options, table_name, None, rounded, ranges)
@@ -138,11 +138,10 @@ def _fit_rounding(model_path, table: Table, options, table_name: str, data_path,
     n, batch = steps.num_samples, steps.batch_size
     corrections: dict = {}
 
-    def corrected_judge(fitted):
-        for key, weights in (("nearest", None), ("fitted", fitted)):
-            corrections[key] = fit_correction(model_path, table, options, table_name, data_path, n, batch,
-                                              rounded_weights=weights, channel_ranges=ranges, scored=True, **common)
-        return corrections["nearest"].score_db, corrections["fitted"].score_db
+    def corrected_judge(weights, key):
+        corrections[key] = fit_correction(model_path, table, options, table_name, data_path, n, batch,
+                                          rounded_weights=weights, channel_ranges=ranges, scored=True, **common)
+        return corrections[key].score_db
 
     rounded, rounding = fit_rounding(model_path, table, options, table_name, data_path, n, batch,
                                      channel_ranges=ranges, **common,

@@ -165,6 +165,10 @@ def rounding_summary(rp: dict) -> str:
                                                    (rp.get("depthwise", 0), "depthwise Conv"),
                                                    (rp.get("convs", 0), "Conv")) if count]
     what = f"{' and '.join(kinds)} weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
+    if rp.get("heldout_without_convs_sqnr_db") is not None:  # the Convs judged apart
+        verdict = "left nearest" if rp["convs_left_nearest"] else "fitted"
+        held += (f" (Convs {verdict}: with them {rp['heldout_with_convs_sqnr_db']}, without "
+                 f"{rp['heldout_without_convs_sqnr_db']} dB)")
     return f"{what}; {held}" + ("" if rp["kept"] else f": not {rp['gain_db']:g} dB higher, nearest kept")
 
 
