@@ -198,11 +198,14 @@ def windows(x: np.ndarray, kernel: tuple[int, int], depthwise: tuple) -> np.ndar
 
 def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dict:
     """``X^T X`` of each layer's input rows over ``batches`` (float64, summed batch by batch), by
-    ``Layer.gram_key``: [K, K], or [C, k, k] per input channel of a depthwise layer."""
+    ``Layer.gram_key``: [K, K], or [C, k, k] per input channel of a depthwise layer; and a Conv's
+    rows under ``("rows", key)`` (its Gram left out where they are fewer than its inputs)."""
     inits = {i.name: i for i in float_model.graph.initializer}
     keys = {layer.gram_key: layer for layer in found.values()}
     runner = FloatRunner(float_model, sorted({layer.x for layer in found.values()}))
     sums: dict = {}
+    # the samples in all (a depthwise layer's ``samples`` below are a chunk's)
+    total, too_few = getattr(batches, "samples", None), set()
     for feeds in batches:
         values = runner.run(feeds)
         for key, layer in keys.items():
@@ -210,7 +213,14 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dic
             if layer.conv is not None:  # every input channel's windows side by side: [rows, C * kh * kw]
                 kernel = tuple(inits[layer.weight].dims[2:])
                 for i in range(x.shape[0]):
+                    if key in too_few:
+                        break
                     win = windows(x[i:i + 1], kernel, layer.conv)
+                    if key not in sums and total is not None and win.shape[1] * total < win.shape[0] * win.shape[2]:
+                        # fewer rows in all than inputs: it keeps nearest rounding (fit), no Gram needed
+                        too_few.add(key)
+                        sums[("rows", key)] = win.shape[1] * total
+                        break
                     rows = win.transpose(1, 0, 2).reshape(win.shape[1], -1)
                     sums[key] = sums.get(key, 0.0) + rows.T @ rows
                     sums[("rows", key)] = sums.get(("rows", key), 0) + rows.shape[0]

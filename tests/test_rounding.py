@@ -334,6 +334,12 @@ def test_gram_matrices_in_several_passes_give_the_same_model(tmp_path, monkeypat
     apart, pick = fit(model, table, options, "t", data, progress=False)
     assert pick.convs == 1 and set(together) == set(apart) == {"w3"}
     np.testing.assert_array_equal(together["w3"].values, apart["w3"].values)
+    # a Conv with fewer rows in all than inputs gets no Gram matrix at all (the SE conv: 16 rows, 32 inputs)
+    from qtool.analyze import Batches
+    x = np.load(data)["x"]
+    sums = rounding.grams(onnx.load(model), found, Batches([{"x": x[:8]}, {"x": x[8:16]}], 16))
+    assert sums[("rows", found["se"].gram_key)] == 16 and found["se"].gram_key not in sums
+    assert sums[("rows", found["conv"].gram_key)] == 16 * 256 and sums[found["conv"].gram_key].shape == (72, 72)
 
 
 def test_convs_are_judged_apart_from_the_other_fitted_layers(tmp_path, monkeypatch):
