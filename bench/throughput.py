@@ -367,7 +367,8 @@ def run_bench(args, models: list[str], samples: list[int], commands: list[str], 
     log: list[str] = []
     for kind in models:
         model = model_path(kind)
-        paths, calib = make_data(work, kind, samples, args.det_size)
+        per_n = [c for c in commands if c not in ON_CALIBRATION]
+        paths, calib = make_data(work, kind, samples if per_n else [], args.det_size)
         folder = work / "runs" / kind
         table, qmodel, prep = prepare(qtool, model, calib, folder / "prepare")
         log += [f"[{kind} prepare] {line}" for line in prep]
@@ -375,7 +376,6 @@ def run_bench(args, models: list[str], samples: list[int], commands: list[str], 
         if once:
             rows += bench_group(kind, model, CALIB_SAMPLES, "calib", calib, once, args.repeats,
                                 qtool, qmodel, table, folder / "calib", log)
-        per_n = [c for c in commands if c not in ON_CALIBRATION]
         if per_n:
             for n in samples:
                 rows += bench_group(kind, model, n, "data", paths[n], per_n, args.repeats,
