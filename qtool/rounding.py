@@ -343,8 +343,6 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     if not found:
         pick.reason = "no MatMul or Gemm with a constant weight, no Conv with int16 activations"
         return None, pick
-    pick.convs = sum(layer.conv is not None for layer in found.values())
-    corrected = corrected_judge is not None and pick.depthwise + pick.convs > 0
     fit_batches, held = pick.split(float_model, data_path, num_samples, holdout, batch_size, preprocess, start)
     if held is None:
         return None, pick
@@ -379,7 +377,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
         pick.seconds = time.perf_counter() - start
         return None, pick
     pick.heldout = held.samples
-    if corrected:
+    if corrected_judge is not None and pick.depthwise + pick.convs > 0:
         pick.corrected = True
         nearest_db, fitted_db = corrected_judge(None, "nearest"), corrected_judge(rounded, "fitted")
         others = {w: r for w, r in rounded.items() if w not in conv_weights}
