@@ -183,27 +183,34 @@ def test_layers_finds_depthwise_and_group_1_convs(tmp_path):
     assert list(layers(model)) == ["pw"]  # implicit pads: not fitted
 
 
-def test_depthwise_edge_filters_fitted_verify_higher(tmp_path):
-    model = edge_block(tmp_path / "edges.onnx")
-    data, held = lines(tmp_path / "data.npz", 32, 1), lines(tmp_path / "held.npz", 16, 2)
+def _fitted_and_nearest(model, data, tmp_path) -> tuple:
+    """Calibrate MODEL on DATA and quantize it with int16 activations and --data, with fitted
+    rounding (fitted.onnx) and without (nearest.onnx): the table and the two JSON reports."""
     table = tmp_path / "t.yaml"
     assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
-    scores = {}
+    reports = {}
     for name, extra in (("fitted", ()), ("nearest", ("--no-weight-rounding",))):
         result = invoke("quantize", model, "-t", table, "-o", tmp_path / f"{name}.onnx", "--data", data,
                         "--activation-type", "int16", "--json", "-q", *extra)
         assert result.exit_code == 0, result.output
-        report = json.loads(result.stdout)
-        if name == "fitted":
-            rounding = report["weight_rounding"]
-            assert rounding["depthwise"] == 1 and rounding["layers"] == 0 and rounding["after_bias_correction"]
-            assert rounding["kept"] and rounding["heldout_fitted_sqnr_db"] > rounding["heldout_nearest_sqnr_db"] + 5
-            # the correction written is the one the judge fitted for the fitted rounding, not fitted again
-            assert report["bias_correction"]["fitted_in_rounding"]
-            assert report["bias_correction"]["heldout_sqnr_db"][str(report["bias_correction"]["applied"])] == \
-                rounding["heldout_fitted_sqnr_db"] or report["bias_correction"]["applied"] == 0
-        checked = verify(model, tmp_path / f"{name}.onnx", held, progress=False)
-        scores[name] = checked.outputs[0].sqnr
+        reports[name] = json.loads(result.stdout)
+    return table, reports
+
+
+def test_depthwise_edge_filters_fitted_verify_higher(tmp_path):
+    model = edge_block(tmp_path / "edges.onnx")
+    data, held = lines(tmp_path / "data.npz", 32, 1), lines(tmp_path / "held.npz", 16, 2)
+    table, reports = _fitted_and_nearest(model, data, tmp_path)
+    report = reports["fitted"]
+    rounding = report["weight_rounding"]
+    assert rounding["depthwise"] == 1 and rounding["layers"] == 0 and rounding["after_bias_correction"]
+    assert rounding["kept"] and rounding["heldout_fitted_sqnr_db"] > rounding["heldout_nearest_sqnr_db"] + 5
+    # the correction written is the one the judge fitted for the fitted rounding, not fitted again
+    assert report["bias_correction"]["fitted_in_rounding"]
+    assert report["bias_correction"]["heldout_sqnr_db"][str(report["bias_correction"]["applied"])] == \
+        rounding["heldout_fitted_sqnr_db"] or report["bias_correction"]["applied"] == 0
+    scores = {name: verify(model, tmp_path / f"{name}.onnx", held, progress=False).outputs[0].sqnr
+              for name in ("fitted", "nearest")}
     int8 = invoke("quantize", model, "-t", table, "-o", tmp_path / "int8.onnx", "--data", data, "--json", "-q")
     assert int8.exit_code == 0, int8.output  # int8 activations: depthwise Convs keep nearest rounding
     assert "no Conv with int16 activations" in json.loads(int8.stdout)["weight_rounding"]["reason"]
@@ -289,14 +296,7 @@ def test_a_group_1_conv_fitted_on_its_windows_lowers_its_output_error_on_other_s
 def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_path):
     model = squeeze_block(tmp_path / "squeeze.onnx")
     data = lines(tmp_path / "data.npz", 32, 1)  # 16 fit samples: 4096 windows of 72 inputs, 16 pooled rows of 32
-    table = tmp_path / "t.yaml"
-    assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
-    runs = {}
-    for name, extra in (("fitted", ()), ("nearest", ("--no-weight-rounding",))):
-        result = invoke("quantize", model, "-t", table, "-o", tmp_path / f"{name}.onnx", "--data", data,
-                        "--activation-type", "int16", "--json", "-q", *extra)
-        assert result.exit_code == 0, result.output
-        runs[name] = json.loads(result.stdout)
+    table, runs = _fitted_and_nearest(model, data, tmp_path)
     rounding_ = runs["fitted"]["weight_rounding"]
     assert rounding_["convs"] == 1 and rounding_["depthwise"] == 0 and rounding_["layers"] == 0
     assert rounding_["after_bias_correction"]
