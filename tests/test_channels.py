@@ -11,20 +11,21 @@ depthwise Conv then amplifies.
 """
 
 import json
+from functools import partial
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from qtool.analyze import as_written_session
-from qtool.calibrate import calibrate
 from qtool.channels import GAIN_DB, candidates, fit
 from qtool.executor import IntegerExecutor
 from qtool.model import load_model, prepare
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.verify import verify
+from graphs import fit_and_held, normal_samples, saved_model
 from test_cli import assert_user_error, invoke
 
 C = 8
@@ -45,25 +46,17 @@ def block(path, seed=0):
              helper.make_node("Sigmoid", ["c"], ["d"], name="sig"),
              helper.make_node("HardSwish", ["d"], ["e"], name="hs1"),
              helper.make_node("Conv", ["e", "pw"], ["y"], name="pw")]
-    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 12, 12])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 12, 12])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return saved_model(path, "block", nodes, inits, {"x": ["N", 3, 12, 12]}, {"y": ["N", 4, 12, 12]})
 
 
-def images(path, n, seed):
-    np.savez(path, x=np.random.default_rng(seed).normal(0, 1, (n, 3, 12, 12)).astype(np.float32))
-    return path
+images = partial(normal_samples, shape=(3, 12, 12))  # images(path, n, seed)
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     folder = tmp_path_factory.mktemp("channels")
     model = block(folder / "block.onnx")
-    data, held = images(folder / "data.npz", 32, 1), images(folder / "held.npz", 16, 2)
-    return folder, model, data, held, calibrate(model, data, progress=False)
+    return (folder, model, *fit_and_held(folder, model, images))
 
 
 def _fences(qmodel):

@@ -8,17 +8,18 @@ times the others, the case that breaks one int8 scale per tensor.
 """
 
 import json
+from functools import partial
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.calibrate import calibrate
 from qtool.model import load_model, prepare
 from qtool.placement import groups, place
 from qtool.quantize import QuantizeOptions, quantize
 from qtool.verify import verify
+from graphs import fit_and_held, normal_samples, saved_model
 from test_cli import assert_no_crash, assert_user_error, invoke
 
 D, HEADS, T, FF = 32, 2, 10, 64
@@ -73,25 +74,17 @@ def transformer(path, layers=2, seed=0, outlier=50.0):
                          init(p + "half", 0.5)], p + "gelu")
         x = node("Add", [x, dense(g, p + "ff2", FF, D)], p + "res2")
     out = layernorm(x, "final")
-    graph = helper.make_graph(nodes, "transformer", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", T, D])],
-                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", T, D])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return saved_model(path, "transformer", nodes, inits, {"x": ["N", T, D]}, {out: ["N", T, D]}, opset=14)
 
 
-def samples(path, n, seed):
-    np.savez(path, x=np.random.default_rng(seed).normal(0, 1, (n, T, D)).astype(np.float32))
-    return path
+samples = partial(normal_samples, shape=(T, D))  # samples(path, n, seed)
 
 
 @pytest.fixture(scope="module")
 def block(tmp_path_factory):
     folder = tmp_path_factory.mktemp("placement")
     model = transformer(folder / "block.onnx")
-    data, held = samples(folder / "data.npz", 32, 1), samples(folder / "held.npz", 16, 2)
-    return model, data, held, calibrate(model, data, progress=False)
+    return (model, *fit_and_held(folder, model, samples))
 
 
 def test_groups_of_a_transformer_block(block):

@@ -19,6 +19,7 @@ from qtool.quantize import QuantizeOptions, quantize
 from qtool import rounding
 from qtool.rounding import GAIN_DB, Rounded, fit, gptq, layers, windows
 from qtool.verify import verify
+from graphs import saved_model
 from test_cli import assert_user_error, invoke
 from test_placement import samples, transformer
 
@@ -156,13 +157,7 @@ def edge_block(path, seed=0):
 
 def _saved(path, name, nodes, inits, y_dims):
     """The graph of ``nodes`` from x [N, CHANNELS, 16, 16] to y [N, *y_dims], checked and saved."""
-    graph = helper.make_graph(
-        nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", CHANNELS, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *y_dims])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return saved_model(path, name, nodes, inits, {"x": ["N", CHANNELS, 16, 16]}, {"y": ["N", *y_dims]})
 
 
 def lines(path, n, seed):

@@ -4,6 +4,7 @@ executor's exact 64-bit sums against onnxruntime running the model as written; a
 than int8 weights on samples the table was not made on; the refusals."""
 
 import json
+from functools import partial
 
 import numpy as np
 import onnx
@@ -11,10 +12,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.calibrate import calibrate
 from qtool.executor import IntegerExecutor
 from qtool.quantize import WIDE_WEIGHT_OPS, QuantizeOptions, quantize
 from qtool.verify import verify
+from graphs import fit_and_held, normal_samples, saved_model
 from test_cli import assert_user_error, invoke
 
 
@@ -35,26 +36,18 @@ def backbone(path, seed=0):
              helper.make_node("Flatten", ["e"], ["f"], name="flat"),
              helper.make_node("Gemm", ["f", "wg", "bg"], ["g"], name="gemm", transB=1),
              helper.make_node("MatMul", ["g", "wm"], ["y"], name="mm")]
-    graph = helper.make_graph(nodes, "backbone", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16, 8, 8])],
-                              [helper.make_tensor_value_info("d", TensorProto.FLOAT, ["N", 4, 16, 16]),
-                               helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return saved_model(path, "backbone", nodes, inits, {"x": ["N", 16, 8, 8]},
+                       {"d": ["N", 4, 16, 16], "y": ["N", 5]})
 
 
-def samples(path, n, seed):
-    np.savez(path, x=np.random.default_rng(seed).normal(0, 1, (n, 16, 8, 8)).astype(np.float32))
-    return path
+samples = partial(normal_samples, shape=(16, 8, 8))  # samples(path, n, seed)
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wide_weights")
     model = backbone(folder / "backbone.onnx")
-    data, held = samples(folder / "data.npz", 32, 1), samples(folder / "held.npz", 16, 2)
-    return folder, model, data, held, calibrate(model, data, progress=False)
+    return (folder, model, *fit_and_held(folder, model, samples))
 
 
 def _weight_types(qmodel) -> dict[str, str]:
