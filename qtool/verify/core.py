@@ -243,7 +243,8 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                              f"class per sample ([{len(data)}])")
     known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
-    tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped)
+    tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped,
+                          t.cut)
                for name, t in executor.integer_tensors().items() if name in known]
     # outputs that join tensors (a Concat of boxes and class scores): each part compared too
     joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
@@ -615,11 +616,14 @@ def format_report(report: VerifyReport) -> str:
     lines += [f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
     for c in report.tensors:
         mark = "  <- worst" if c.name in worst else ""
-        op = c.op_type + ("+Relu" if c.clamped else "")
+        op = c.op_type + ("+Relu" if c.clamped else "+flat" if c.cut is not None else "")
         lines.append(f"{c.name:<32} {op:<18} {c.ran:<8} {c.cosine:>9.6f} {c.sqnr:>8.2f} "
                      f"{c.max_lsb:>8.2f}{mark}")
     if any(c.clamped for c in report.tensors):
         lines.append("(+Relu: quantized with the range of the Relu that reads it; compared after it)")
+    if any(c.cut is not None for c in report.tensors):
+        lines.append("(+flat: read only by ops constant beyond some bounds (HardSwish below -3, HardSigmoid, "
+                     "Clip), quantized within them; compared clipped to them)")
     excluded = [c for c in (*report.outputs, *report.tensors) if c.excluded]
     if excluded:
         lines.append(f"(left out of the figures: reference entries that are no real value, inf, NaN or "
