@@ -316,6 +316,26 @@ def saturating_producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto |
     return node if node is not None and node.op_type in SATURATING else None
 
 
+def sigmoid_window(logits: list[np.ndarray]) -> tuple[float, float] | None:
+    """The logits over which a Sigmoid output still moves by a quarter of an 8-bit step of its
+    range on these samples (``[y_lo, y_hi]`` the float output's, ``s = (y_hi - y_lo) / 255``):
+    ``[logit(y_lo + s/4), logit(y_hi - s/4)]``, as quantize cuts a Sigmoid input
+    (``_saturated_input``). None where there is no such range."""
+    lo, hi = np.inf, -np.inf
+    for x in logits:
+        if np.size(x):
+            x = np.asarray(x, np.float64)
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return None
+    y_lo, y_hi = 1 / (1 + np.exp(-lo)), 1 / (1 + np.exp(-hi))
+    step = (y_hi - y_lo) / 255
+    a, b = y_lo + step / 4, y_hi - step / 4
+    if not 0 < a < b < 1:
+        return None
+    return float(np.log(a / (1 - a))), float(np.log(b / (1 - b)))
+
+
 def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """``model`` with exactly ``names`` as its outputs (a copy, unless they already are)."""
     if [o.name for o in model.graph.output] == names:
@@ -419,6 +439,10 @@ class Evaluator:
                                 for p in range(len(join.inputs))]
         # a piece that is zero in float has no SQNR to keep; it does not decide the score
         self.pieces = [p for p in self.pieces if self._energy(p, self.reference) > 0] or self.pieces[:1]
+        ops = {n.name: n.op_type for n in float_model.graph.node}
+        self.windows = [sigmoid_window([run[i] for run in self.reference])
+                        if node is not None and ops.get(node) == "Sigmoid" else None
+                        for i, (_, node, _) in enumerate(self.items)]
 
     def _run(self, model: onnx.ModelProto, extra: list[str] = (), serialized: bytes | None = None,
              cut: int | None = None) -> list[list[np.ndarray]]:
@@ -500,8 +524,12 @@ class Evaluator:
             if any(np.shape(got[b][i]) != np.shape(self.reference[b][i]) for b in b_range):
                 out.append(-math.inf)  # a size that depends on values came out different
                 continue
-            out.append(sqnr_db([self._values(piece, self.reference, b) for b in b_range],
-                               [self._values(piece, got, b) for b in b_range]))
+            ref = [self._values(piece, self.reference, b) for b in b_range]
+            values = [self._values(piece, got, b) for b in b_range]
+            window = self.windows[i]
+            if window is not None:  # logits where the probability no longer moves: equal
+                ref, values = [np.clip(r, *window) for r in ref], [np.clip(v, *window) for v in values]
+            out.append(sqnr_db(ref, values))
         return out
 
     def sqnr(self, model: onnx.ModelProto) -> float:

@@ -550,7 +550,8 @@ def quantize(
 
     With --target-sqnr, --max-float-layers, --try-methods and the bias-correction judge, the score
     is the worst SQNR over the outputs: an output made by a Softmax/Sigmoid is scored on its input
-    (the logits), an output that concatenates tensors (a detector's boxes and scores) part by part.
+    (the logits; a Sigmoid's where its probability still moves), an output that concatenates
+    tensors (a detector's boxes and scores) part by part.
     """
     from .calibrate import make_calibrator
     from .channels import not_applicable as channels_not_applicable
