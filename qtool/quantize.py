@@ -954,8 +954,9 @@ class _Rewriter:
     def _effective_range(self, name, integer, int16: bool = False):
         """A tensor read only by ops that clamp at zero (Relu) needs only its non-negative part,
         one read only by ops flat beyond some bounds (``_flat_input``) or by saturating ones
-        (``_saturated_input``) only the part they tell apart. An output whose range the op fixes (Softmax: [0, 1]) takes that range. An int16 one takes
-        the table's ``int16_ranges`` where it has one."""
+        (``_saturated_input``) only the part they tell apart. An output whose range the op fixes
+        (Softmax: [0, 1]) takes that range. An int16 one takes the table's ``int16_ranges`` where
+        it has one."""
         producer = self.producers.get(name)
         if producer is not None and producer.op_type in FIXED_OUTPUT_RANGE:
             lo, hi = FIXED_OUTPUT_RANGE[producer.op_type]

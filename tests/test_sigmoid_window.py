@@ -7,7 +7,6 @@ chose at random."""
 import math
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
