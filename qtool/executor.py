@@ -32,7 +32,6 @@ from .model import (batch_hint, graph_inputs, initializers, outer_reads, subgrap
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
 from .ops import blas, blocked, fast_paths, parallel
-from .ops.flat import readers_cut
 from .ops.softmax import MaskedSoftmax
 from .ops.bytetable import BYTE_TYPES, byte_mapped, lookup, values_of
 from .qoperator_exec import QOperatorLowering, float_name
@@ -845,10 +844,7 @@ class IntegerExecutor:
                 clamped = bool(readers) and all(
                     r.kind == "integer" and (r.op.clamps_below_zero or r.clamps_below_zero)
                     for r in readers)
-                cut = None if clamped or qp.dtype not in ("int8", "uint8") \
-                    or not all(r.kind == "integer" for r in readers) else \
-                    readers_cut(out, [(r.node, r.inputs) for r in readers], self.constants.get)
-                info[key] = TensorInfo(op_type, qp, clamped, cut)
+                info[key] = TensorInfo(op_type, qp, clamped)
         return info
 
 
@@ -858,6 +854,3 @@ class TensorInfo:
     qparams: QParams
     # every reader clamps at zero (Relu), so the tensor was quantized with the clamped range
     clamped: bool
-    # an 8-bit tensor whose every reader is constant beyond these bounds (qtool/ops/flat.py):
-    # quantize cut its range there
-    cut: tuple[float, float] | None = None

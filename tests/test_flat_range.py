@@ -160,3 +160,16 @@ def test_int16_activations_keep_the_calibrated_range(tmp_path):
     onnx.save(qmodel, tmp_path / "q.onnx")
     report = verify(path, tmp_path / "q.onnx", data(tmp_path / "held.npz", 8, 2), progress=False)
     assert next(t for t in report.tensors if t.name == "c").cut is None
+
+
+def test_verify_finds_the_cut_in_a_qoperator_model(tmp_path):
+    """QOperator writes the HardSwish as a lookup Gather: verify finds the cut from the float
+    model's readers, and compares the Conv's output within it."""
+    path = model(tmp_path / "m.onnx", "HardSwish")
+    table = calibrate(path, data(tmp_path / "fit.npz", 32, 1), progress=False)
+    qmodel, _ = quantize(path, table, QuantizeOptions(format="qoperator"))
+    assert "HardSwish" not in {n.op_type for n in qmodel.graph.node}
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    report = verify(path, tmp_path / "q.onnx", data(tmp_path / "held.npz", 16, 2), progress=False)
+    c = next(t for t in report.tensors if t.name == "c")
+    assert c.cut == (-3.0, np.inf) and c.sqnr > 30

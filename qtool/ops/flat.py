@@ -3,9 +3,10 @@
 HardSwish is 0 for every input below -3, HardSigmoid is constant outside its linear part, and
 Clip outside its constant bounds. A tensor read only by such ops needs its range only between the
 bounds: every value beyond them gives the same output as the bound itself, exactly, whatever the
-output's steps. ``qtool quantize`` cuts such a tensor's range there (after BatchNorm folding, a
-HardSwish input spans [-19.6, 18.8] on PP-OCRv4 rec and [-3, 18.8] is all it needs), and
-``qtool verify`` compares it clipped to the same bounds.
+output's steps. ``qtool quantize`` cuts such an 8-bit tensor's range there (after BatchNorm
+folding, a HardSwish input spans [-19.6, 18.8] on PP-OCRv4 rec and [-3, 18.8] is all it needs),
+and ``qtool verify`` compares it clipped to the same bounds (the float model's readers, found by
+``flat_cuts``: a QOperator model has a lookup Gather where the HardSwish was).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 
 def flat_bounds(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | None]) -> tuple[float, float] | None:
@@ -55,3 +56,25 @@ def readers_cut(name: str, readers: list[tuple[onnx.NodeProto, list[str]]],
             return None
         lo, hi = min(lo, bounds[0]), max(hi, bounds[1])
     return (float(lo), float(hi)) if np.isfinite(lo) or np.isfinite(hi) else None
+
+
+def flat_cuts(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
+    """tensor -> ``readers_cut`` for every tensor of ``model``'s graph whose readers are all flat
+    beyond some bounds (the float model's readers: verify finds them in either output form)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in dict.fromkeys(node.input):
+            if name:
+                readers.setdefault(name, []).append(node)
+    constants = {i.name: i for i in model.graph.initializer}
+
+    def constant(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(constants[name]) if name in constants else None
+
+    outputs = {o.name for o in model.graph.output}
+    cuts = {}
+    for name, nodes in readers.items():
+        cut = None if name in outputs else readers_cut(name, [(n, list(n.input)) for n in nodes], constant)
+        if cut is not None:
+            cuts[name] = cut
+    return cuts

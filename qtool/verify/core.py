@@ -30,6 +30,7 @@ from ..report import finite, float_node_lines, progress_bar
 from ..targets.ortview import AGREEMENT, deployed_session, first_parting, ort_notes
 from . import compare
 from .compare import Comparison
+from ..ops.flat import flat_cuts
 from ..joins import find_joins
 from .parts import PartComparisons
 
@@ -204,6 +205,20 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     return run_or_one_at_a_time(lambda size: _verify(*args, size, **rest), batch_size, log)
 
 
+def _cut_at(cut: tuple[float, float] | None, qp) -> tuple[float, float] | None:
+    """``cut`` (the float readers' flat bounds, ``flat_cuts``) where the tensor is 8-bit and its
+    levels end within two steps of the bounds, as quantize cuts it; else None."""
+    if cut is None or qp is None or qp.dtype not in ("int8", "uint8"):
+        return None
+    scale = np.asarray(qp.scale, np.float64)
+    zero = np.asarray(qp.zero_point, np.float64)
+    qmin, qmax = (-128, 127) if qp.dtype == "int8" else (0, 255)
+    low, high, step = float(np.min(scale * (qmin - zero))), float(np.max(scale * (qmax - zero))), float(scale.max())
+    if np.isfinite(cut[0]) and low < cut[0] - 2 * step or np.isfinite(cut[1]) and high > cut[1] + 2 * step:
+        return None
+    return cut
+
+
 def layer_batches(samples: int, batch_size: int, layers: int | None) -> frozenset | None:
     """The batches (index = first sample // batch size) whose tensors verify compares: enough
     whole batches for ``layers`` samples, spread evenly over the ``samples``; None: all of them."""
@@ -243,8 +258,9 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                              f"class per sample ([{len(data)}])")
     known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
+    cuts = flat_cuts(model)
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped,
-                          t.cut)
+                          None if t.clamped else _cut_at(cuts.get(name), t.qparams))
                for name, t in executor.integer_tensors().items() if name in known]
     # outputs that join tensors (a Concat of boxes and class scores): each part compared too
     joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
