@@ -29,7 +29,7 @@ from .joins import find_joins
 from .model import (default_opset, file_digest, file_opset, float_tensors, graph_inputs, initializers,
                     names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
-from .ops.flat import readers_cut
+from .ops.flat import SATURATING, readers_cut, saturation_window
 from .data import PREPROCESS_KEY
 from .params import PARAMS_KEY, integer_params, lookup_tables
 from .pixels import PixelInput, fold, metadata as pixel_metadata
@@ -399,8 +399,6 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
 
 
 # increasing lookups flat at both ends: the open range of their outputs and their inverse
-_SATURATING = {"Sigmoid": ((0.0, 1.0), lambda p: float(np.log(p / (1.0 - p)))),
-               "Tanh": ((-1.0, 1.0), lambda p: float(np.arctanh(p)))}
 
 
 def _other_byte_type(dtype: str) -> str:
@@ -1008,17 +1006,14 @@ class _Rewriter:
             return lo, hi
         cut_lo, cut_hi = np.inf, -np.inf
         for user in users:
-            inverse = _SATURATING.get(user.op_type)
             out = user.output[0] if user.output else ""
-            if inverse is None or integer.get(user.name) is None or user.input[0] != name \
+            if user.op_type not in SATURATING or integer.get(user.name) is None or user.input[0] != name \
                     or out not in self.table.tensors or out in self.opt.int16 or user.name in self.opt.int16:
                 return lo, hi
             y = self.table.tensors[out]
-            f_lo, f_hi = inverse[0]
-            step = asymmetric(y.min, y.max, self.opt.activation_type).scale
-            bottom, top = y.min + step / 4, y.max - step / 4
-            cut_lo = min(cut_lo, inverse[1](bottom) if f_lo < bottom < f_hi else -np.inf)
-            cut_hi = max(cut_hi, inverse[1](top) if f_lo < top < f_hi else np.inf)
+            window = saturation_window(user.op_type, y.min, y.max,
+                                       asymmetric(y.min, y.max, self.opt.activation_type).scale)
+            cut_lo, cut_hi = min(cut_lo, window[0]), max(cut_hi, window[1])
         new_lo, new_hi = max(lo, cut_lo), min(hi, cut_hi)
         return (new_lo, new_hi) if new_lo < new_hi else (lo, hi)
 

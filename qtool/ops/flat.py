@@ -6,7 +6,9 @@ bounds: every value beyond them gives the same output as the bound itself, exact
 output's steps. ``qtool quantize`` cuts such an 8-bit tensor's range there (after BatchNorm
 folding, a HardSwish input spans [-19.6, 18.8] on PP-OCRv4 rec and [-3, 18.8] is all it needs),
 and ``qtool verify`` compares it clipped to the same bounds (the float model's readers, found by
-``flat_cuts``: a QOperator model has a lookup Gather where the HardSwish was).
+``flat_cuts``: a QOperator model has a lookup Gather where the HardSwish was). Sigmoid and Tanh
+are flat only to their output's steps (``saturation_window``): quantize cuts an 8-bit input read
+only by them where the output is within a quarter step of its ends, and verify compares it there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,24 @@ from typing import Callable
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+
+# increasing ops flat at both ends, by op type: (their output's open range, their inverse)
+SATURATING = {"Sigmoid": ((0.0, 1.0), lambda p: float(np.log(p / (1.0 - p)))),
+              "Tanh": ((-1.0, 1.0), lambda p: float(np.arctanh(p)))}
+
+
+def saturation_window(op_type: str, y_lo: float, y_hi: float, step: float) -> tuple[float, float] | None:
+    """For a Sigmoid or Tanh whose output spans ``[y_lo, y_hi]`` in steps of ``step``: the inputs
+    between which the output is more than a quarter step from its ends, ``[f^-1(y_lo + step/4),
+    f^-1(y_hi - step/4)]`` (an end where that is outside the output's open range is infinite), as
+    quantize cuts an 8-bit input read only by them; None for other ops."""
+    if op_type not in SATURATING:
+        return None
+    (f_lo, f_hi), inverse = SATURATING[op_type]
+    bottom, top = y_lo + step / 4, y_hi - step / 4
+    return (inverse(bottom) if f_lo < bottom < f_hi else -np.inf,
+            inverse(top) if f_lo < top < f_hi else np.inf)
 
 
 def flat_bounds(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | None]) -> tuple[float, float] | None:
@@ -58,9 +78,11 @@ def readers_cut(name: str, readers: list[tuple[onnx.NodeProto, list[str]]],
     return (float(lo), float(hi)) if np.isfinite(lo) or np.isfinite(hi) else None
 
 
-def flat_cuts(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
-    """tensor -> ``readers_cut`` for every tensor of ``model``'s graph whose readers are all flat
-    beyond some bounds (the float model's readers: verify finds them in either output form)."""
+def flat_cuts(model: onnx.ModelProto, output_range=None) -> dict[str, tuple[float, float]]:
+    """tensor -> the bounds beyond which its readers in ``model``'s graph (the float model: verify
+    finds them in either output form) do not change: ``readers_cut``, or where every reader is a
+    Sigmoid (or every one a Tanh) and ``output_range(output)`` gives their outputs' ``(y_lo, y_hi,
+    step)``, the widest ``saturation_window``."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in dict.fromkeys(node.input):
@@ -74,7 +96,25 @@ def flat_cuts(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
     outputs = {o.name for o in model.graph.output}
     cuts = {}
     for name, nodes in readers.items():
-        cut = None if name in outputs else readers_cut(name, [(n, list(n.input)) for n in nodes], constant)
+        if name in outputs:
+            continue
+        cut = readers_cut(name, [(n, list(n.input)) for n in nodes], constant)
+        if cut is None and output_range is not None:
+            cut = _saturating_cut(name, nodes, output_range)
         if cut is not None:
             cuts[name] = cut
     return cuts
+
+
+def _saturating_cut(name: str, nodes: list[onnx.NodeProto], output_range) -> tuple[float, float] | None:
+    lo, hi = np.inf, -np.inf
+    for node in nodes:
+        if node.op_type != nodes[0].op_type or node.op_type not in SATURATING or node.domain not in ("", "ai.onnx") \
+                or not node.input or node.input[0] != name or name in node.input[1:] or not node.output:
+            return None
+        given = output_range(node.output[0])
+        if given is None:
+            return None
+        window = saturation_window(node.op_type, *given)
+        lo, hi = min(lo, window[0]), max(hi, window[1])
+    return (float(lo), float(hi)) if lo < hi and (np.isfinite(lo) or np.isfinite(hi)) else None

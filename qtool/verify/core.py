@@ -205,15 +205,24 @@ def verify(float_path: str | Path, qmodel_path: str | Path, data_path: str | Pat
     return run_or_one_at_a_time(lambda size: _verify(*args, size, **rest), batch_size, log)
 
 
-def _cut_at(cut: tuple[float, float] | None, qp) -> tuple[float, float] | None:
-    """``cut`` (the float readers' flat bounds, ``flat_cuts``) where the tensor is 8-bit and its
-    levels end within two steps of the bounds, as quantize cuts it; else None."""
-    if cut is None or qp is None or qp.dtype not in ("int8", "uint8"):
+def _levels(qp) -> tuple[float, float, float] | None:
+    """(lowest level, highest level, step) of an 8-bit tensor's (S, Z) (over its channels where it
+    has several: the widest ends and the largest step); None for other types."""
+    if qp is None or qp.dtype not in ("int8", "uint8"):
         return None
     scale = np.asarray(qp.scale, np.float64)
     zero = np.asarray(qp.zero_point, np.float64)
     qmin, qmax = (-128, 127) if qp.dtype == "int8" else (0, 255)
-    low, high, step = float(np.min(scale * (qmin - zero))), float(np.max(scale * (qmax - zero))), float(scale.max())
+    return float(np.min(scale * (qmin - zero))), float(np.max(scale * (qmax - zero))), float(scale.max())
+
+
+def _cut_at(cut: tuple[float, float] | None, qp) -> tuple[float, float] | None:
+    """``cut`` (the float readers' bounds, ``flat_cuts``) where the tensor is 8-bit and its levels
+    end within two steps of the bounds, as quantize cuts it; else None."""
+    levels = _levels(qp)
+    if cut is None or levels is None:
+        return None
+    low, high, step = levels
     if np.isfinite(cut[0]) and low < cut[0] - 2 * step or np.isfinite(cut[1]) and high > cut[1] + 2 * step:
         return None
     return cut
@@ -258,10 +267,15 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                              f"class per sample ([{len(data)}])")
     known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
-    cuts = flat_cuts(model)
+    integer_tensors = executor.integer_tensors()
+    def output_levels(name: str):  # a graph output is quantized as NAME_float (qtool quantize)
+        t = integer_tensors.get(name) or integer_tensors.get(f"{name}_float")
+        return None if t is None else _levels(t.qparams)
+
+    cuts = flat_cuts(model, output_levels)
     tensors = [Comparison(name, t.op_type, _ran(name, t.op_type, input_names), t.qparams, t.clamped,
                           None if t.clamped else _cut_at(cuts.get(name), t.qparams))
-               for name, t in executor.integer_tensors().items() if name in known]
+               for name, t in integer_tensors.items() if name in known]
     # outputs that join tensors (a Concat of boxes and class scores): each part compared too
     joins = {name: join for name, join in find_joins(model).items() if name in executor.output_names}
     parts = {name: PartComparisons(join) for name, join in joins.items()}
@@ -639,7 +653,8 @@ def format_report(report: VerifyReport) -> str:
         lines.append("(+Relu: quantized with the range of the Relu that reads it; compared after it)")
     if any(c.cut is not None for c in report.tensors):
         lines.append("(+flat: read only by ops constant beyond some bounds (HardSwish below -3, HardSigmoid, "
-                     "Clip), quantized within them; compared clipped to them)")
+                     "Clip; a Sigmoid or Tanh where its 8-bit output stops moving), quantized within them; "
+                     "compared clipped to them)")
     excluded = [c for c in (*report.outputs, *report.tensors) if c.excluded]
     if excluded:
         lines.append(f"(left out of the figures: reference entries that are no real value, inf, NaN or "
