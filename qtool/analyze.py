@@ -34,6 +34,7 @@ from .data import load_dataset
 from .errors import QtoolError
 from .joins import find_joins, part_map
 from .model import all_nodes, batch_hint, first_line, graph_inputs, prepare_file, subgraphs
+from .ops.flat import saturation_window
 from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
 from .runs import Runs, as_written_bytes
@@ -329,11 +330,8 @@ def sigmoid_window(logits: list[np.ndarray]) -> tuple[float, float] | None:
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return None
     y_lo, y_hi = 1 / (1 + np.exp(-lo)), 1 / (1 + np.exp(-hi))
-    step = (y_hi - y_lo) / 255
-    a, b = y_lo + step / 4, y_hi - step / 4
-    if not 0 < a < b < 1:
-        return None
-    return float(np.log(a / (1 - a))), float(np.log(b / (1 - b)))
+    window = saturation_window("Sigmoid", y_lo, y_hi, (y_hi - y_lo) / 255)
+    return window if window[0] < window[1] else None
 
 
 def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
