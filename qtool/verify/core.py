@@ -657,8 +657,8 @@ def format_report(report: VerifyReport) -> str:
                      "compared clipped to them)")
     excluded = [c for c in (*report.outputs, *report.tensors) if c.excluded]
     if excluded:
-        lines.append(f"(left out of the figures: reference entries that are no real value, inf, NaN or "
-                     f"beyond 1e30 such as an attention mask's lowest: "
+        lines.append("(left out of the figures: reference entries that are no real value, inf, NaN or "
+                     "beyond 1e30 such as an attention mask's lowest: "
                      + ", ".join(f"{c.name} {c.excluded}" for c in excluded[:5])
                      + (f" and {len(excluded) - 5} more tensors" if len(excluded) > 5 else "") + ")")
     start = report.loss_start()
