@@ -397,10 +397,6 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     return rewritten, report
 
 
-
-# increasing lookups flat at both ends: the open range of their outputs and their inverse
-
-
 def _other_byte_type(dtype: str) -> str:
     return "uint8" if dtype == "int8" else "int8"
 

@@ -67,15 +67,21 @@ def readers_cut(name: str, readers: list[tuple[onnx.NodeProto, list[str]]],
     """The widest of the readers' ``flat_bounds`` where every reader is flat and reads ``name``
     as its first input only, else None. ``readers``: each reader's node and the names its inputs
     go by (the node's own, or a QDQ model's tensors as the executor keys them)."""
+    return _widest(name, readers, lambda node: flat_bounds(node, constant))
+
+
+def _widest(name: str, readers: list[tuple[onnx.NodeProto, list[str]]], bounds_of) -> tuple[float, float] | None:
+    """The widest of ``bounds_of(node)`` over the readers, where each has bounds and reads ``name``
+    as its first input only; else None (also for no reader, or no finite bound)."""
     if not readers:
         return None
     lo, hi = np.inf, -np.inf
     for node, inputs in readers:
-        bounds = flat_bounds(node, constant)
+        bounds = bounds_of(node)
         if bounds is None or not inputs or inputs[0] != name or name in inputs[1:]:
             return None
         lo, hi = min(lo, bounds[0]), max(hi, bounds[1])
-    return (float(lo), float(hi)) if np.isfinite(lo) or np.isfinite(hi) else None
+    return (float(lo), float(hi)) if lo < hi and (np.isfinite(lo) or np.isfinite(hi)) else None
 
 
 def flat_cuts(model: onnx.ModelProto, output_range=None) -> dict[str, tuple[float, float]]:
@@ -93,28 +99,19 @@ def flat_cuts(model: onnx.ModelProto, output_range=None) -> dict[str, tuple[floa
     def constant(name: str) -> np.ndarray | None:
         return numpy_helper.to_array(constants[name]) if name in constants else None
 
+    def saturating(node: onnx.NodeProto) -> tuple[float, float] | None:
+        given = output_range(node.output[0]) if node.output and node.domain in ("", "ai.onnx") else None
+        return None if given is None else saturation_window(node.op_type, *given)
+
     outputs = {o.name for o in model.graph.output}
     cuts = {}
     for name, nodes in readers.items():
         if name in outputs:
             continue
-        cut = readers_cut(name, [(n, list(n.input)) for n in nodes], constant)
-        if cut is None and output_range is not None:
-            cut = _saturating_cut(name, nodes, output_range)
+        pairs = [(n, list(n.input)) for n in nodes]
+        cut = readers_cut(name, pairs, constant)
+        if cut is None and output_range is not None and len({n.op_type for n in nodes}) == 1:
+            cut = _widest(name, pairs, saturating)
         if cut is not None:
             cuts[name] = cut
     return cuts
-
-
-def _saturating_cut(name: str, nodes: list[onnx.NodeProto], output_range) -> tuple[float, float] | None:
-    lo, hi = np.inf, -np.inf
-    for node in nodes:
-        if node.op_type != nodes[0].op_type or node.op_type not in SATURATING or node.domain not in ("", "ai.onnx") \
-                or not node.input or node.input[0] != name or name in node.input[1:] or not node.output:
-            return None
-        given = output_range(node.output[0])
-        if given is None:
-            return None
-        window = saturation_window(node.op_type, *given)
-        lo, hi = min(lo, window[0]), max(hi, window[1])
-    return (float(lo), float(hi)) if lo < hi and (np.isfinite(lo) or np.isfinite(hi)) else None

@@ -25,6 +25,7 @@ from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERI
 from ..ops import blas, compiled, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
+from ..fixedpoint import int_range
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
 from ..targets.ortview import AGREEMENT, deployed_session, first_parting, ort_notes
@@ -212,7 +213,7 @@ def _levels(qp) -> tuple[float, float, float] | None:
         return None
     scale = np.asarray(qp.scale, np.float64)
     zero = np.asarray(qp.zero_point, np.float64)
-    qmin, qmax = (-128, 127) if qp.dtype == "int8" else (0, 255)
+    qmin, qmax = int_range(qp.dtype)
     return float(np.min(scale * (qmin - zero))), float(np.max(scale * (qmax - zero))), float(scale.max())
 
 
@@ -268,6 +269,7 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     known = {o for node in model.graph.node for o in node.output} | input_names
     outputs = [Comparison(name) for name in executor.output_names]
     integer_tensors = executor.integer_tensors()
+
     def output_levels(name: str):  # a graph output is quantized as NAME_float (qtool quantize)
         t = integer_tensors.get(name) or integer_tensors.get(f"{name}_float")
         return None if t is None else _levels(t.qparams)
