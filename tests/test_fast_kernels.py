@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qtool.fixedpoint import Requant, narrowed, offset_requant
-from qtool.ops import REGISTRY, compiled, ortconv, parallel
+from qtool.ops import REGISTRY, compiled, conv, ortconv, parallel
 from qtool.ops.conv import ConvParams, ConvPlan, run_scanned
 
 needs_numba = pytest.mark.skipif(not compiled.available(), reason="numba is not installed")
@@ -144,12 +144,67 @@ def test_int16_input_as_two_byte_halves_equals_the_exact_path(engine, numba_on, 
     x[0, 0] = rng.integers(-32768, 32768, size=shape[2:])
     got = REGISTRY["Conv"].run(plan, x)
     assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
+    if group == shape[1] and numba_on and plan.out_hw[1] >= conv.DEPTHWISE_ROWS_FROM:
+        # a depthwise conv with rows this wide takes the one-pass compiled kernel instead
+        assert plan.depthwise16 is not None and "split16" not in plan.engines
+        return
     high = plan.engines["split16"][0]
     assert (high is not None) == engine
     if engine:  # dense convs on ConvInteger unless switched off
         assert high.integer == (integer and group == 1)
     if engine and shape[2] > 40:  # one session a core
         assert len(high.parts) == min(parallel.WORKERS, shape[1])
+
+
+@pytest.mark.parametrize("shape, c_out, kernel, pads, strides, dilations", [
+    ((2, 5, 7, 9), 5, (3, 3), (1, 1, 1, 1), (1, 1), (1, 1)),
+    ((1, 4, 11, 10), 8, (3, 3), (0, 2, 1, 0), (2, 1), (1, 1)),  # two outputs per input, one-sided pads
+    ((2, 3, 9, 12), 3, (5, 5), (2, 2, 2, 2), (1, 2), (1, 1)),
+    ((1, 6, 8, 8), 6, (3, 3), (2, 2, 2, 2), (1, 1), (2, 2)),  # dilated
+    ((1, 2, 3, 3), 2, (5, 5), (3, 3, 3, 3), (2, 2), (1, 1)),  # taps wholly on padding
+    ((1, 4, 1, 40), 4, (1, 7), (0, 3, 0, 3), (1, 1), (1, 1)),  # a 1-D depthwise conv
+])
+def test_int16_depthwise_in_one_compiled_pass_equals_the_exact_path(shape, c_out, kernel, pads, strides,
+                                                                     dilations, monkeypatch):
+    if not compiled.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(conv, "DEPTHWISE_ROWS_FROM", 1)  # these small shapes too
+    rng = np.random.default_rng(sum(shape) + c_out)
+    weight = rng.integers(-127, 128, size=(c_out, 1, *kernel)).astype(np.int8)
+    weight[0] = 127  # the largest sums the kernel must hold exactly
+    p = _int16_params(weight, pads, strides, dilations, shape[1])
+    plan = REGISTRY["Conv"].specialize(p, [shape])
+    assert plan.depthwise16 is not None
+    x = rng.choice(np.array([-32768, -32767, -256, -1, 0, 1, 255, 32767], np.int16), size=shape)
+    x[0, 0] = 32767
+    x[-1, -1] = rng.integers(-32768, 32768, size=shape[2:])
+    got = REGISTRY["Conv"].run(plan, x)
+    assert got.dtype == np.int16 and np.array_equal(got, run_scanned(p, x))
+    assert "split16" not in plan.engines
+
+
+def test_int16_depthwise_with_narrow_rows_keeps_the_byte_halves():
+    weight = np.ones((4, 1, 3, 3), np.int8)
+    p = _int16_params(weight, (1, 1, 1, 1), (1, 1), (1, 1), 4)
+    wide = REGISTRY["Conv"].specialize(p, [(1, 4, 8, conv.DEPTHWISE_ROWS_FROM)])
+    narrow = REGISTRY["Conv"].specialize(p, [(1, 4, 8, conv.DEPTHWISE_ROWS_FROM - 1)])
+    assert (wide.depthwise16 is not None) == compiled.available() and narrow.depthwise16 is None
+
+
+def test_int16_depthwise_whose_bias_may_overflow_keeps_the_scanning_path():
+    # as test_int16_split_raises_where_the_exact_path_does: a channel the one-pass kernel could not
+    # refuse goes to the paths that do
+    weight = np.full((3, 1, 3, 3), 127, np.int8)
+    p = dataclasses.replace(_int16_params(weight, (0, 0, 0, 0), (1, 1), (1, 1), 3),
+                            bias=np.array([0, 2**32 + 2**30, 0], np.int64),
+                            requant=Requant(np.full(3, 2**30 + 1, np.int64), np.full(3, 44, np.int64)))
+    plan = REGISTRY["Conv"].specialize(p, [(1, 3, 3, 3)])
+    assert plan.split16 is not None and plan.split16.unproven.tolist() == [1]
+    assert plan.depthwise16 is None
+    x = np.full((1, 3, 3, 3), 32767, np.int16)
+    for run in (lambda: REGISTRY["Conv"].run(plan, x), lambda: run_scanned(p, x)):
+        with pytest.raises(OverflowError):
+            run()
 
 
 @pytest.mark.parametrize("faster", ["integer", "float"])

@@ -74,6 +74,60 @@ def requantize_joined(high, low, extra, multiplier, offset, rshift, zero, lo, hi
 
 
 @numba.njit(nogil=True, cache=True)
+def depthwise_requantized(x, weight, per_input, sh, sw, dh, dw, top, left, multiplier, offset, rshift, zero,
+                          lo, hi, out, c_lo, c_hi):  # pragma: no cover
+    """Output channels [c_lo, c_hi) of a depthwise Conv of [n, C_in, H, W] integer ``x`` with
+    zero padding, requantized into ``out`` [n, C_out, out_h, out_w]: output channel ``c`` reads
+    input channel ``c // per_input`` through ``weight[c]`` [kh, kw] (float64 integer values).
+
+    The sums are float64, exact for an int16 input and int8 weights (every partial sum below
+    2**53). Each tap adds its weight times the input rows it reaches to the output rows it reaches
+    (the ranges where the tap falls inside the image, worked out once per tap), a block of output
+    rows at a time that stays in the core's first cache, so the
+    inner loop has no bounds to test and vectorizes; the indexes are unsigned, so it has no
+    negative-index wraparound to test either."""
+    n, _, h, w = x.shape
+    kh, kw = weight.shape[1], weight.shape[2]
+    out_h, out_w = out.shape[2], out.shape[3]
+    block = max(1, min(out_h, 2048 // out_w))  # output rows summed at a time: 16 KB of float64
+    acc = np.empty((block, out_w), dtype=np.float64)
+    step = np.uintp(sw)
+    for b in range(n):
+        for c in range(c_lo, c_hi):
+            plane = x[b, c // per_input]
+            m, o, r = multiplier[c], offset[c], rshift[c]
+            for first_row in range(0, out_h, block):
+                rows = min(block, out_h - first_row)
+                acc[:rows] = 0.0
+                for ky in range(kh):
+                    down = ky * dh - top  # input row = oy * sh + down
+                    y0 = max(first_row, 0 if down >= 0 else (sh - 1 - down) // sh)
+                    y1 = min(first_row + rows, (h - 1 - down) // sh + 1)
+                    for kx in range(kw):
+                        across = kx * dw - left  # input column = ox * sw + across
+                        x0 = 0 if across >= 0 else (sw - 1 - across) // sw
+                        x1 = min(out_w, (w - 1 - across) // sw + 1)
+                        if x1 <= x0:
+                            continue
+                        tap = weight[c, ky, kx]
+                        count, start, base = np.uintp(x1 - x0), np.uintp(x0), np.uintp(x0 * sw + across)
+                        for oy in range(y0, y1):
+                            row = plane[oy * sh + down]
+                            sums = acc[oy - first_row]
+                            if sw == 1:
+                                for i in range(count):
+                                    sums[start + i] += tap * np.float64(row[base + i])
+                            else:
+                                for i in range(count):
+                                    sums[start + i] += tap * np.float64(row[base + i * step])
+                for i in range(rows):
+                    sums = acc[i]
+                    levels = out[b, c, first_row + i]
+                    for j in range(out_w):
+                        levels[j] = _level(sums[j], m, o, r, zero, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
 def requantize_columns(acc, multiplier, offset, rshift, zero, lo, hi, out):  # pragma: no cover
     """[rows, N] ``acc`` with one channel per column (a MatMul's) into ``out``."""
     rows, channels = acc.shape

@@ -103,6 +103,22 @@ class CompiledRequant:
                                  self.exact.zero_out, self.lo, self.hi, out, lo)
         return out
 
+    def depthwise(self, x: np.ndarray, weight: np.ndarray, per_input: int, strides, dilations, pads,
+                  out: np.ndarray, channels: tuple[int, int]) -> None:
+        """Output channels [lo, hi) of a depthwise Conv of ``x`` (zero point 0, padded with 0),
+        summed and requantized into ``out`` in one compiled pass (``_loops.depthwise_requantized``;
+        ``weight`` float64 [C_out, kh, kw])."""
+        if self.layout != "rows":
+            raise ValueError("these requantization parameters are not one per channel of [n, C, H, W] sums")
+        lo, hi = channels
+        if out.ndim != 4 or out.shape[1] != self.multiplier.size or not 0 <= lo <= hi <= out.shape[1] \
+                or weight.shape[0] != out.shape[1] or x.shape[1] * per_input != out.shape[1]:
+            raise ValueError(f"a depthwise Conv of input {list(x.shape)} and weight {list(weight.shape)} does not "
+                             f"fit an output of shape {list(out.shape)}")
+        (sh, sw), (dh, dw), (top, left) = strides, dilations, pads[:2]
+        _loops.depthwise_requantized(x, weight, per_input, sh, sw, dh, dw, top, left, self.multiplier,
+                                     self.offset, self.rshift, self.exact.zero_out, self.lo, self.hi, out, lo, hi)
+
     def rows(self, acc: np.ndarray, out: np.ndarray, start: int, stop: int, table: np.ndarray | None = None,
              border: tuple | None = None, channels: tuple[int, int] | None = None) -> None:
         """Rows [start, stop) (axis 2) of [n, C, H, W] float32 ``acc`` into ``out``: the loop

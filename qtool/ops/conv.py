@@ -198,6 +198,8 @@ class Conv(IntegerOp):
         params, plan = plan_for(p, x, ConvPlan)
         tail = plan.tails.get(x.dtype)
         if tail is None and plan.split16 is not None and x.dtype == np.int16:
+            if plan.depthwise16 is not None:
+                return _mapped(_run_depthwise16(plan, x), table)
             return _mapped(_run_split16(plan, x), table)
         if tail is None:
             return _mapped(run_scanned(params, x), table)
@@ -262,6 +264,22 @@ def _run_split16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
     if isinstance(tail.requant, compiled.CompiledRequant):
         return tail.requant.joined(high, low, extra)
     return tail.requant(_joined(high, low, extra))
+
+
+def _run_depthwise16(plan: "ConvPlan", x: np.ndarray) -> np.ndarray:
+    """A depthwise Conv of an int16 input in one compiled pass per range of output channels
+    (``compiled.CompiledRequant.depthwise``): its sums in float64 are exact, so there are no byte
+    halves to sum twice and join."""
+    params, requant = plan.params, plan.split16.requant
+    out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
+    x = np.ascontiguousarray(x)
+    per_input = params.weight.shape[0] // x.shape[1]
+
+    def channels(lo: int, hi: int) -> None:
+        requant.depthwise(x, plan.depthwise16, per_input, params.strides, params.dilations, params.pads, out, (lo, hi))
+
+    parallel.run_parts(channels, parallel.ranges(params.weight.shape[0], out.size))
+    return out
 
 
 def _run_split16_parts(plan: "ConvPlan", tail: "Tail", x: np.ndarray) -> np.ndarray:
@@ -469,6 +487,19 @@ class ConvPlan:
                                p.rounding, (l1 * 32768).reshape(-1, 1, 1))
         return None if fused is None else Tail.of(fused)
 
+    @functools.cached_property
+    def depthwise16(self) -> np.ndarray | None:
+        """For int16 inputs of a depthwise Conv: its weights as float64 [C_out, kh, kw] for the
+        compiled one-pass kernel (``_run_depthwise16``), where numba is installed, the int16
+        tail (``split16``) is compiled and proven for every output channel, and the output rows
+        are wide enough for the kernel's inner loop (``DEPTHWISE_ROWS_FROM``); else None."""
+        p, tail = self.params, self.split16
+        if p.weight.shape[1] != 1 or p.group != self.in_shape[1] or self.out_hw[1] < DEPTHWISE_ROWS_FROM \
+                or tail is None or tail.unproven.size \
+                or not isinstance(tail.requant, compiled.CompiledRequant) or not compiled.available():
+            return None
+        return np.ascontiguousarray(p.weight[:, 0], dtype=np.float64)
+
     def engine(self, dtype: np.dtype) -> "ortconv.OrtConv | None":
         """onnxruntime's float32 Conv for inputs of ``dtype`` where float32 is proven exact for
         them (qtool/ops/ortconv.py), built on first use; None where the numpy path runs."""
@@ -579,6 +610,12 @@ def _fill_border(out: np.ndarray, pads, fill: int, axes) -> None:
 # transposition costs more than it saves (measured on the PP-OCRv4 depthwise layers: 16 to 96
 # channels faster first, 128 to 480 faster last).
 CHANNELS_LAST_FROM = 128
+# The compiled one-pass depthwise kernel for int16 inputs (``ConvPlan.depthwise16``) from this
+# output width on; below it the per-tap loop set-up outweighs the row, and onnxruntime's depthwise
+# kernel on the two byte halves was faster (PP-OCRv4 det at 320: its 5x5 convs on 10x10 maps took
+# 0.31 ms that way and 1.06 ms in the kernel; on 20x20 maps 0.52 and 0.44 ms; rec's rows of 40 to
+# 160 gained 1.2x to 3x, on a 2-core AMD EPYC with AVX-512 VNNI)
+DEPTHWISE_ROWS_FROM = 16
 
 
 def _flat_padded(x: np.ndarray, pads, fill: int, repeat: int, channels_last: bool) -> np.ndarray:
