@@ -89,15 +89,35 @@ def per_channel_activation(lo: np.ndarray, hi: np.ndarray, dtype: str = "int8", 
     ``[lo[c], hi[c]]``: each ``asymmetric``, or with ``centred`` each ``symmetric`` about one zero
     point shared by every channel (0 for int8, 128 for uint8: a depthwise Conv pads with it)."""
     lo, hi = np.asarray(lo, np.float64).reshape(-1), np.asarray(hi, np.float64).reshape(-1)
-    if centred:
-        qmin, qmax = int_range(dtype)
+    qmin, qmax = int_range(dtype)
+    if centred:  # each channel ``symmetric`` at int8
         zero = (qmin + qmax + 1) // 2
-        each = [symmetric(max(abs(a), abs(b)), "int8") for a, b in zip(lo, hi)]
-        scale = np.array([q.scale for q in each], np.float32)
+        threshold = np.maximum(np.abs(lo), np.abs(hi))
+        with np.errstate(invalid="ignore"):  # NaN: safe_ranges replaces it
+            _, threshold = safe_ranges(np.zeros_like(threshold), threshold)
+        scale = (threshold / int_range("int8")[1]).astype(np.float32)
         return QParams(scale, np.full(scale.shape, zero, np.int64), dtype, axis)
-    each = [asymmetric(a, b, dtype) for a, b in zip(lo, hi)]
-    return QParams(np.array([q.scale for q in each], np.float32),
-                   np.array([q.zero_point for q in each], np.int64), dtype, axis)
+    lo, hi = safe_ranges(lo, hi)  # each channel ``asymmetric``
+    scale = ((hi - lo) / (qmax - qmin)).astype(np.float32)
+    zero_point = np.clip(np.round(qmin - lo / scale.astype(np.float64)), qmin, qmax).astype(np.int64)
+    return QParams(scale, zero_point, dtype, axis)
+
+
+def safe_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``safe_range`` of each ``(lo[i], hi[i])`` (float64 arrays), without the ``changed`` flags."""
+    lo, hi = lo.astype(np.float64, copy=True), hi.astype(np.float64, copy=True)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isfinite(lo) & np.isfinite(hi)) | (lo > hi)
+        limited = ~bad & ((lo < -RANGE_LIMIT) | (hi > RANGE_LIMIT))
+    lo[limited], hi[limited] = np.maximum(lo[limited], -RANGE_LIMIT), np.minimum(hi[limited], RANGE_LIMIT)
+    lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
+    narrow = ~bad & ~limited & (hi - lo < MIN_THRESHOLD)
+    below = narrow & (lo < 0)
+    hi[below] = lo[below] + MIN_THRESHOLD
+    at_zero = narrow & ~(lo < 0)
+    lo[at_zero], hi[at_zero] = 0.0, MIN_THRESHOLD
+    lo[bad], hi[bad] = -MIN_THRESHOLD, MIN_THRESHOLD
+    return lo, hi
 
 
 def per_channel_symmetric(weights: np.ndarray, axis: int = 0, dtype: str = "int8") -> QParams:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from qtool.fixedpoint import (INT32_MAX, INT32_MIN, ROUNDING_MODES, Requant, _int64_holds, offset_requant,
                               quantize_multiplier, quantize_multipliers, requantize, rounding_rshift,
                               saturate)
+from qtool.qparams import MIN_THRESHOLD, RANGE_LIMIT, asymmetric, per_channel_activation, symmetric
 
 # (scale, multiplier, rshift); each row checked by hand: multiplier / 2**rshift vs scale.
 TABLE_32 = [
@@ -325,3 +326,25 @@ def test_divide_away_rounds_half_away_from_zero():
     pairs = [(7, 2, 4), (-7, 2, -4), (5, 3, 2), (-5, 3, -2), (4, 3, 1), (-4, 3, -1), (0, 5, 0), (9, 1, 9)]
     got = divide_away([n for n, _, _ in pairs], [d for _, d, _ in pairs])
     assert got.tolist() == [q for _, _, q in pairs]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16"])
+def test_per_channel_activation_is_each_channels_scalar_qparams(dtype):
+    # the vectorized form against asymmetric / symmetric channel by channel, on the edges of
+    # safe_range too: inverted, infinite, beyond RANGE_LIMIT, narrower than MIN_THRESHOLD
+    rng = np.random.default_rng(7)
+    edges = [0.0, -0.0, 1e-12, -1e-12, MIN_THRESHOLD, -MIN_THRESHOLD, MIN_THRESHOLD / 2, 2 * RANGE_LIMIT,
+             -2 * RANGE_LIMIT, np.inf, -np.inf, 3.5, -3.5, 1e-3, -1e-3, 127.0, -128.0]
+    scales = rng.choice([1e-9, 1e-5, 1e-2, 1.0, 100.0, 1e6], 1000)
+    lo = np.concatenate([rng.normal(size=1000) * scales, rng.choice(edges, 1500)])
+    hi = np.concatenate([rng.normal(size=1000) * scales[::-1], rng.choice(edges, 1500)])
+    got = per_channel_activation(lo, hi, dtype)
+    each = [asymmetric(a, b, dtype) for a, b in zip(lo, hi)]
+    assert np.array_equal(got.scale, np.array([q.scale for q in each], np.float32))
+    assert np.array_equal(got.zero_point, np.array([q.zero_point for q in each], np.int64))
+    centred = per_channel_activation(lo, hi, dtype, centred=True)
+    each = [symmetric(max(abs(a), abs(b)), "int8") for a, b in zip(lo, hi)]
+    assert np.array_equal(centred.scale, np.array([q.scale for q in each], np.float32))
+    # a channel whose range is not a number gets the smallest range, as safe_range gives it
+    nan = per_channel_activation(np.array([np.nan, 1.0]), np.array([1.0, np.nan]), dtype, centred=True)
+    assert np.array_equal(nan.scale, np.full(2, symmetric(MIN_THRESHOLD).scale, np.float32))
