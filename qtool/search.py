@@ -152,7 +152,9 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     evaluator = Evaluator(float_model, fit)
     result.samples = evaluator.batches.samples
     result.scored = evaluator.scored
-    qmodel, _ = build((), "qdq")
+    qmodel, qreport = build((), "qdq")
+    # the build the search returns where it was made on the way: the all-int8 one, or one ``score`` kept
+    kept = {"ops": frozenset(), "built": (qmodel, qreport), "db": -math.inf}
     # ops are ranked quantized alone in the float model, without the corrections bias correction
     # fitted to the all-int8 model's errors (they shift an op whose inputs are float)
     plain = quantize(model_path, table, replace(options, format="qdq", strict=False), table_name,
@@ -168,7 +170,13 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         def score(ops: set[str]) -> float:
             key = tuple(op.node for op in qdq.ops if op.node in ops)
             if key not in scores:
-                scores[key] = evaluator.sqnr(build(key, "qdq")[0])
+                built = build(key, "qdq")
+                scores[key] = evaluator.sqnr(built[0])
+                # the one build the search can end on, kept so that it is not built again: with a
+                # target, the latest that reaches it (the binary search's answer, each smaller than
+                # the one before); without, the best so far (``_best_prefix`` keeps the first best)
+                if (scores[key] >= target_db) if target_db is not None else scores[key] > kept["db"]:
+                    kept.update(ops=frozenset(key), built=built, db=scores[key])
             return scores[key]
     else:
         if not allow_float:  # the constants quantize stores int16 around int16 ops, for the variants
@@ -185,6 +193,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     # quantized one: each runs from its first node that differs from the nearer (qtool/prefix.py)
     evaluator.share_prefixes(qmodel, qdq.ablated(qdq.all_tensors(), qdq.all_weights()))
     result.integer_db = evaluator.sqnr(qmodel)
+    kept["db"] = result.integer_db  # what ``_best_prefix``'s first pick must beat
     result.evaluations = 1
     chosen: list = []
     whole = max_float is None or max_float >= len(qdq.ops)
@@ -219,13 +228,15 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         result.kept_float = picked
     else:
         result.int16 = picked
-    final, report = build(tuple(op.node for op in chosen))
+    final, report = _built(kept, chosen, options) or build(tuple(op.node for op in chosen))
     phase("quantize")
     names = {op.node for op in chosen} - set(options.keep_float)
     report.kept_float = [(t, n, "kept float by the search" if n in names and t not in options.keep_float
                           else r) for t, n, r in report.kept_float]
     record_float_nodes(final, report.kept_float)
-    check = final if options.format == "qdq" else build(tuple(op.node for op in chosen), "qdq")[0]
+    check = final if options.format == "qdq" else \
+        (_built(kept, chosen, replace(options, format="qdq", strict=False)) or
+         build(tuple(op.node for op in chosen), "qdq"))[0]
     result.final_db = evaluator.sqnr(check)
     result.evaluations += 1
     revert = bool(target_db is None and chosen and result.final_db < result.integer_db)
@@ -241,7 +252,8 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
     if revert:
         # re-quantized around the picked ops (bias correction redone), they bought nothing
         chosen, result.kept_float, result.int16 = [], [], []
-        final, report = build(())
+        kept.update(ops=frozenset(), built=(qmodel, qreport))
+        final, report = _built(kept, chosen, options) or build(())
         result.final_db = result.integer_db
         result.heldout_final_db = result.heldout_integer_db
         phase("quantize")
@@ -296,6 +308,16 @@ def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, pr
     fit = BIAS_SAMPLES if num_samples is None else num_samples
     return split_batches(float_model, data_path, fit, fit if holdout is None else holdout, batch_size,
                          preprocess)
+
+
+def _built(kept: dict, chosen: list, options) -> tuple | None:
+    """The kept build of exactly the ops ``chosen`` (``search``'s ``kept``) where the search writes
+    QDQ without ``--strict``, the form it was built in (``build(key, "qdq")``); else None. Taken
+    once: the caller may change the model and report."""
+    if options.format != "qdq" or options.strict or kept.get("ops") != frozenset(op.node for op in chosen):
+        return None
+    built, kept["ops"] = kept["built"], None
+    return built
 
 
 def _rank(qdq: QdqModel, evaluator: Evaluator, progress: bool) -> tuple[list, int]:
