@@ -443,3 +443,29 @@ def test_with_bias_correction_a_prefix_is_scored_as_the_model_written_with_its_o
     kept = QdqModel(corrected, float_model)
     kept_db = Evaluator(float_model, _searched(demo_calib)).sqnr(kept.widened(kept.all_tensors()))
     assert abs(kept_db - result.whole_db) > 0.1  # the corrections do matter here
+
+
+@pytest.mark.parametrize("target, budget", [(40.0, None), (None, 4)])
+def test_the_search_writes_the_build_it_scored(demo_model, demo_table, demo_calib, monkeypatch, target, budget):
+    # the prefix the search ends on was quantized and bias-corrected when it was scored: that build
+    # is written, not made again; --strict (which the reuse leaves to a build of its own) gives the
+    # same model, built once more
+    import qtool.search as search_module
+
+    calls = []
+    real = search_module.quantize_corrected
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].strict)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "quantize_corrected", counted)
+    written = {}
+    for strict in (False, True):
+        calls.clear()
+        qmodel, _, result = search(demo_model, demo_table, QuantizeOptions(strict=strict), "t", demo_calib,
+                                   target_db=target, max_float=budget, progress=False)
+        assert result.int16 and not result.reverted
+        written[strict] = (qmodel.SerializeToString(), len(calls))
+    assert written[False][0] == written[True][0]
+    assert written[True][1] == written[False][1] + 1  # the final build, made again under --strict
