@@ -300,3 +300,39 @@ def test_fast_paths_start_only_when_the_plain_ones_would_run_long(monkeypatch, d
     got = run_paced(switched, 0.0)
     assert states[4:] == [False, False, True, True] and all(np.array_equal(a, b) for a, b in zip(got, expected))
     assert set(seen) == {(True, True)}
+
+
+def test_a_last_smaller_batch_runs_without_new_conv_engines(monkeypatch, demo_calib, qmodel):
+    # 30 samples at 8 a batch end with 6: new shapes whose onnxruntime Conv engines would cost more
+    # to set up than they save on one batch; that batch sums in numpy (the same integers), builds
+    # no engine, and leaves no plan for its shapes behind
+    import onnx
+
+    import qtool.executor as executor_module
+    from qtool.ops import compiled, ortconv
+
+    model = onnx.load(qmodel)
+    x = np.load(demo_calib)["input"][:30]
+    batches = [x[i:i + 8] for i in range(0, 30, 8)]
+    expected = [IntegerExecutor(model).run({"input": b}).outputs["logits"] for b in batches]
+    monkeypatch.setattr(executor_module, "FAST_FROM", 0.0)
+    built = []
+    real = ortconv.build
+
+    def counted(params, in_shape, *args):
+        engine = real(params, in_shape, *args)
+        if engine is not None:
+            built.append(in_shape[0])
+        return engine
+
+    monkeypatch.setattr(ortconv, "build", counted)
+    executor = IntegerExecutor(model)
+    engines = []
+    for i, b in enumerate(batches):
+        got = executor.run({"input": b}, pace=(len(b), 30 - 8 * i - len(b))).outputs["logits"]
+        assert np.array_equal(got, expected[i])
+        engines.append(ortconv.ENABLED)
+    assert executor._fast and built and set(built) == {8}  # engines for the batches of 8 only
+    assert engines == [True] * 4 and compiled.ENABLED  # restored after the last run
+    shapes = {s for step in executor.all_steps() for s in step.specialized if isinstance(s, tuple)}
+    assert shapes and not any(shape[0][0] == 6 for shape in shapes if shape and np.ndim(shape[0]))

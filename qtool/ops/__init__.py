@@ -210,15 +210,18 @@ _register_all()
 
 
 @contextlib.contextmanager
-def fast_paths(enabled: bool):
+def fast_paths(enabled: bool, engines: bool = True):
     """The compiled loops (``compiled``) and onnxruntime's Conv engine (``ortconv``) as they are
     (``enabled``) or off for the duration: the kernels then take their numpy forms, which give
-    the same integers. Plans made while they are off keep the numpy forms."""
+    the same integers. ``engines`` False: the engine alone off, the compiled loops as they are.
+    Plans made while they are off keep the numpy forms."""
     from . import compiled, ortconv
 
     saved = compiled.ENABLED, ortconv.ENABLED
     if not enabled:
         compiled.ENABLED = ortconv.ENABLED = False
+    if not engines:
+        ortconv.ENABLED = False
     try:
         yield
     finally:
