@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import shutil
 import stat
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +86,7 @@ def atomic_file(path: str | Path):
     except OSError as e:
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:  # readable too: NpzWriter reads back what it streamed
             yield f
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
@@ -139,12 +141,62 @@ class _Part:
     done: int = 0
 
 
+class _Streamed:
+    """The first array of an NpzWriter written straight into the archive's temporary file, as
+    the archive's first member: its local header (``zipfile.ZipInfo.FileHeader``, as ``zipfile``
+    writes it for ``open(info, "w", force_zip64=True)``) at offset 0, rewritten with the CRC and
+    sizes at the end, then its .npy bytes as the batches come. The other members follow it at
+    ``close``. The archive's bytes are those ``zipfile`` writes for the same members in the same
+    order; what it saves is the copy of the largest array from a temporary file (542 MB for 512
+    PP-OCRv4 rec lines)."""
+
+    def __init__(self, file, name: str):
+        self.file = file
+        self.info = _member_info(name)
+        self.info.external_attr = 0o600 << 16  # as zipfile's _open_to_write sets it
+        self.info.compress_size = self.info.CRC = self.info.file_size = 0
+        self.info.header_offset = 0
+        file.seek(0)
+        file.write(self.info.FileHeader(True))
+        self.start = file.tell()
+        self.crc = self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+
+    def finish(self) -> zipfile.ZipInfo:
+        """The member's header rewritten with its CRC and sizes; the file left at its end."""
+        self.info.CRC, self.info.compress_size, self.info.file_size = self.crc, self.size, self.size
+        end = self.file.tell()
+        self.file.seek(0)
+        self.file.write(self.info.FileHeader(True))
+        self.file.seek(end)
+        return self.info
+
+    def read_back(self) -> io.BytesIO:
+        """What was written, as a file from its start (for ``NpzWriter._split``); the archive's file
+        emptied."""
+        self.file.flush()
+        self.file.seek(self.start)
+        data = io.BytesIO(self.file.read(self.size))
+        self.file.seek(0)
+        self.file.truncate()
+        return data
+
+
+def _member_info(name: str) -> zipfile.ZipInfo:
+    return zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+
+
 class NpzWriter:
     """An ``.npz`` of arrays that arrive in batches along their first axis, in bounded memory:
-    each array goes to a temporary ``.npy`` as its batches come, and ``close`` stores them
-    (uncompressed, as ``np.savez`` does, with fixed timestamps so that equal arrays give equal
-    bytes) into a temporary file beside ``path``, then renames it. Nothing is left behind when
-    it fails or is abandoned (``discard``).
+    the first array goes straight into a temporary file beside ``path`` as the archive's first
+    member (``_Streamed``), each other array to a temporary ``.npy`` as its batches come, and
+    ``close`` stores those after it (uncompressed, as ``np.savez`` does, with fixed timestamps so
+    that equal arrays give equal bytes) and renames the file. Nothing is left behind when it fails
+    or is abandoned (``discard``).
 
     An array whose rows change shape (or type) from one batch to the next (a decoder that stops on
     a value) cannot be one array: it is stored per sample instead, as ``NAME/0``, ``NAME/1``, ...
@@ -158,6 +210,8 @@ class NpzWriter:
         self.parts: dict[str, _Part] = {}
         self.ragged: dict[str, int] = {}  # an array stored per sample: how many samples so far
         self.names: list[str] = []  # the arrays, in the order they first came
+        self._archive = None  # (the atomic_file context, its file) once the first array came
+        self._streamed: _Streamed | None = None
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
@@ -168,7 +222,7 @@ class NpzWriter:
             part = self.parts.get(name)
             if part is None:
                 self.names.append(name)
-                part = self.parts[name] = self._new_part(value, self.total)
+                part = self.parts[name] = self._new_part(name, value, self.total)
             if part.row is None:
                 if part.done:
                     raise RuntimeError(f"NpzWriter: output '{name}' given twice")
@@ -182,12 +236,17 @@ class NpzWriter:
             part.file.write(value.tobytes())
             part.done += len(value)
 
-    @staticmethod
-    def _new_part(value: np.ndarray, total: int | None) -> _Part:
-        """A temporary .npy for ``value``: whole (``total`` None), or the first rows of ``total``."""
+    def _new_part(self, name: str, value: np.ndarray, total: int | None) -> _Part:
+        """``value``'s array: whole (``total`` None), or the first rows of ``total``; the first
+        array of all streamed into the archive, the others in a temporary .npy."""
         whole = total is None
-        part = _Part(tempfile.TemporaryFile(prefix="qtool-out-"), value.dtype, None if whole else value.shape[1:],
-                     1 if whole else total)
+        if not self.names[:-1] and self._archive is None:
+            context = atomic_file(self.path)
+            self._archive = (context, context.__enter__())
+            self._streamed = file = _Streamed(self._archive[1], name)
+        else:
+            file = tempfile.TemporaryFile(prefix="qtool-out-")
+        part = _Part(file, value.dtype, None if whole else value.shape[1:], 1 if whole else total)
         header = {"descr": np.lib.format.dtype_to_descr(value.dtype), "fortran_order": False,
                   "shape": value.shape if whole else (total,) + value.shape[1:]}
         np.lib.format.write_array_header_2_0(part.file, header)
@@ -196,20 +255,24 @@ class NpzWriter:
     def _split(self, name: str, part: _Part) -> None:
         """The rows of ``name`` written so far, moved to one array per sample (``NAME/i``)."""
         self.ragged[name] = 0
-        part.file.seek(0)
-        np.lib.format.read_magic(part.file)
-        np.lib.format.read_array_header_2_0(part.file)
+        if part.file is self._streamed:  # the archive's first member no longer: read back
+            source, self._streamed = part.file.read_back(), None
+        else:
+            source = part.file
+            source.seek(0)
+        np.lib.format.read_magic(source)
+        np.lib.format.read_array_header_2_0(source)
         size = int(np.prod(part.row, dtype=np.int64)) * part.dtype.itemsize
         for _ in range(part.done):
-            row = np.frombuffer(part.file.read(size), dtype=part.dtype).reshape(part.row)
+            row = np.frombuffer(source.read(size), dtype=part.dtype).reshape(part.row)
             self._per_sample(name, row[None])
-        part.file.close()
+        source.close()
         del self.parts[name]
 
     def _per_sample(self, name: str, rows: np.ndarray) -> None:
         for row in rows:
             key = f"{name}/{self.ragged[name]}"
-            part = self.parts[key] = self._new_part(row, None)
+            part = self.parts[key] = self._new_part(key, row, None)
             part.file.write(np.ascontiguousarray(row).tobytes())
             part.done = 1
             self.ragged[name] += 1
@@ -222,12 +285,23 @@ class NpzWriter:
         if self.total is not None and any(count != self.total for count in self.ragged.values()):
             raise RuntimeError(f"NpzWriter: a per-sample output got {self.ragged} of {self.total} samples")
         try:
-            with atomic_file(self.path) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
+            if self._archive is None:  # no array came
+                context = atomic_file(self.path)
+                self._archive = (context, context.__enter__())
+            context, f = self._archive
+            first = self._streamed.finish() if self._streamed is not None else None
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
+                if first is not None:  # as zipfile records a member it wrote itself
+                    archive.filelist.append(first)
+                    archive.NameToInfo[first.filename] = first
                 for name, part in self._in_order():
+                    if part.file is self._streamed:
+                        continue
                     part.file.seek(0)
-                    info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-                    with archive.open(info, "w", force_zip64=True) as member:
+                    with archive.open(_member_info(name), "w", force_zip64=True) as member:
                         shutil.copyfileobj(part.file, member, 1 << 20)
+            self._archive = None
+            context.__exit__(None, None, None)  # renamed into place
         finally:
             self.discard()
 
@@ -240,5 +314,13 @@ class NpzWriter:
 
     def discard(self) -> None:
         for part in self.parts.values():
-            part.file.close()
-        self.parts = {}
+            if part.file is not self._streamed:
+                part.file.close()
+        self.parts, self._streamed = {}, None
+        if self._archive is not None:  # the temporary file removed, the target left as it was
+            context, self._archive = self._archive[0], None
+            context.__exit__(_Discarded, _Discarded(), None)
+
+
+class _Discarded(Exception):
+    """Thrown into ``atomic_file`` to make it remove its temporary file (``NpzWriter.discard``)."""

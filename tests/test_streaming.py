@@ -442,3 +442,58 @@ def test_verify_short_of_memory_keeps_one_copy_of_the_weights_and_no_compiled_lo
     assert (compiled.available(), bool(compare._compiled())) == outside  # as they were
     for a, b in zip(reports[1].tensors, reports[4096].tensors):  # numpy's sums and numba's: last bits
         assert a.name == b.name and a.sqnr == pytest.approx(b.sqnr, rel=1e-9, abs=1e-9)
+
+
+def _zipfile_npz(path, arrays: dict) -> None:
+    """The archive zipfile itself writes for ``arrays`` in order, members as NpzWriter names and
+    dates them: the reference for the member NpzWriter streams by hand."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, value in arrays.items():
+            buffer = io.BytesIO()
+            np.lib.format.write_array_header_2_0(buffer, {"descr": np.lib.format.dtype_to_descr(value.dtype),
+                                                          "fortran_order": False, "shape": value.shape})
+            buffer.write(np.ascontiguousarray(value).tobytes())
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with archive.open(info, "w", force_zip64=True) as member:
+                member.write(buffer.getvalue())
+
+
+@pytest.mark.parametrize("first_ragged", [False, True])
+def test_npz_writer_streams_its_first_array_into_the_archive_zipfile_would_write(tmp_path, first_ragged):
+    # the first array goes straight into the archive's file (its header rewritten at the end),
+    # the others after it: the bytes zipfile writes for the same members; a first array whose rows
+    # change shape is read back and stored per sample, as any other
+    from qtool.fileio import NpzWriter
+
+    rng = np.random.default_rng(3)
+    big = rng.normal(size=(7, 5, 33)).astype(np.float32)
+    ids = rng.integers(0, 100, size=(7, 2)).astype(np.int64)
+    rows = [np.full((1, k), k, np.int16) for k in (3, 3, 3, 6, 6, 2, 2)] if first_ragged else None
+    writer = NpzWriter(tmp_path / "y.npz", 7)
+    for start, stop in ((0, 3), (3, 5), (5, 7)):
+        first = np.concatenate(rows[start:stop]) if first_ragged else big[start:stop]
+        writer.append({"first": first, "ids": ids[start:stop]})
+    writer.close()
+    expected = {**{f"first/{i}": r[0] for i, r in enumerate(rows)}, "ids": ids} if first_ragged else \
+        {"first": big, "ids": ids}
+    _zipfile_npz(tmp_path / "expected.npz", expected)
+    assert (tmp_path / "y.npz").read_bytes() == (tmp_path / "expected.npz").read_bytes()
+    with np.load(tmp_path / "y.npz") as y:
+        assert y.files == list(expected) and all(np.array_equal(y[k], v) for k, v in expected.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["expected.npz", "y.npz"]
+
+
+def test_npz_writer_discarded_midway_leaves_the_target_as_it_was(tmp_path):
+    from qtool.fileio import NpzWriter
+
+    target = tmp_path / "y.npz"
+    target.write_bytes(b"the previous results")
+    writer = NpzWriter(target, 4)
+    writer.append({"a": np.ones((2, 3), np.float32), "b": np.zeros((2, 1), np.int8)})
+    assert len(list(tmp_path.iterdir())) == 2  # the archive's temporary file beside the target
+    writer.discard()
+    assert target.read_bytes() == b"the previous results" and list(tmp_path.iterdir()) == [target]
+    writer.discard()  # twice: nothing more to do
