@@ -47,14 +47,17 @@ class Table:
     preprocess: dict = field(default_factory=dict)  # how images became tensors (qtool.data.Preprocess)
     # tensor -> (min, max) an int16 activation takes instead of its entry's: the table as
     # calibrated, where quantize --data's method choice clipped the 8-bit ranges (a clip made for
-    # 256 steps is far too deep for 65536); not written with the table
+    # 256 steps is far too deep for 65536); written after the tensors where there are any, so
+    # that a table --table-out wrote quantizes its int16 ops as quantize --data did
     int16_ranges: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         header = {k: v for k, v in asdict(self).items()
                   if k not in ("tensors", "int16_ranges") and (k != "preprocess" or v)}
+        ranges = {"int16_ranges": {name: [float(lo), float(hi)] for name, (lo, hi) in self.int16_ranges.items()}} \
+            if self.int16_ranges else {}
         return {"qtool_table": FORMAT_VERSION, **header,
-                "tensors": {name: asdict(e) for name, e in self.tensors.items()}}
+                "tensors": {name: asdict(e) for name, e in self.tensors.items()}, **ranges}
 
     def dumps(self, fmt: str = "yaml") -> str:
         if fmt == "json":
@@ -100,7 +103,27 @@ def parse_table(path: Path, text: str) -> Table:
         except (TypeError, ValueError):
             raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
     extra = {key: data[key] for key in ("params", "input_shapes", "preprocess") if isinstance(data.get(key), dict)}
-    return Table(**header, tensors=tensors, **extra)
+    return Table(**header, tensors=tensors, int16_ranges=_int16_ranges(path, data.get("int16_ranges")), **extra)
+
+
+def _int16_ranges(path: Path, ranges) -> dict:
+    """The optional ``int16_ranges`` mapping (tensor -> [min, max]) of a table file."""
+    if ranges is None:
+        return {}
+    if not isinstance(ranges, dict):
+        raise QtoolError(f"table file '{path}': 'int16_ranges' must be a mapping of tensor name to [min, max]")
+    out = {}
+    for name, pair in ranges.items():
+        try:
+            lo, hi = (float(v) for v in pair)
+        except (TypeError, ValueError):
+            raise QtoolError(f"table file '{path}': int16_ranges of tensor '{name}' must be two numbers "
+                             f"[min, max]") from None
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+            raise QtoolError(f"table file '{path}': int16_ranges of tensor '{name}' is not a finite range "
+                             f"(min {lo}, max {hi})")
+        out[str(name)] = (lo, hi)
+    return out
 
 
 def _entry(path: Path, name: str, e) -> TensorEntry:

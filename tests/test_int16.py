@@ -255,7 +255,15 @@ def test_int16_activations_take_the_ranges_as_calibrated_where_a_method_choice_c
         for name, e in given.tensors.items()})
     chosen = int16_as_calibrated(clipped, given)
     assert chosen.int16_ranges == {name: (e.min, e.max) for name, e in given.tensors.items() if name != "x"}
-    assert chosen.to_dict() == clipped.to_dict()  # what --table-out writes: the chosen ranges
+    # what --table-out writes: the chosen ranges, and the calibrated ones after them for int16
+    written = chosen.to_dict()
+    assert {k: v for k, v in written.items() if k != "int16_ranges"} == clipped.to_dict()
+    assert written["int16_ranges"] == {name: [lo, hi] for name, (lo, hi) in chosen.int16_ranges.items()}
+    from pathlib import Path
+
+    from qtool.table import parse_table
+    assert parse_table(Path("t.yaml"), chosen.dumps()) == chosen and parse_table(Path("t.json"), chosen.dumps("json")) \
+        == chosen
 
     def fences(qmodel):  # tensor -> (scale, zero point type)
         inits = {i.name: numpy_helper.to_array(i) for i in qmodel.graph.initializer}
@@ -273,3 +281,39 @@ def test_int16_activations_take_the_ranges_as_calibrated_where_a_method_choice_c
     # and a model with no int16 op is the same bytes either way
     assert quantize(model, chosen, QuantizeOptions())[0].SerializeToString() == \
         quantize(model, clipped, QuantizeOptions())[0].SerializeToString()
+
+
+def test_a_table_written_with_int16_ranges_quantizes_the_same_model(cnn, tmp_path):
+    # --table-out's file carries int16_ranges: quantize from it gives the int16 ops the ranges
+    # quantize --data gave them, the same bytes as from the table in memory
+    from dataclasses import replace
+
+    from qtool.recipe import int16_as_calibrated
+    from qtool.table import TensorEntry
+    from qtool.table_formats import load_table
+
+    _, model, data, _ = cnn
+    given = calibrate(model, data, progress=False)
+    clipped = replace(given, method="mse", tensors={
+        name: TensorEntry(e.min / 3, e.max / 3, e.threshold / 3, "mse") for name, e in given.tensors.items()})
+    chosen = int16_as_calibrated(clipped, given)
+    path = tmp_path / "chosen.yaml"
+    path.write_text(chosen.dumps())
+    options = QuantizeOptions(int16=("conv2",))
+    assert quantize(model, load_table(path)[0], options)[0].SerializeToString() == \
+        quantize(model, chosen, options)[0].SerializeToString() != \
+        quantize(model, clipped, options)[0].SerializeToString()
+
+
+@pytest.mark.parametrize("ranges, message", [
+    ("[1, 2]", "'int16_ranges' must be a mapping of tensor name to [min, max]"),
+    ("{c2: 3}", "int16_ranges of tensor 'c2' must be two numbers [min, max]"),
+    ("{c2: [2, -1]}", "int16_ranges of tensor 'c2' is not a finite range (min 2.0, max -1.0)"),
+    ("{c2: [.nan, 1]}", "int16_ranges of tensor 'c2' is not a finite range"),
+])
+def test_a_bad_int16_ranges_entry_is_a_one_line_error(cnn, tmp_path, ranges, message):
+    _, model, data, _ = cnn
+    path = tmp_path / "t.yaml"
+    path.write_text(calibrate(model, data, progress=False).dumps() + f"int16_ranges: {ranges}\n")
+    assert_user_error(invoke("quantize", model, "-t", path, "-o", tmp_path / "q.onnx"),
+                      f"table file '{path}': {message}")

@@ -83,9 +83,8 @@ def depthwise_requantized(x, weight, per_input, sh, sw, dh, dw, top, left, multi
     The sums are float64, exact for an int16 input and int8 weights (every partial sum below
     2**53). Each tap adds its weight times the input rows it reaches to the output rows it reaches
     (the ranges where the tap falls inside the image, worked out once per tap), a block of output
-    rows at a time that stays in the core's first cache, so the
-    inner loop has no bounds to test and vectorizes; the indexes are unsigned, so it has no
-    negative-index wraparound to test either."""
+    rows at a time that stays in the core's first cache: the inner loop has no bounds to test and
+    vectorizes, and its indexes are unsigned, so it has no negative-index wraparound to test either."""
     n, _, h, w = x.shape
     kh, kw = weight.shape[1], weight.shape[2]
     out_h, out_w = out.shape[2], out.shape[3]
