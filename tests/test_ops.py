@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from qtool.fixedpoint import Requant
+from qtool.fixedpoint import Requant, narrowed
 from qtool.ops import REGISTRY, NodeView, Operand, Rescale
 from qtool.ops.conv import ConvParams
 from qtool.ops.gemm import MatMulParams
@@ -483,8 +483,7 @@ def test_matmul_float32_path_equals_the_scanned_path(op_type, shape, dtype, thre
 @pytest.mark.parametrize("op_type, shape", [("MatMul", (2, 5, 40)), ("Gemm", (9, 40))])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("numba_on", [True, False])
-def test_matmul_int16_input_as_two_byte_halves_equals_the_scanned_path(op_type, shape, threads, numba_on,
-                                                                        monkeypatch):
+def test_matmul_int16_input_in_float64_equals_the_scanned_path(op_type, shape, threads, numba_on, monkeypatch):
     from qtool.ops import compiled, gemm, parallel
 
     monkeypatch.setattr(parallel, "WORKERS", threads)
@@ -503,6 +502,12 @@ def test_matmul_int16_input_as_two_byte_halves_equals_the_scanned_path(op_type, 
     want = gemm.run_scanned(p, x)
     assert got.shape == want.shape and got.dtype == want.dtype and (got == want).all()
     assert len(np.unique(got)) > 10  # not all saturated
-    # weights whose low-byte products could pass 2**24 in float32: the scanned path
-    heavy = dataclasses.replace(p, weight=np.full((600, 6), 127, np.int8))
-    assert REGISTRY[op_type].specialize(heavy, [(2, 600)]).split16 is None
+    # weights whose sums may leave int32 (multipliers narrowed for 64-bit sums): the exact path's
+    # integers, where the float64 product would have to scan them
+    heavy = dataclasses.replace(p, weight=np.full((600, 6), 127, np.int8), requant=narrowed(
+        p.requant, np.full(6, 600 * 127 * 32768 + 2**20)))
+    plan = REGISTRY[op_type].specialize(heavy, [(2, 600)])
+    assert plan.split16 is not None and plan.split16.unproven.size
+    x = np.full((2, 600), 32767, np.int16)
+    x[1] = rng.integers(-32768, 32768, 600)
+    assert (REGISTRY[op_type].run(plan, x) == gemm.run_scanned(heavy, x)).all()

@@ -77,7 +77,7 @@ class CompiledRequant:
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(x.shape, dtype=self.exact.dtype)
-        if x.dtype not in (np.float32, np.int64) or (x.ndim, self.layout) not in ((2, "columns"), (4, "rows")) \
+        if x.dtype not in (np.float32, np.float64, np.int64) or (x.ndim, self.layout) not in ((2, "columns"), (4, "rows")) \
                 or x.shape[1] != self.multiplier.size:
             return self.exact(x, out=out)
         if x.ndim == 2:  # a MatMul's [rows, N]: one channel per column, the loop along the columns
