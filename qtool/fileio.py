@@ -1,7 +1,8 @@
 """Output files are written whole or not at all.
 
 A regular file (or a path that does not exist yet) is written to a temporary file beside it, then
-renamed over it. A symlink is followed: its target is what gets replaced, the link stays. What is
+renamed over it; where the system allows (``O_TMPFILE``), that file has no name until it is
+complete, so a killed process leaves nothing behind. A symlink is followed: its target is what gets replaced, the link stays. What is
 not a regular file (``-`` for standard output, ``/dev/null``, a fifo, a terminal, ``/dev/stdout``)
 is never replaced: the output is built in a temporary file first and copied into it only when
 complete, so a failed command writes nothing there either.
@@ -70,9 +71,15 @@ def check_writable(path: str | Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path):
-    """A binary file that becomes ``path`` when the block ends without error, and is removed
-    otherwise: a temporary file beside it, then a rename; for standard output and other targets
-    that are not regular files, a temporary file copied into them at the end (module docstring)."""
+    """A binary file (readable too) that becomes ``path`` when the block ends without error, and
+    is removed otherwise: a temporary file beside it, then a rename; for standard output and other
+    targets that are not regular files, a temporary file copied into them at the end (module
+    docstring).
+
+    Where the system has them (Linux's ``O_TMPFILE``), the temporary file has no name until the
+    block ends: a process killed while writing (SIGKILL, SIGTERM, which run no cleanup) leaves
+    nothing beside ``path``, however long it wrote (an exec's .npz streams into it for the whole
+    run). It is linked in under a temporary name only to be renamed over ``path``."""
     path = Path(path)
     if _streamed(path):
         with _spooled(path) as f:
@@ -82,11 +89,76 @@ def atomic_file(path: str | Path):
     folder = target.parent if str(target.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
+    fd = _anonymous(folder)
+    if fd is None:
+        with _named_temporary(path, target, folder) as f:
+            yield f
+        return
+    tmp = None
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)
+            tmp = _linked(f, target, folder)
+        os.replace(tmp, target)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
+    except BaseException:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _anonymous(folder: Path) -> int | None:
+    """A file descriptor of a new nameless file in ``folder`` (``O_TMPFILE``), or None where the
+    system or the file system has none."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, flag | os.O_RDWR, 0o600)
+    except OSError:  # a file system without it (some network and overlay ones): a named temporary
+        return None
+
+
+def _linked(f, target: Path, folder: Path) -> str:
+    """The nameless file ``f`` given a temporary name beside ``target`` (a link from its
+    descriptor); where the link fails, its bytes copied into a named temporary file instead."""
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{target.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            os.link(f"/proc/self/fd/{f.fileno()}", tmp)
+            return tmp
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as copy:
+            f.seek(0)
+            shutil.copyfileobj(f, copy, 1 << 20)
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+@contextlib.contextmanager
+def _named_temporary(path: Path, target: Path, folder: Path):
+    """``atomic_file`` with a named temporary file beside ``target``, renamed over it at the end."""
+    try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as e:
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "w+b") as f:  # readable too: NpzWriter reads back what it streamed
+        with os.fdopen(fd, "w+b") as f:
             yield f
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import zipfile
 
@@ -493,7 +494,61 @@ def test_npz_writer_discarded_midway_leaves_the_target_as_it_was(tmp_path):
     target.write_bytes(b"the previous results")
     writer = NpzWriter(target, 4)
     writer.append({"a": np.ones((2, 3), np.float32), "b": np.zeros((2, 1), np.int8)})
-    assert len(list(tmp_path.iterdir())) == 2  # the archive's temporary file beside the target
+    # the archive's temporary file: nameless where the system has O_TMPFILE, else beside the target
+    assert len(list(tmp_path.iterdir())) == (1 if _nameless(tmp_path) else 2)
     writer.discard()
     assert target.read_bytes() == b"the previous results" and list(tmp_path.iterdir()) == [target]
     writer.discard()  # twice: nothing more to do
+
+
+def _nameless(folder) -> bool:
+    from qtool.fileio import _anonymous
+
+    fd = _anonymous(folder)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+def test_an_exec_output_killed_midway_leaves_nothing_beside_the_target(tmp_path):
+    # SIGKILL runs no cleanup: the .npz being written has no name until it is complete, so the
+    # folder holds the previous results and nothing else
+    import signal
+    import subprocess
+    import sys
+
+    if not _nameless(tmp_path):
+        pytest.skip("no O_TMPFILE here: the temporary file is named until renamed")
+    target = tmp_path / "y.npz"
+    target.write_bytes(b"the previous results")
+    code = (f"import os, signal, numpy as np\nfrom qtool.fileio import NpzWriter\n"
+            f"w = NpzWriter({str(target)!r}, 8)\n"
+            f"w.append({{'a': np.ones((4, 1000), np.float32), 'b': np.ones((4, 3), np.int8)}})\n"
+            f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert target.read_bytes() == b"the previous results" and list(tmp_path.iterdir()) == [target]
+
+
+def test_atomic_file_nameless_named_or_unlinkable_replaces_the_target_whole(tmp_path, monkeypatch):
+    from qtool import fileio
+
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    for case in ("nameless", "named", "no-link"):
+        if case == "nameless":
+            pass  # O_TMPFILE where the system has it
+        elif case == "named":
+            monkeypatch.setattr(fileio, "_anonymous", lambda folder: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(fileio.os, "link", lambda *a, **k: (_ for _ in ()).throw(PermissionError(1, "no")))
+        with fileio.atomic_file(target) as f:
+            f.write(case.encode())
+        assert target.read_bytes() == case.encode() and list(tmp_path.iterdir()) == [target]
+        assert (target.stat().st_mode & 0o777) == 0o644
+        with pytest.raises(RuntimeError):
+            with fileio.atomic_file(target) as f:
+                f.write(b"half")
+                raise RuntimeError("stopped")
+        assert target.read_bytes() == case.encode() and list(tmp_path.iterdir()) == [target]
