@@ -609,14 +609,15 @@ class IntegerExecutor:
         tail = self._fast and pace is not None and pace[1] == 0 and pace[0] < self._widest
         if pace is not None:
             self._widest = max(self._widest, pace[0])
-        kept = {id(step): set(step.specialized) for step in self.all_steps()} if tail else None
+        kept = [(step, dict(step.specialized)) for step in self.all_steps()] if tail else []
         start = time.perf_counter()
-        with blas.single_threaded(), _collector_paused(), fast_paths(self._fast, engines=not tail):
-            result = self._run(feeds, keep_integer or on_integer is not None, on_integer)
-        if tail:
-            for step in self.all_steps():
-                for shapes in set(step.specialized) - kept[id(step)]:
-                    del step.specialized[shapes]
+        try:
+            with blas.single_threaded(), _collector_paused(), fast_paths(self._fast, engines=not tail):
+                result = self._run(feeds, keep_integer or on_integer is not None, on_integer)
+        finally:
+            for step, plans in kept:  # the plans as they were (none evicted by the batch's own)
+                step.specialized.clear()
+                step.specialized.update(plans)
         if not self._fast:  # the first run also makes the plans and tables: the second one is timed
             self._plain_runs += 1
             if self._plain_runs > 1:

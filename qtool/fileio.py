@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import shutil
 import stat
@@ -79,7 +78,8 @@ def atomic_file(path: str | Path):
     Where the system has them (Linux's ``O_TMPFILE``), the temporary file has no name until the
     block ends: a process killed while writing (SIGKILL, SIGTERM, which run no cleanup) leaves
     nothing beside ``path``, however long it wrote (an exec's .npz streams into it for the whole
-    run). It is linked in under a temporary name only to be renamed over ``path``."""
+    run). It is linked in under a temporary name only to be renamed over ``path``. Where the
+    system has none, the named temporary file exists for as long as the block runs."""
     path = Path(path)
     if _streamed(path):
         with _spooled(path) as f:
@@ -247,15 +247,21 @@ class _Streamed:
         self.file.seek(end)
         return self.info
 
-    def read_back(self) -> io.BytesIO:
-        """What was written, as a file from its start (for ``NpzWriter._split``); the archive's file
-        emptied."""
+    def read_back(self):
+        """What was written, copied a block at a time into a temporary file, from its start (for
+        ``NpzWriter._split``, which reads it a row at a time); the archive's file emptied."""
         self.file.flush()
         self.file.seek(self.start)
-        data = io.BytesIO(self.file.read(self.size))
+        copy = tempfile.TemporaryFile(prefix="qtool-out-")
+        left = self.size
+        while left:
+            block = self.file.read(min(left, 1 << 20))
+            copy.write(block)
+            left -= len(block)
+        copy.seek(0)
         self.file.seek(0)
         self.file.truncate()
-        return data
+        return copy
 
 
 def _member_info(name: str) -> zipfile.ZipInfo:
@@ -284,6 +290,7 @@ class NpzWriter:
         self.names: list[str] = []  # the arrays, in the order they first came
         self._archive = None  # (the atomic_file context, its file) once the first array came
         self._streamed: _Streamed | None = None
+        self._made: list[Path] = []  # folders made for the archive, deepest first
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
@@ -313,8 +320,7 @@ class NpzWriter:
         array of all streamed into the archive, the others in a temporary .npy."""
         whole = total is None
         if not self.names[:-1] and self._archive is None:
-            context = atomic_file(self.path)
-            self._archive = (context, context.__enter__())
+            self._open_archive()
             self._streamed = file = _Streamed(self._archive[1], name)
         else:
             file = tempfile.TemporaryFile(prefix="qtool-out-")
@@ -358,8 +364,7 @@ class NpzWriter:
             raise RuntimeError(f"NpzWriter: a per-sample output got {self.ragged} of {self.total} samples")
         try:
             if self._archive is None:  # no array came
-                context = atomic_file(self.path)
-                self._archive = (context, context.__enter__())
+                self._open_archive()
             context, f = self._archive
             first = self._streamed.finish() if self._streamed is not None else None
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
@@ -377,6 +382,17 @@ class NpzWriter:
         finally:
             self.discard()
 
+    def _open_archive(self) -> None:
+        """The archive's temporary file (``atomic_file``), opened at the first array; the folders
+        it creates for ``path`` are noted, for ``discard`` to remove again."""
+        folder = replaced(self.path).parent
+        self._made = []
+        while str(folder) and not folder.exists() and folder != folder.parent:
+            self._made.append(folder)
+            folder = folder.parent
+        context = atomic_file(self.path)
+        self._archive = (context, context.__enter__())
+
     def _in_order(self):
         """(name, part) in the order the arrays first came; a ragged one's samples in order."""
         order = []
@@ -392,6 +408,12 @@ class NpzWriter:
         if self._archive is not None:  # the temporary file removed, the target left as it was
             context, self._archive = self._archive[0], None
             context.__exit__(_Discarded, _Discarded(), None)
+            for folder in self._made:  # and the folders made for it, where nothing else came in
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+            self._made = []
 
 
 class _Discarded(Exception):

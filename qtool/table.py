@@ -114,11 +114,11 @@ def _int16_ranges(path: Path, ranges) -> dict:
         raise QtoolError(f"table file '{path}': 'int16_ranges' must be a mapping of tensor name to [min, max]")
     out = {}
     for name, pair in ranges.items():
-        try:
-            lo, hi = (float(v) for v in pair)
-        except (TypeError, ValueError):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 \
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
             raise QtoolError(f"table file '{path}': int16_ranges of tensor '{name}' must be two numbers "
-                             f"[min, max]") from None
+                             f"[min, max]")
+        lo, hi = float(pair[0]), float(pair[1])
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
             raise QtoolError(f"table file '{path}': int16_ranges of tensor '{name}' is not a finite range "
                              f"(min {lo}, max {hi})")

@@ -308,6 +308,9 @@ def test_a_table_written_with_int16_ranges_quantizes_the_same_model(cnn, tmp_pat
 @pytest.mark.parametrize("ranges, message", [
     ("[1, 2]", "'int16_ranges' must be a mapping of tensor name to [min, max]"),
     ("{c2: 3}", "int16_ranges of tensor 'c2' must be two numbers [min, max]"),
+    ("{c2: '38'}", "int16_ranges of tensor 'c2' must be two numbers [min, max]"),
+    ("{c2: [true, 1]}", "int16_ranges of tensor 'c2' must be two numbers [min, max]"),
+    ("{c2: [1, 2, 3]}", "int16_ranges of tensor 'c2' must be two numbers [min, max]"),
     ("{c2: [2, -1]}", "int16_ranges of tensor 'c2' is not a finite range (min 2.0, max -1.0)"),
     ("{c2: [.nan, 1]}", "int16_ranges of tensor 'c2' is not a finite range"),
 ])

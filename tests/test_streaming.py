@@ -499,6 +499,12 @@ def test_npz_writer_discarded_midway_leaves_the_target_as_it_was(tmp_path):
     writer.discard()
     assert target.read_bytes() == b"the previous results" and list(tmp_path.iterdir()) == [target]
     writer.discard()  # twice: nothing more to do
+    # an output in folders that did not exist: made at the first batch, removed with the rest
+    nested = NpzWriter(tmp_path / "new" / "sub" / "y.npz", 4)
+    nested.append({"a": np.ones((2, 3), np.float32)})
+    assert (tmp_path / "new" / "sub").is_dir()
+    nested.discard()
+    assert list(tmp_path.iterdir()) == [target]
 
 
 def _nameless(folder) -> bool:
