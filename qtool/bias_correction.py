@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper
 
 from .analyze import Batches, Evaluator, split_batches, with_outputs
 from .errors import QtoolError
-from .model import first_line, prepare_file
+from .model import first_line, node_reads, prepare_file
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
 from .report import finite, progress_bar
@@ -255,7 +255,10 @@ class _Mean:
 
 
 def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
-    """The part of ``model`` that computes ``tensor``, with it as the only output."""
+    """The part of ``model`` that computes ``tensor``, with it as the only output. A node with
+    subgraphs (If, Loop, Scan) needs what they read from around it too (``node_reads``): without
+    those producers onnxruntime refuses the part (Silero VAD's If branches read the decoder's
+    tensors)."""
     producer = {o: i for i, n in enumerate(model.graph.node) for o in n.output}
     needed, stack = set(), [tensor]
     while stack:
@@ -263,14 +266,15 @@ def _prefix(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
         if index is None or index in needed:
             continue
         needed.add(index)
-        stack.extend(model.graph.node[index].input)
+        stack.extend(node_reads(model.graph.node[index]))
     nodes = [n for i, n in enumerate(model.graph.node) if i in needed]
-    used = {name for n in nodes for name in n.input}
+    used = {name for n in nodes for name in node_reads(n)}
     graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input),
                               [helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None)],
                               [i for i in model.graph.initializer if i.name in used])
     out = helper.make_model(graph, opset_imports=list(model.opset_import))
     out.ir_version = model.ir_version
+    out.functions.extend(model.functions)
     out.metadata_props.extend(model.metadata_props)  # an --input-pixels model's preprocessing
     return out
 

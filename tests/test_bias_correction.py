@@ -80,6 +80,19 @@ def test_shifts_are_whole_steps_of_the_bias_scale(demo_model, demo_table, correc
     assert report.bias_correction["ops"] == 5 and report.bias_correction["samples"] == 16
 
 
+def _corrected_on_8(graph, path, rng):
+    """``graph`` saved at ``path``, calibrated on 8 random [3, 8, 8] samples and bias-corrected
+    on them with ``--holdout 0`` (applied as fitted, whatever it scores: what is tested is the
+    correction itself): (path, data, table, model, correction)."""
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    data = path.with_suffix(".npz")
+    np.savez(data, x=(rng.random((8, 3, 8, 8)) + 0.5).astype(np.float32))
+    table = calibrate(path, data, "minmax", progress=False)
+    qmodel, _, correction = quantize_corrected(path, table, QuantizeOptions(), "t", data, 8, 8, False,
+                                               holdout=0)
+    return path, data, table, qmodel, correction
+
+
 def test_a_conv_without_bias_gets_one(tmp_path):
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "w")
@@ -88,14 +101,7 @@ def test_a_conv_without_bias_gets_one(tmp_path):
          helper.make_node("Relu", ["y"], ["z"], name="relu")], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 8, 8])],
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, 4, 8, 8])], [w])
-    path = tmp_path / "nobias.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
-    data = tmp_path / "x.npz"
-    np.savez(data, x=(rng.random((8, 3, 8, 8)) + 0.5).astype(np.float32))
-    table = calibrate(path, data, "minmax", progress=False)
-    # --holdout 0: applied as fitted, whatever it scores (what is tested is the bias it adds)
-    qmodel, _, correction = quantize_corrected(path, table, QuantizeOptions(), "t", data, 8, 8, False,
-                                               holdout=0)
+    path, data, table, qmodel, correction = _corrected_on_8(graph, tmp_path / "nobias.onnx", rng)
     assert correction.factor == 1.0 and correction.heldout == 0
     conv = next(n for n in qmodel.graph.node if n.op_type == "Conv")
     assert len(conv.input) == 3 and conv.input[2]
@@ -104,6 +110,32 @@ def test_a_conv_without_bias_gets_one(tmp_path):
     assert out.shape == (8, 4, 8, 8)
     plain, _ = quantize(path, table)
     assert len(next(n for n in plain.graph.node if n.op_type == "Conv").input) == 2
+
+
+def test_a_conv_after_an_if_whose_branches_read_the_main_graph_is_corrected(tmp_path):
+    # conv2 reads an If whose branches read "r" from around them and nothing else does (Silero
+    # VAD's op15 decoder): the part of the model that computes conv2 needs r's producer too
+    rng = np.random.default_rng(1)
+    w1 = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32), "w2")
+    b = numpy_helper.from_array(np.zeros(4, np.float32), "b")
+    then = helper.make_graph([helper.make_node("Relu", ["r"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Neg", ["r"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1", "b"], ["y1"], name="conv1", pads=[1, 1, 1, 1]),
+         helper.make_node("Sigmoid", ["y1"], ["r"], name="sig"),
+         helper.make_node("ReduceMax", ["x"], ["m"], name="max", keepdims=0),
+         helper.make_node("Greater", ["m", "zero"], ["c"], name="positive"),
+         helper.make_node("If", ["c"], ["f"], name="branch", then_branch=then, else_branch=other),
+         helper.make_node("Conv", ["f", "w2", "b"], ["y"], name="conv2")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 8, 8])],
+        [w1, w2, b, numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    _, data, _, qmodel, correction = _corrected_on_8(graph, tmp_path / "if.onnx", rng)
+    assert set(correction.deltas) == {"conv1", "conv2"}
+    assert IntegerExecutor(qmodel).run({"x": np.load(data)["x"]}).outputs["y"].shape == (8, 4, 8, 8)
 
 
 @pytest.fixture
