@@ -92,17 +92,17 @@ def atomic_file(path: str | Path):
     except OSError as e:
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     fd = _anonymous(folder)
-    if fd is None:
-        with _named_temporary(path, target, folder) as f:
-            yield f
-        return
+    named = fd is None
     tmp = None
     try:
+        if named:
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "w+b") as f:
             yield f
             f.flush()
             os.fchmod(f.fileno(), 0o644)
-            tmp = _linked(f, target, folder)
+            if not named:
+                tmp = _linked(f, target, folder)
         os.replace(tmp, target)
     except OSError as e:
         if tmp is not None:
@@ -148,26 +148,6 @@ def _linked(f, target: Path, folder: Path) -> str:
         Path(tmp).unlink(missing_ok=True)
         raise
     return tmp
-
-
-@contextlib.contextmanager
-def _named_temporary(path: Path, target: Path, folder: Path):
-    """``atomic_file`` with a named temporary file beside ``target``, renamed over it at the end."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            yield f
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager
