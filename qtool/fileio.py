@@ -87,31 +87,57 @@ def atomic_file(path: str | Path):
         return
     target = replaced(path)
     folder = target.parent if str(target.parent) else Path(".")
+    made = _missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
-    fd = _anonymous(folder)
-    named = fd is None
-    tmp = None
+    with _removed_on_failure(made):
+        fd = _anonymous(folder)
+        named = fd is None
+        tmp = None
+        try:
+            if named:
+                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "w+b") as f:
+                yield f
+                f.flush()
+                os.fchmod(f.fileno(), 0o644)
+                if not named:
+                    tmp = _linked(f, target, folder)
+            os.replace(tmp, target)
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
+        except BaseException:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _removed_on_failure(made: list[Path]):
+    """The folders in ``made`` (deepest first, created for an output) removed again, where nothing
+    else came into them, when the block fails: a failed or abandoned output leaves no trace."""
     try:
-        if named:
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w+b") as f:
-            yield f
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)
-            if not named:
-                tmp = _linked(f, target, folder)
-        os.replace(tmp, target)
-    except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
+        yield
     except BaseException:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    while str(folder) and not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _anonymous(folder: Path) -> int | None:
@@ -270,7 +296,6 @@ class NpzWriter:
         self.names: list[str] = []  # the arrays, in the order they first came
         self._archive = None  # (the atomic_file context, its file) once the first array came
         self._streamed: _Streamed | None = None
-        self._made: list[Path] = []  # folders made for the archive, deepest first
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
@@ -363,13 +388,7 @@ class NpzWriter:
             self.discard()
 
     def _open_archive(self) -> None:
-        """The archive's temporary file (``atomic_file``), opened at the first array; the folders
-        it creates for ``path`` are noted, for ``discard`` to remove again."""
-        folder = replaced(self.path).parent
-        self._made = []
-        while str(folder) and not folder.exists() and folder != folder.parent:
-            self._made.append(folder)
-            folder = folder.parent
+        """The archive's temporary file (``atomic_file``), opened at the first array."""
         context = atomic_file(self.path)
         self._archive = (context, context.__enter__())
 
@@ -387,13 +406,7 @@ class NpzWriter:
         self.parts, self._streamed = {}, None
         if self._archive is not None:  # the temporary file removed, the target left as it was
             context, self._archive = self._archive[0], None
-            context.__exit__(_Discarded, _Discarded(), None)
-            for folder in self._made:  # and the folders made for it, where nothing else came in
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
-            self._made = []
+            context.__exit__(_Discarded, _Discarded(), None)  # and the folders made for it
 
 
 class _Discarded(Exception):

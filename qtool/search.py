@@ -228,15 +228,16 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         result.kept_float = picked
     else:
         result.int16 = picked
-    final, report = _built(kept, chosen, options) or build(tuple(op.node for op in chosen))
+    # the builds were made as QDQ without --strict: what it writes otherwise is built as asked
+    as_built = options.format == "qdq" and not options.strict
+    final, report = (as_built and _built(kept, chosen)) or build(tuple(op.node for op in chosen))
     phase("quantize")
     names = {op.node for op in chosen} - set(options.keep_float)
     report.kept_float = [(t, n, "kept float by the search" if n in names and t not in options.keep_float
                           else r) for t, n, r in report.kept_float]
     record_float_nodes(final, report.kept_float)
     check = final if options.format == "qdq" else \
-        (_built(kept, chosen, replace(options, format="qdq", strict=False)) or
-         build(tuple(op.node for op in chosen), "qdq"))[0]
+        (_built(kept, chosen) or build(tuple(op.node for op in chosen), "qdq"))[0]
     result.final_db = evaluator.sqnr(check)
     result.evaluations += 1
     revert = bool(target_db is None and chosen and result.final_db < result.integer_db)
@@ -253,7 +254,7 @@ def search(model_path, table, options, table_name: str, data_path, target_db: fl
         # re-quantized around the picked ops (bias correction redone), they bought nothing
         chosen, result.kept_float, result.int16 = [], [], []
         kept.update(ops=frozenset(), built=(qmodel, qreport))
-        final, report = _built(kept, chosen, options) or build(())
+        final, report = (as_built and _built(kept, chosen)) or build(())
         result.final_db = result.integer_db
         result.heldout_final_db = result.heldout_integer_db
         phase("quantize")
@@ -310,11 +311,10 @@ def fit_and_heldout(float_model, data_path, num_samples, holdout, batch_size, pr
                          preprocess)
 
 
-def _built(kept: dict, chosen: list, options) -> tuple | None:
-    """The kept build of exactly the ops ``chosen`` (``search``'s ``kept``) where the search writes
-    QDQ without ``--strict``, the form it was built in (``build(key, "qdq")``); else None. Taken
-    once: the caller may change the model and report."""
-    if options.format != "qdq" or options.strict or kept.get("ops") != frozenset(op.node for op in chosen):
+def _built(kept: dict, chosen: list) -> tuple | None:
+    """The kept build (``search``'s ``kept``: QDQ, without ``--strict``) of exactly the ops
+    ``chosen``, else None. Taken once: the caller may change the model and report."""
+    if kept.get("ops") != frozenset(op.node for op in chosen):
         return None
     built, kept["ops"] = kept["built"], None
     return built

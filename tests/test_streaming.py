@@ -558,3 +558,7 @@ def test_atomic_file_nameless_named_or_unlinkable_replaces_the_target_whole(tmp_
                 f.write(b"half")
                 raise RuntimeError("stopped")
         assert target.read_bytes() == case.encode() and list(tmp_path.iterdir()) == [target]
+        with pytest.raises(RuntimeError):  # the folders made for a failed output go with it
+            with fileio.atomic_file(tmp_path / "new" / "sub" / "out.bin"):
+                raise RuntimeError("stopped")
+        assert list(tmp_path.iterdir()) == [target]
