@@ -473,8 +473,10 @@ class Evaluator:
                                         else model.SerializeToString())
             return self.runs.run(session, names, [feeds_for(pixels, feeds) for feeds in self.runs.feeds])
         except Exception as e:
-            raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}"
-                             f"{batch_hint(self.batches[0] if self.batches else {})}") from None
+            hint = (" (on one sample: these steps run each sample alone, so a model that needs several in "
+                    "one run, such as the frames of one sequence, cannot be scored; quantize it without "
+                    "--data)") if self.runs.split else batch_hint(self.batches[0] if self.batches else {})
+            raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}{hint}") from None
 
     @staticmethod
     def _values(piece, runs, b):

@@ -75,11 +75,11 @@ class OneAtATime(Exception):
     again one sample at a time (a model whose input says N but that runs only one sample: a
     Reshape to a fixed leading 1). ``note`` is the line for the log."""
 
-    def __init__(self, size: int, error: Exception):
+    def __init__(self, size: int, error: Exception, note: str = ""):
         reason = str(error).split(" (on a batch of ")[0]
         reason = reason if len(reason) <= 160 else reason[:157] + "..."
-        super().__init__(f"batch size 1: the model failed on a batch of {size} samples and runs one "
-                         f"sample at a time ({reason})")
+        super().__init__(note or f"batch size 1: the model failed on a batch of {size} samples and runs "
+                                 f"one sample at a time ({reason})")
         self.note = str(self)
 
 

@@ -314,7 +314,8 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
     typed, shapes, batch_size, note = _batching(model, data, total - first, batch_size, memory_mb)
     if log is not None:
         for vi in graph_inputs(model):
-            declared = ["N" if i == 0 else (d if d else "?") for i, d in enumerate(input_shape(vi))]
+            axis = data.sample_axis(vi.name)  # None: fed whole, no axis of samples
+            declared = ["N" if i == axis else (d if d else "?") for i, d in enumerate(input_shape(vi))]
             if declared != shapes[vi.name]:
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     names = needed_tensors(model, float_tensors(typed))

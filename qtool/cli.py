@@ -1138,7 +1138,9 @@ def _internal_error(e: Exception) -> None:
     """A bug, or a model qtool does not handle yet: still one line, with exit code 3 (the
     traceback with QTOOL_TRACEBACK=1)."""
     if os.environ.get("QTOOL_TRACEBACK"):
-        raise e
+        import traceback
+
+        traceback.print_exception(e)  # and still exit 3: a script's exit codes do not change
     from .model import first_line
 
     typer.echo(f"error: internal error, {type(e).__name__}: {first_line(e)} (qtool could not "

@@ -89,12 +89,12 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
             n = data.samples_in(feeds)
             try:
                 outputs = executor.run(feeds, pace=(n, max(0, len(data) - done - n))).outputs
+                if not whole:  # an output of no sample axis (a state [25]): one at a time too
+                    outputs = per_sample(outputs, n, axes)
             except QtoolError as e:
                 if chosen and done == 0 and batch_size > 1 and n > 1:
-                    raise OneAtATime(batch_size, e) from None
+                    raise OneAtATime(batch_size, e, e.note if isinstance(e, Unsplittable) else "") from None
                 raise
-            if not whole:
-                outputs = per_sample(outputs, n, axes)
             shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]
                       for name, value in outputs.items()}
             writer.append(outputs)
@@ -123,8 +123,18 @@ def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
         elif n == 1:
             shaped[name] = value[None]
         else:
-            raise QtoolError(f"output '{name}' has shape {list(value.shape)} for a batch of {n} "
-                             f"samples, so exec cannot tell which part is whose; with --batch-size 1 "
-                             f"each sample's output is written whole, one per sample")
+            raise Unsplittable(name, list(value.shape), n)
     return shaped
+
+
+class Unsplittable(QtoolError):
+    """An output of a batch with no axis of the batch's samples (a state [25] beside frames)."""
+
+    def __init__(self, name: str, shape: list, n: int):
+        super().__init__(f"output '{name}' has shape {shape} for a batch of {n} samples, so exec cannot "
+                         f"tell which part is whose; with --batch-size 1 each sample's output is written "
+                         f"whole, one per sample")
+        # where exec chose the batch size, it starts again one sample at a time, and says this
+        self.note = (f"batch size 1: output '{name}' has shape {shape}, no axis of the batch's {n} "
+                     f"samples; each sample runs alone and its output is written whole")
 

@@ -41,7 +41,7 @@ from .qparams import QParams, centered, dequantize_array, quantize_array
 
 # numpy's messages for an input of a shape the model's ops cannot take (a model that runs one
 # sample at a time given several): user errors, not bugs
-_SHAPE_ERRORS = ("cannot reshape array", "operands could not be broadcast", "Resize ")
+_SHAPE_ERRORS = ("cannot reshape array", "operands could not be broadcast", "Resize ", "Conv input ")
 
 
 FOREIGN_ROUNDING = "half_to_even"

@@ -687,6 +687,9 @@ def _explicit_same_pads(model: onnx.ModelProto) -> None:
                 shapes = _inferred_dims(model)
             sizes = (shapes.get(node.input[0]) or [])[2:]
             ceil_mode = "ceil_mode" in attrs and attrs["ceil_mode"].i
+            if (len(sizes) != len(kernel) or None in sizes) and not ceil_mode and _ceil_same(node, mode, kernel,
+                                                                                           strides, dilations):
+                continue
             if len(sizes) != len(kernel) or None in sizes or ceil_mode:
                 continue
             totals = [max((-(-n // s) - 1) * s + t + 1 - n, 0) for n, s, t in zip(sizes, strides, totals)]
@@ -697,6 +700,21 @@ def _explicit_same_pads(model: onnx.ModelProto) -> None:
         del node.attribute[:]
         node.attribute.extend(keep)
         node.attribute.append(onnx.helper.make_attribute("pads", pads))
+
+
+def _ceil_same(node: onnx.NodeProto, mode: str, kernel: list, strides: list, dilations: list) -> bool:
+    """In place, where it is the same: a MaxPool whose windows are 2 wide at stride 2 (or 1 at 1)
+    with SAME_UPPER padding on inputs of any size as ``ceil_mode`` and no pads. Both give
+    ``ceil(n / 2)`` outputs, SAME_UPPER by padding the end with at most one element, which a max
+    ignores, ceil_mode by a last window that holds one (MTCNN's P-Net, any image size)."""
+    if node.op_type != "MaxPool" or mode != "SAME_UPPER" or any(d != 1 for d in dilations) \
+            or any((k, s) not in ((2, 2), (1, 1)) for k, s in zip(kernel, strides)):
+        return False
+    keep = [a for a in node.attribute if a.name not in ("auto_pad", "pads", "ceil_mode")]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    node.attribute.append(onnx.helper.make_attribute("ceil_mode", 1))
+    return True
 
 
 def _inferred_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:

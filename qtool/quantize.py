@@ -63,6 +63,9 @@ FORMATS = ("qdq", "qoperator")
 # onnxruntime fuses DQ -> Softmax -> Q into QLinearSoftmax, which outputs zeros when the output
 # scale is below 1/256 (onnxruntime 1.31).
 FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
+# a ReduceMean/ReduceSum over at least this many values an output is a normalization's statistic
+# (a LayerNorm's row of 32 and more; a complex value's two parts are no statistic)
+STATISTIC_FROM = 8
 # an output's Concat whose parts' ranges differ more than this stays float with what follows it:
 # one scale for both leaves the narrow part 1/JOIN_RATIO of the steps (YOLOv8: boxes 0-320 beside
 # class scores 0-1 in one tensor, every score then 0 or one step)
@@ -717,6 +720,21 @@ class _Rewriter:
                                                    f"after Concat '{join.node}', which joins ranges "
                                                    f"{max(widths) / min(widths):.0f}x apart"))
 
+    def _reduces_few(self, node: onnx.NodeProto) -> bool:
+        """A reduction over fewer than ``STATISTIC_FROM`` values an output, by static sizes: the
+        sum of a complex value's squared parts over an axis of 2 (basic-pitch's constant-Q
+        magnitude), a tensor of values like any other, not a normalization's statistic (its
+        whole network downstream had been kept float as "inside a LayerNormalization")."""
+        axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+        if axes is None and len(node.input) > 1 and node.input[1] in self.inits:
+            axes = [int(a) for a in np.ravel(self.inits[node.input[1]])]
+        known = next((vi for vi in [*self.graph.value_info, *self.graph.input] if vi.name == node.input[0]), None)
+        if not axes or known is None or not known.type.tensor_type.HasField("shape"):
+            return False
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in known.type.tensor_type.shape.dim]
+        sizes = [dims[a] for a in axes if -len(dims) <= a < len(dims)]
+        return len(sizes) == len(axes) and all(sizes) and int(np.prod(sizes)) < STATISTIC_FROM
+
     def _layernorm_variance_nodes(self) -> set[str]:
         """The nodes of a decomposed normalization's statistics: those that compute, from
         ReduceMean/ReduceSum outputs alone, what a Sqrt reads (the Add of epsilon in ReduceMean
@@ -730,7 +748,7 @@ class _Rewriter:
         constant = set(self.inits)  # and what nodes compute from constants alone (a reshaped gamma)
         below: set[str] = set()
         for node in self.graph.node:
-            if node.op_type in ("ReduceMean", "ReduceSum"):
+            if node.op_type in ("ReduceMean", "ReduceSum") and not self._reduces_few(node):
                 statistics.update(node.output)
                 continue
             inputs = [n for n in node.input if n]

@@ -20,11 +20,15 @@ def fixed_batch(model) -> int | None:
     """The batch size a model with a fixed first input dim demands, or None when it is free. An
     input whose first size is fixed above 1 and another size open (an LSTM state [2, N, 128]) has
     its samples on that open axis, as the data rules say (qtool/data.py): its first size is no
-    batch (Silero ran 2 samples at a time)."""
+    batch (Silero ran 2 samples at a time). Where an input's first size is open, the batch is free:
+    the inputs of fixed sizes beside it are states fed whole (madmom's recurrent beat trackers
+    take frames [T, 266] and states [25]: 25 is no batch)."""
     fixed = set()
     for vi in graph_inputs(model):
         dims = input_shape(vi)
-        if not dims or not (isinstance(dims[0], int) and dims[0] > 0):
+        if dims and not (isinstance(dims[0], int) and dims[0] > 0):
+            return None
+        if not dims:
             continue
         if dims[0] > 1 and any(not isinstance(d, int) or d <= 0 for d in dims[1:]):
             continue

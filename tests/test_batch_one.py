@@ -74,3 +74,87 @@ def test_a_job_says_which_key_to_set(one_at_a_time):
         f"{{data: {folder / 'd.npz'}}}", f"{{data: {folder / 'd.npz'}, batch_size: 1}}"))
     passed = invoke("run", job, "-q")
     assert passed.exit_code == 0, passed.output
+
+
+@pytest.fixture
+def frames_and_states(tmp_path):
+    """madmom's recurrent beat trackers: frames [T, F] (the frames are the samples) beside states
+    of fixed sizes [25] fed whole, whose outputs [25] have no axis of the frames."""
+    rng = np.random.default_rng(1)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+         helper.make_node("Relu", ["m"], ["y"], name="relu"),
+         helper.make_node("Mul", ["state", "half"], ["state_out"], name="decay")], "frames",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 6]),
+         helper.make_tensor_value_info("state", TensorProto.FLOAT, [5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 3]),
+         helper.make_tensor_value_info("state_out", TensorProto.FLOAT, [5])],
+        [numpy_helper.from_array(rng.normal(size=(6, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(np.float32(0.5), "half")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(16, 6)).astype(np.float32),
+             state=rng.normal(size=5).astype(np.float32))
+    return tmp_path
+
+
+def test_fixed_states_beside_open_frames_set_no_batch_size(frames_and_states):
+    """The states' 5 is no batch: quantize --data ran (it said 'the model takes batches of 5
+    samples'), calibrate says nothing of them, and exec, whose outputs [5] cannot be split by
+    sample, runs the frames one at a time and says so (where the user asked for batches of 4:
+    the error with the way out)."""
+    from qtool.sizing import fixed_batch
+
+    folder = frames_and_states
+    model, data, table = folder / "m.onnx", folder / "d.npz", folder / "t.yaml"
+    assert fixed_batch(onnx.load(model)) is None
+    calibrated = invoke("calibrate", model, "-d", data, "-o", table)
+    assert calibrated.exit_code == 0, calibrated.output
+    assert "input 'state'" not in calibrated.stderr
+    quantized = invoke("quantize", model, "-t", table, "-o", folder / "q.onnx", "--data", data, "--holdout", "0")
+    assert quantized.exit_code == 0, quantized.output
+    executed = invoke("exec", folder / "q.onnx", "--input", data, "-o", folder / "y.npz")
+    assert executed.exit_code == 0, executed.output
+    assert "batch size 1: output 'state_out' has shape [5], no axis of the batch's 8 samples" in executed.stderr
+    out = np.load(folder / "y.npz")
+    assert out["y"].shape == (16, 3) and out["state_out"].shape == (16, 5)
+    assert_user_error(invoke("exec", folder / "q.onnx", "--input", data, "-o", folder / "z.npz", "--batch-size", 4),
+                      "output 'state_out' has shape [5] for a batch of 4 samples", "with --batch-size 1")
+    assert not (folder / "z.npz").exists()
+
+
+def test_frames_too_few_for_a_conv_are_a_one_line_error_and_no_reason_to_refuse_a_model(tmp_path):
+    """A Conv over frames [T, 4] made [1, 1, T, 4] (madmom's TCN): with int16 activations and no
+    --data, quantize's executor check draws one frame, too few for the 3x3 kernel in onnxruntime's
+    float model too, so the check has nothing to say and the model is written (it stopped with an
+    internal error, negative dimensions); the executor given too few frames says which node."""
+    rng = np.random.default_rng(2)
+    graph = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["x", "axes"], ["x4"], name="add_axes"),
+         helper.make_node("Conv", ["x4", "w"], ["y"], name="conv")], "tcn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, "T2", 2])],
+        [numpy_helper.from_array(np.array([0, 1], np.int64), "axes"),
+         numpy_helper.from_array(rng.normal(size=(2, 1, 3, 3)).astype(np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(16, 4)).astype(np.float32))
+    np.savez(tmp_path / "one.npz", x=rng.normal(size=(1, 4)).astype(np.float32))
+    model, table = tmp_path / "m.onnx", tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "-d", tmp_path / "d.npz", "-o", table, "-q").exit_code == 0
+    quantized = invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", "--activation-type", "int16", "-q")
+    assert quantized.exit_code == 0, quantized.output
+    from qtool.executor import IntegerExecutor
+    import onnxruntime as ort
+
+    frames = np.load(tmp_path / "d.npz")["x"][:8]  # within the calibrated ranges
+    got = IntegerExecutor(onnx.load(tmp_path / "q.onnx")).run({"x": frames}).outputs["y"]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": frames})[0]
+    assert got.shape == want.shape == (1, 2, 6, 2)
+    np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max())  # 8-bit weights
+    assert_user_error(invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "one.npz", "-o", tmp_path / "z.npz"),
+                      "Conv node 'conv' cannot take inputs of shapes [1, 1, 1, 4]",
+                      "Conv input [1, 1, 1, 4] is smaller than its 3x3 kernel")
+    # quantize --data scores each sample (here: frame) alone: it says so, not "add --batch-size 1"
+    assert_user_error(invoke("quantize", model, "-t", table, "-o", tmp_path / "qd.onnx", "--data", tmp_path / "d.npz"),
+                      "onnxruntime failed on a variant of the model", "Conv node",
+                      "(on one sample: these steps run each sample alone", "quantize it without --data)")
+    assert not (tmp_path / "qd.onnx").exists()

@@ -192,6 +192,14 @@ def test_an_unexpected_failure_is_one_line_with_exit_3(monkeypatch, capsys, demo
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: internal error, RuntimeError: something qtool did not expect (")
     assert not (tmp_path / "t.yaml").exists()
+    # QTOOL_TRACEBACK=1 shows where, and the exit code stays 3 (it was Python's 1: "FAIL" to a script)
+    monkeypatch.setenv("QTOOL_TRACEBACK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 3
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "in broken" in err
+    assert err.splitlines()[-1].startswith("error: internal error, RuntimeError: something qtool did not expect (")
 
 
 # -- inputs that are not per sample -------------------------------------------------------------------

@@ -90,3 +90,37 @@ def test_quantized_ceil_mode_maxpool_runs_integer(tmp_path):
     want = ort.InferenceSession(qmodel.SerializeToString()).run(None, {"x": x})[0]
     assert got.shape == (4, 2, 4, 4)
     np.testing.assert_array_equal(got, want)
+
+
+def test_same_upper_2x2_stride_2_on_open_sizes_runs_integer(tmp_path):
+    """MTCNN's P-Net pools 2x2 at stride 2 with SAME_UPPER on images of any size: preparation
+    writes it as ceil_mode (the same outputs in onnxruntime for odd and even sizes), and the
+    quantized model runs it integer (it ran float: "auto_pad SAME_* is not supported")."""
+    from qtool.model import prepare
+
+    graph = helper.make_graph(
+        [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], auto_pad="SAME_UPPER",
+                          name="pool")], "pnet",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, None, None])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.save(model, tmp_path / "m.onnx")
+    prepared = prepare(onnx.load(tmp_path / "m.onnx"), "m.onnx")
+    attrs = {a.name: helper.get_attribute_value(a) for a in prepared.graph.node[0].attribute}
+    assert attrs.get("ceil_mode") == 1 and "auto_pad" not in attrs
+    rng = np.random.default_rng(4)
+    for size in ((7, 6), (8, 9), (5, 5), (6, 6)):
+        x = rng.normal(size=(2, 3, *size)).astype(np.float32)
+        want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+        got = ort.InferenceSession(prepared.SerializeToString()).run(None, {"x": x})[0]
+        assert want.shape == (2, 3, -(-size[0] // 2), -(-size[1] // 2))
+        np.testing.assert_array_equal(got, want)
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(8, 3, 7, 6)).astype(np.float32))
+    qmodel, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False))
+    assert report.kept_float == [] and report.quantized == {"MaxPool": 1}
+    x = rng.normal(size=(2, 3, 9, 5)).astype(np.float32)
+    got = IntegerExecutor(qmodel).run({"x": x}).outputs["y"]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    want = ort.InferenceSession(qmodel.SerializeToString(), options).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)

@@ -279,6 +279,31 @@ def test_transposed_layernorm_needs_the_mean_axis_moved_last(tmp_path):
     assert ("Add", "add_eps", "inside a LayerNormalization (float by default)") in report.kept_float
 
 
+def test_a_sum_over_a_complex_values_two_parts_is_no_normalization(tmp_path):
+    """basic-pitch's constant-Q magnitude: sqrt of the squared real and imaginary parts summed over
+    an axis of 2. That ReduceSum is no LayerNorm's statistic: the Conv after it runs integer (the
+    whole network downstream of it had been kept float, "inside a LayerNormalization"), and a sum
+    over the 8 values of a row still is one (the Sqrt's neighbours stay float)."""
+    rng = np.random.default_rng(3)
+    for parts, integer_conv in ((2, True), (8, False)):
+        graph = helper.make_graph(
+            [helper.make_node("Mul", ["x", "x"], ["sq"], name="square"),
+             helper.make_node("ReduceSum", ["sq", "axes"], ["power"], keepdims=0, name="sum"),
+             helper.make_node("Sqrt", ["power"], ["magnitude"], name="sqrt"),
+             helper.make_node("Conv", ["magnitude", "w"], ["y"], name="conv")], "cqt",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 5, parts])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 6, 5])],
+            [numpy_helper.from_array(np.array([4], np.int64), "axes"),
+             numpy_helper.from_array(rng.normal(size=(3, 4, 1, 1)).astype(np.float32), "w")])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+        np.savez(tmp_path / "d.npz", x=rng.normal(size=(8, 4, 6, 5, parts)).astype(np.float32))
+        table = calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False)
+        _, report = quantize(tmp_path / "m.onnx", table)
+        kept = {name: reason for _, name, reason in report.kept_float}
+        assert ("conv" not in kept) == integer_conv, kept
+        assert ("sum" in kept) == (not integer_conv), kept
+
+
 def test_layernorm_variance_stays_float(tmp_path):
     # without a gamma the decomposition is not fused: the Add(variance, eps) before Sqrt stays float
     _, (_, report) = _layernorm_decomposition(tmp_path, gamma=False)

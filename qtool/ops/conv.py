@@ -436,6 +436,9 @@ class ConvPlan:
         (sh, sw), (dh, dw) = p.strides, p.dilations
         out_hw = ((h + top + bottom - dh * (kh - 1) - 1) // sh + 1,
                   (w + left + right - dw * (kw - 1) - 1) // sw + 1)
+        if min(out_hw) < 1:  # onnxruntime refuses it too ("Invalid input shape")
+            raise ValueError(f"Conv input {list(shape)} is smaller than its {kh}x{kw} kernel (dilations "
+                             f"{dh}x{dw}, pads {list(p.pads)}): no output")
         weight = p.weight.astype(np.float32)
         # one input channel, strided (an STFT as a Conv: Silero's 258 outputs of 256 taps, stride
         # 128): one im2col product beats a pass per tap
