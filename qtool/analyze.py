@@ -696,7 +696,9 @@ def _units(data, fixed: int, units: list[int], batch_size: int, axes) -> "Batche
 
 
 def _picked(data, indices: list[int], batch_size: int, axes=None) -> "Batches":
-    """The samples ``indices`` of ``data`` in batches of ``batch_size`` (``axes``: see Batches)."""
+    """The samples ``indices`` of ``data`` in batches of ``batch_size`` (``axes``: see Batches); one
+    a batch where each is a whole input."""
+    batch_size = 1 if data.whole_samples else batch_size
     picked = [data.batch(i, i + 1) for i in indices]
 
     def joined(name: str, part: list[dict]) -> np.ndarray:

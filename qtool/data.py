@@ -29,6 +29,9 @@ class Dataset:
     extra: dict[str, np.ndarray]  # other arrays of an .npz (labels, ...)
     keys: list[str] = []  # every array name in the file, for messages
     preprocess: "Preprocess | None" = None  # how a folder of images became tensors; None for arrays
+    # each sample is a whole input (the arrays hold one more axis than the model's inputs, which
+    # have no batch axis: frames [T, F]): fed one at a time, as it is
+    whole_samples: bool = False
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -55,7 +58,9 @@ class Dataset:
         raise NotImplementedError
 
     def batches(self, batch_size: int, limit: int | None = None, start: int = 0):
-        """Feeds of at most ``batch_size`` samples, in order, from sample ``start``."""
+        """Feeds of at most ``batch_size`` samples (one where each is a whole input), in order, from
+        sample ``start``."""
+        batch_size = 1 if self.whole_samples else batch_size
         total = len(self) if limit is None else min(limit, len(self))
         for first in range(start, total, batch_size):
             yield self.batch(first, min(first + batch_size, total))
@@ -70,8 +75,15 @@ class ArrayDataset(Dataset):
         self.path, self.arrays, self.extra, self.keys = path, arrays, extra, keys
         self.dtypes = dtypes or {}
         self.axes: dict[str, int | None] = {}  # input -> its sample axis, None: fed whole (load_dataset)
+        self.stacked: set[str] = set()  # inputs whose arrays stack whole inputs (``whole_samples``)
+
+    @property
+    def whole_samples(self) -> bool:
+        return bool(self.stacked)
 
     def __len__(self) -> int:
+        if self.stacked:
+            return len(self.arrays[next(iter(self.stacked))])
         counts = [a.shape[axis] for name, a in self.arrays.items()
                   if (axis := self.sample_axis(name)) is not None]
         return counts[0] if counts else 1
@@ -81,13 +93,19 @@ class ArrayDataset(Dataset):
 
     def sample_shape(self, name: str) -> list[int]:
         shape, axis = list(self.arrays[name].shape), self.sample_axis(name)
+        if name in self.stacked:
+            return shape[1:]
         return shape if axis is None else shape[:axis] + shape[axis + 1:]
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        if self.stacked and stop != start + 1:
+            raise ValueError("whole inputs are fed one at a time")  # batches() gives them so
         feeds = {}
         for name, a in self.arrays.items():
             axis = self.sample_axis(name)
-            if axis is None:
+            if name in self.stacked:
+                part = a[start:stop][0]
+            elif axis is None:
                 part = a[()] if a.ndim == 0 else a[:]
             elif axis == 0:
                 part = a[start:stop]
@@ -484,12 +502,18 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     used = {id(a) for a in chosen.values()}
     extra = {k: a for k, a in arrays.items() if id(a) not in used}
     axes = {vi.name: sample_axis(vi, chosen[vi.name]) for vi in inputs}
+    stacked = {vi.name for vi in inputs if _stacks_whole(vi, chosen[vi.name])}
+    if stacked:
+        axes = _whole_inputs(path, chosen, inputs, stacked)
     for name, axis in axes.items():
         if axis not in (None, 0) and isinstance(chosen[name], RowFile):
             chosen[name] = chosen[name][:]  # a state or the like: small, and read across rows
-    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], axes[vi.name]) for vi in inputs}
+    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
     dataset.axes = axes
+    if stacked:
+        dataset.stacked = stacked
+        return dataset
     # an array shaped exactly as its model input (every size fixed) is also fed whole to every
     # run when the sample counts disagree: a state, or inputs of different fixed leading sizes
     counts = {chosen[n].shape[a] for n, a in axes.items() if a is not None}
@@ -503,6 +527,30 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
                          f"(an array shaped exactly as its model input, every size fixed, is fed "
                          f"whole to every run)")
     return dataset
+
+
+def _stacks_whole(vi: onnx.ValueInfoProto, a) -> bool:
+    """Whether array ``a`` stacks whole inputs ``vi``: one axis more than the input's declared rank
+    (at least 1), whose first size the model leaves open (frames [T, F] of a model without a
+    batch axis, given as [N, T, F])."""
+    dims = input_shape(vi)
+    return bool(dims) and a.ndim == len(dims) + 1 and not (isinstance(dims[0], int) and dims[0] > 0)
+
+
+def _whole_inputs(path: Path, chosen: dict, inputs, stacked: set[str]) -> dict[str, None]:
+    """The sample axes where the arrays of ``stacked`` hold one whole input per entry of their
+    first axis: none in what a run is fed, every other input's array fed whole to every run
+    (shaped exactly as the model input); or a one-line error."""
+    for vi in inputs:
+        shape = list(chosen[vi.name].shape)
+        if vi.name not in stacked and tuple(input_shape(vi)) != tuple(shape):
+            raise QtoolError(f"data file '{path}': the array for input '{sorted(stacked)[0]}' holds whole inputs, "
+                             f"one per entry of its first axis, so the array for '{vi.name}' must be one whole "
+                             f"input too (model input {_shape_text(input_shape(vi), None)}), not {shape}")
+    counts = {len(chosen[name]) for name in stacked}
+    if len(counts) > 1:
+        raise QtoolError(f"data file '{path}': inputs have different sample counts {sorted(counts)}")
+    return {vi.name: None for vi in inputs}
 
 
 def output_sample_axes(model: onnx.ModelProto) -> dict[str, int]:
@@ -543,10 +591,12 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
                      f"(model inputs: {', '.join(names)}; arrays: {', '.join(arrays)})")
 
 
-def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0) -> np.dtype:
+def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0,
+                 stacked: bool = False) -> np.dtype:
     """``a`` checked against the model input (numbers, shape, finite values: read in chunks, so a
-    large array in a file is not loaded whole), its samples along ``axis`` (None: fed whole);
-    returns the type to feed it as (the input's float type for floats), for the caller to convert."""
+    large array in a file is not loaded whole), its samples along ``axis`` (None: fed whole), or
+    whole inputs stacked along its first axis (``stacked``); returns the type to feed it as (the
+    input's float type for floats), for the caller to convert."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
@@ -556,6 +606,8 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int |
         raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
                          f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
     expected = input_shape(vi)
+    if stacked:  # [N, *input]: the samples on a new first axis
+        expected, axis = [None, *expected], 0
     if axis is None:  # a scalar
         if a.ndim != len(expected):
             raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "

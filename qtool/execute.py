@@ -47,7 +47,7 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
     executor = IntegerExecutor(model, arithmetic=target)
     pre, warnings = images_for(model, inputs, images or {}, f"model file '{qmodel_path}'")
     data = load_dataset(inputs, model, pre)
-    as_they_are = all(data.sample_axis(name) is None for name in executor.input_names)
+    as_they_are = all(data.sample_axis(name) is None for name in executor.input_names) and not data.whole_samples
     chosen = batch_is_chosen(model, batch_size)
     factor = EXEC_FACTOR_WIDE if wide_activations(model) else EXEC_FACTOR
     batch_size, note = ((1, "") if as_they_are else
@@ -89,7 +89,9 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
             n = data.samples_in(feeds)
             try:
                 outputs = executor.run(feeds, pace=(n, max(0, len(data) - done - n))).outputs
-                if not whole:  # an output of no sample axis (a state [25]): one at a time too
+                if data.whole_samples:  # each output whole, on a new first axis of samples
+                    outputs = {name: np.asarray(value)[None] for name, value in outputs.items()}
+                elif not whole:  # an output of no sample axis (a state [25]): one at a time too
                     outputs = per_sample(outputs, n, axes)
             except QtoolError as e:
                 if chosen and done == 0 and batch_size > 1 and n > 1:

@@ -210,6 +210,8 @@ def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, 
     from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
     whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,
     its batch) when the caller has one; ``sizes``: see ``sample_bytes``."""
+    if data.whole_samples:  # frames [T, F] and the like: no batch axis to put samples on
+        return 1, ""
     fixed = fixed_batch(model)
     if fixed or requested:
         return fixed or requested, ""

@@ -3,6 +3,7 @@ leading 1): where qtool chooses the batch size it finds out on the first batch a
 at 1, saying so; where the user chose it, the error says to add --batch-size 1."""
 
 import numpy as np
+import onnxruntime as ort
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -158,3 +159,51 @@ def test_frames_too_few_for_a_conv_are_a_one_line_error_and_no_reason_to_refuse_
                       "onnxruntime failed on a variant of the model", "Conv node",
                       "(on one sample: these steps run each sample alone", "quantize it without --data)")
     assert not (tmp_path / "qd.onnx").exists()
+
+
+def test_whole_inputs_stacked_on_a_new_first_axis_run_one_at_a_time(tmp_path):
+    """A model without a batch axis (frames [T, 4] through a Conv over time, madmom's TCN) takes
+    data of one more axis: [N, T, 4] is N whole inputs, each run alone as it is, by every command
+    (quantize --data's scoring too, which failed on single frames), and exec writes one output a
+    sample. An input beside them shaped exactly as the model's is fed whole to each; one of
+    another shape is a one-line error."""
+    rng = np.random.default_rng(5)
+    graph = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["x", "axes"], ["x4"], name="add_axes"),
+         helper.make_node("Conv", ["x4", "w"], ["c"], name="conv"),
+         helper.make_node("Mul", ["c", "gain"], ["y"], name="gain_mul")], "tcn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 4]),
+         helper.make_tensor_value_info("gain", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, "T2", 2])],
+        [numpy_helper.from_array(np.array([0, 1], np.int64), "axes"),
+         numpy_helper.from_array(rng.normal(size=(2, 1, 3, 3)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.save(model, tmp_path / "m.onnx")
+    gain = np.array([0.5, 2.0], np.float32)
+    frames = rng.normal(size=(12, 10, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=frames, gain=gain)
+    np.savez(tmp_path / "e.npz", x=frames[:3, :7], gain=gain)  # shorter, within the calibrated ranges
+    folder = tmp_path
+    m, table = folder / "m.onnx", folder / "t.yaml"
+    calibrated = invoke("calibrate", m, "-d", folder / "d.npz", "-o", table)
+    assert calibrated.exit_code == 0, calibrated.output
+    assert "on 12 samples" in calibrated.stderr, calibrated.stderr
+    for extra in ((), ("--data", folder / "d.npz", "--holdout", "4", "--num-samples", "8")):
+        quantized = invoke("quantize", m, "-t", table, "-o", folder / "q.onnx", *extra, "-q")
+        assert quantized.exit_code == 0, quantized.output
+    verified = invoke("verify", m, folder / "q.onnx", "-d", folder / "e.npz")
+    assert verified.exit_code == 0, verified.output
+    assert "verify: 3 samples" in verified.stdout
+    executed = invoke("exec", folder / "q.onnx", "--input", folder / "e.npz", "-o", folder / "y.npz", "-q")
+    assert executed.exit_code == 0, executed.output
+    want = ort.InferenceSession(str(m), providers=["CPUExecutionProvider"])
+    x = np.load(folder / "e.npz")["x"]
+    got = np.load(folder / "y.npz")["y"]
+    assert got.shape == (3, 1, 2, 5, 2)
+    for i in range(3):
+        ref = want.run(None, {"x": x[i], "gain": gain})[0]
+        np.testing.assert_allclose(got[i], ref, atol=0.03 * np.abs(ref).max())
+    np.savez(folder / "bad.npz", x=x, gain=np.stack([gain] * 3))
+    assert_user_error(invoke("exec", folder / "q.onnx", "--input", folder / "bad.npz", "-o", folder / "z.npz"),
+                      "the array for input 'x' holds whole inputs", "the array for 'gain' must be one whole input "
+                      "too (model input [2]), not [3, 2]")

@@ -90,6 +90,15 @@ CASES.update({  # a sentence encoder's mean pooling and L2 normalization
                               keepdims=0),
     "div_activation": _case("Div", {"a": (8, 12, 16), "b": (8, 12, 1)}),
 })
+CASES.update({  # one table each, as Sigmoid (madmom's TCN runs Elu after every Conv)
+    "elu": _case("Elu", X, spread=2.0),
+    "elu_alpha": _case("Elu", X, spread=2.0, alpha=0.3),
+    "selu": _case("Selu", X, spread=2.0),
+    "celu": _case("Celu", X, opset=12, spread=2.0, alpha=1.5),
+    "softplus": _case("Softplus", X, spread=3.0),
+    "softsign": _case("Softsign", X, spread=3.0),
+    "thresholdedrelu": _case("ThresholdedRelu", X, opset=10, spread=2.0, alpha=0.5),
+})
 if HAS_GELU:
     CASES["gelu"] = _case("Gelu", X, opset=20, spread=2.0)
     CASES["gelu_tanh"] = _case("Gelu", X, opset=20, spread=2.0, approximate="tanh")

@@ -115,6 +115,8 @@ def _quantized(tmp_path, case, **options):
     path = tmp_path / "m.onnx"
     onnx.save(build(), path)
     data = {n: (spread * RNG.normal(0.2, 1.0, s)).astype(np.float32) for n, s in inputs.items()}
+    if case == "div_activation":  # as test_differential_elementwise: a divisor that rounds to 0 makes 0 / 0,
+        data["b"] = np.abs(data["b"]) + np.float32(0.25)  # NaN, whose QuantizeLinear ONNX leaves open
     np.savez(tmp_path / "d.npz", **data)
     table = calibrate(path, tmp_path / "d.npz", progress=False)
     qmodel, report = quantize(path, table, QuantizeOptions(format="qoperator", **options))

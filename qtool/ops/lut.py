@@ -194,6 +194,58 @@ class HardSwish(LookupTable):
         return x * hard_sigmoid(x, 1.0 / 6.0, 0.5)
 
 
+@register
+class Elu(LookupTable):
+    op_type = "Elu"
+
+    def f(self, x, view):
+        alpha = float(view.attr("alpha", np.float32(1.0)))
+        return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+
+
+@register
+class Selu(LookupTable):
+    op_type = "Selu"
+
+    def f(self, x, view):
+        alpha = float(view.attr("alpha", np.float32(1.67326319217681884765625)))
+        gamma = float(view.attr("gamma", np.float32(1.05070102214813232421875)))
+        return gamma * np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+
+
+@register
+class Celu(LookupTable):
+    op_type = "Celu"  # opset 12
+
+    def f(self, x, view):
+        alpha = float(view.attr("alpha", np.float32(1.0)))
+        return np.maximum(x, 0.0) + np.minimum(0.0, alpha * np.expm1(np.minimum(x, 0.0) / alpha))
+
+
+@register
+class Softplus(LookupTable):
+    op_type = "Softplus"
+
+    def f(self, x, view):
+        return np.logaddexp(0.0, x)
+
+
+@register
+class Softsign(LookupTable):
+    op_type = "Softsign"
+
+    def f(self, x, view):
+        return x / (1.0 + np.abs(x))
+
+
+@register
+class ThresholdedRelu(LookupTable):
+    op_type = "ThresholdedRelu"
+
+    def f(self, x, view):
+        return np.where(x > float(view.attr("alpha", np.float32(1.0))), x, 0.0)
+
+
 class Gelu(LookupTable):
     op_type = "Gelu"  # opset 20
 
