@@ -22,8 +22,9 @@ T, I, H = 10, 8, 16
 
 
 def rnn_model(op: str, direction: str = "forward", outputs=("Y",), states: bool = False, seed: int = 0,
-              **attrs) -> onnx.ModelProto:
-    """x [T, N, I] -> one LSTM or GRU with random weights; ``outputs`` among Y, Y_h (, Y_c)."""
+              peepholes: bool = False, **attrs) -> onnx.ModelProto:
+    """x [T, N, I] -> one LSTM or GRU with random weights; ``outputs`` among Y, Y_h (, Y_c);
+    ``peepholes``: an LSTM's P too."""
     rng = np.random.default_rng(seed)
     d = 2 if direction == "bidirectional" else 1
     g = 4 if op == "LSTM" else 3
@@ -39,6 +40,9 @@ def rnn_model(op: str, direction: str = "forward", outputs=("Y",), states: bool 
         if op == "LSTM":
             inputs.append(helper.make_tensor_value_info("c0", f, [d, "N", H]))
             node_inputs.append("c0")
+    if peepholes:  # madmom's beat trackers: P of about the weights' size
+        node_inputs += [""] * (7 - len(node_inputs)) + ["P"]
+        inits.append(numpy_helper.from_array(rng.normal(0, 0.5, (d, 3 * H)).astype(np.float32), "P"))
     kinds = ("Y", "Y_h", "Y_c") if op == "LSTM" else ("Y", "Y_h")
     node_outputs = [k.lower() if k in outputs else "" for k in kinds]
     while not node_outputs[-1]:
@@ -86,6 +90,12 @@ CASES = [
 ]
 
 
+CASES += [  # peepholes (P): forward with Y, bidirectional with initial states and every output
+    ("LSTM", "forward", ("Y",), False, {"peepholes": True}),
+    ("LSTM", "bidirectional", ("Y", "Y_h", "Y_c"), True, {"peepholes": True}),
+]
+
+
 @pytest.mark.parametrize("op, direction, outputs, states, attrs", CASES)
 def test_integer_rnn_follows_the_float_model_on_held_out_samples(tmp_path, op, direction, outputs, states, attrs):
     model = rnn_model(op, direction, outputs, states, **attrs)
@@ -112,7 +122,7 @@ def test_the_executor_agrees_with_onnxruntime_on_the_qdq_model(tmp_path):
     """onnxruntime runs the same QDQ model with a float LSTM between the Q/DQ pairs: the integer
     kernel's outputs stay within a few steps of its 8-bit outputs (no int8 kernel of onnxruntime is
     involved, so this holds on every CPU)."""
-    model = rnn_model("LSTM", "bidirectional", ("Y", "Y_h", "Y_c"), states=True)
+    model = rnn_model("LSTM", "bidirectional", ("Y", "Y_h", "Y_c"), states=True, peepholes=True)
     _, qmodel, _ = quantized(tmp_path, model)
     feeds = samples(model, 16, seed=3)
     options = ort.SessionOptions()
@@ -178,8 +188,14 @@ def test_written_parameters_leave_out_the_tables_and_the_recurrent_weights(tmp_p
     written = op["params"]
     assert {"sigmoid", "tanh_gate", "tanh_cell"}.isdisjoint(written)
     assert written["gate_bits"] == 12 and 0 <= written["cell_bits"] <= 15
-    assert all(set(d) == {"bias_x", "bias_h", "reverse"} for d in written["directions"])
+    assert all(set(d) == {"bias_x", "bias_h", "reverse", "requant_peephole"} for d in written["directions"])
+    assert all(d["requant_peephole"] is None for d in written["directions"])
     assert len(json.dumps(params)) < 20000
+    # with peepholes, their multipliers (P itself is the model's int8 weight, as W and R)
+    _, qmodel, _ = quantized(tmp_path, rnn_model("LSTM", "bidirectional", peepholes=True))
+    params = json.loads(next(p.value for p in qmodel.metadata_props if p.key == PARAMS_KEY))
+    (direction, _) = params["ops"][0]["params"]["directions"]
+    assert len(direction["requant_peephole"]["multiplier"]) == 3 * H
 
 
 def test_one_tensor_for_both_initial_states_does_not_join_hidden_and_cell(tmp_path):

@@ -12,7 +12,10 @@ output Y's, else Y_h's), ``W``/``R`` int8 per gate row, and ``c`` int16 at ``2**
   (``round(f(q / 2**12) * 2**15)``, 1.0 saturating to 32767);
 * ``c = sat16(rshift(f * c, 15) + rshift(i * g, 30 - k))``, the shifts rounding;
 * ``h = sat(requant(o * tanh(c)) + Z_h)``: tanh of the cell from a 65536-entry table at ``2**-k``
-  to Q0.15, the Q0.30 product rescaled with ``M / 2**r = 2**-30 / S_h``.
+  to Q0.15, the Q0.30 product rescaled with ``M / 2**r = 2**-30 / S_h``;
+* peepholes (P, as TFLite's cell-to-gate weights): ``requant(P_q * c)`` added to the i and f
+  gates' pre-activations (the cell before the step) and to o's (the cell after it), P int8 one
+  scale per weight, rescaled with ``M / 2**r = S_P * 2**-k / 2**-12``.
 
 The cell's exponent ``k``: the smallest power of two above twice the largest magnitude the model
 gives the cell state (Y_c's and initial_c's (S, Z); qtool's preparation names Y_c so calibration
@@ -30,14 +33,14 @@ GRU (gates z, r, h) shares the gate arithmetic; with ``r`` at Q0.15:
 
 Handled: forward, reverse and bidirectional, initial states, the default activations (Sigmoid,
 Tanh[, Tanh]). Not handled (the node stays float, the reason reported): other activations,
-``clip``, LSTM's ``input_forget`` and peepholes (P), ``sequence_lens`` and ``layout=1`` (which
-onnxruntime does not run either).
+``clip``, LSTM's ``input_forget``, ``sequence_lens`` and ``layout=1`` (which onnxruntime does not
+run either).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -99,6 +102,9 @@ class Direction:
     bias_x: np.ndarray  # int64 [G*H]: Wb - Z_x * sum(W)
     bias_h: np.ndarray  # int64 [G*H]: Rb (the state is kept as h - Z_h)
     reverse: bool
+    # LSTM's P, a weight of the model: int64 [3*H] (i, o, f), int8 values
+    peephole: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
+    requant_peephole: Requant | None = None  # per weight [3*H]: S_P * 2**-k / 2**-12
 
 
 @dataclass(frozen=True)
@@ -279,12 +285,30 @@ class LSTM(Recurrent):
     gates = 4
     output_names = ("Y", "Y_h", "Y_c")
 
+    def constants(self, node):
+        # P [D, 3*H]: one int8 scale per weight (a weight of its own on each cell channel)
+        return {**super().constants(node), 7: Weight(axis=1)}
+
     def check(self, node, attrs):
         super().check(node, attrs)
-        if node.input[7:8] not in ([], [""]):
-            raise Unsupported("peepholes (P) are not supported")
         if attrs.get("input_forget", 0):
             raise Unsupported("input_forget is not supported")
+
+    def derive(self, view: NodeView) -> RecurrentParams:
+        p = super().derive(view)
+        operand = view.inputs[7] if len(view.inputs) > 7 else None
+        if operand is None:
+            return p
+        if operand.value is None or operand.qparams is None or np.any(np.asarray(operand.qparams.zero_point) != 0):
+            raise Unsupported("P must be a quantized constant of zero point 0")
+        dirs = len(p.directions)
+        rows = 3 * p.directions[0].recurrent.shape[0]
+        values = operand.value.astype(np.int64).reshape(dirs, rows)
+        scale = np.broadcast_to(np.asarray(operand.qparams.scale, np.float64).reshape(-1), (rows,))
+        requant = quantize_multipliers(scale * 2.0**-p.cell_bits / 2.0**-GATE_BITS, view.multiplier_bits)
+        directions = tuple(replace(dr, peephole=values[d], requant_peephole=requant)
+                           for d, dr in enumerate(p.directions))
+        return replace(p, directions=directions)
 
     def _cell(self, view: NodeView, outs) -> tuple[int, QParams | None]:
         """The cell's exponent from what the model says of Y_c and initial_c, doubled (Y_c is
@@ -297,14 +321,26 @@ class LSTM(Recurrent):
 
     def step(self, p, dr, gx, h, c):
         n = dr.recurrent.shape[0]
-        gates = np.clip(gx + self.recurrent_part(p, dr, h, slice(None)), *INT16)
+        pre = gx + self.recurrent_part(p, dr, h, slice(None))
+        if dr.peephole is not None:  # i and f see the cell before the step
+            pre[:, :n] += self.peephole(p, dr, c, slice(0, n))
+            pre[:, 2 * n:3 * n] += self.peephole(p, dr, c, slice(2 * n, 3 * n))
+        gates = np.clip(pre, *INT16)
         i = look(p.sigmoid, gates[:, :n])
-        o = look(p.sigmoid, gates[:, n:2 * n])
         f = look(p.sigmoid, gates[:, 2 * n:3 * n])
         g = look(p.tanh_gate, gates[:, 3 * n:])
         c = np.clip(rounding_rshift(f * c, UNIT_BITS, p.rounding)
                     + rounding_rshift(i * g, 2 * UNIT_BITS - p.cell_bits, p.rounding), *INT16)
+        if dr.peephole is not None:  # o sees the cell after it
+            gates[:, n:2 * n] = np.clip(pre[:, n:2 * n] + self.peephole(p, dr, c, slice(n, 2 * n)), *INT16)
+        o = look(p.sigmoid, gates[:, n:2 * n])
         return self.hidden_from(p, o * look(p.tanh_cell, c)), c
+
+    @staticmethod
+    def peephole(p: RecurrentParams, dr: Direction, c: np.ndarray, rows: slice) -> np.ndarray:
+        """P's part of a gate's pre-activation at 2**-12: the int8 weights times the int16 cell."""
+        r = dr.requant_peephole
+        return requantize(dr.peephole[rows] * c, r.multiplier[rows], r.rshift[rows], p.rounding)
 
 
 @register
