@@ -116,7 +116,9 @@ class ArrayDataset(Dataset):
 
 
 class FileDataset(Dataset):
-    """A folder of files, one sample each, read when their batch comes (sorted by name)."""
+    """A folder of files, one sample each, read when their batch comes (sorted by name); where the
+    first file's arrays are whole inputs (``_array_reader``), every file's are, fed one at a time
+    as they are (sequences of any length)."""
 
     def __init__(self, path: Path, files: list[Path], read, model: onnx.ModelProto):
         self.path, self.files, self.read, self.extra = path, files, read, {}
@@ -126,14 +128,28 @@ class FileDataset(Dataset):
         if missing:
             raise QtoolError(f"data folder '{path}' gives no data for model input '{missing[0]}' "
                              f"(model inputs: {', '.join(self.inputs)}); images feed one input")
+        self.whole_samples = getattr(read, "whole", None) is not None and read.whole(files[0], self._first)
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def sample_axis(self, name: str) -> int | None:
+        return None if self.whole_samples else 0
 
     def sample_shape(self, name: str) -> list[int]:
         return list(self._first[name].shape)
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        if self.whole_samples:
+            if stop != start + 1:
+                raise ValueError("whole inputs are fed one at a time")  # batches() gives them so
+            sample = self.read(self.files[start])
+            if not self.read.whole(self.files[start], sample):
+                raise QtoolError(f"data folder '{self.path}': '{self.files[start].name}' holds no whole "
+                                 f"inputs where '{self.files[0].name}' does (arrays of the model inputs' own rank)")
+            return {name: np.ascontiguousarray(sample[name], dtype=_check_array(self.files[start], vi, sample[name],
+                                                                                  None))
+                    for name, vi in self.inputs.items()}
         samples = [self.read(f) for f in self.files[start:stop]]
         feeds = {}
         for name, vi in self.inputs.items():
@@ -323,9 +339,25 @@ def fitted(img, size: tuple[int, int], fit: str, pad: float):
 def _array_reader(model: onnx.ModelProto):
     inputs = graph_inputs(model)
 
+    def whole(path: Path, arrays: dict[str, np.ndarray]) -> bool:
+        """Whether the file's arrays are whole inputs: one of the input's own rank, first size
+        not 1, where the model leaves that size open (frames [T, F] of a model without a batch
+        axis); every other array then shaped exactly as its input."""
+        found = [vi for vi in inputs if _whole_file_array(vi, arrays[vi.name])]
+        if not found:
+            return False
+        for vi in inputs:
+            if vi not in found and tuple(input_shape(vi)) != tuple(arrays[vi.name].shape):
+                raise QtoolError(f"data file '{path}': the array for input '{found[0].name}' is a whole input, "
+                                 f"so the array for '{vi.name}' must be one too (model input "
+                                 f"{_shape_text(input_shape(vi), None)}), not {list(arrays[vi.name].shape)}")
+        return True
+
     def read(path: Path) -> dict[str, np.ndarray]:
         arrays = read_npz(path)
         chosen = _match_inputs(path, arrays, inputs)
+        if whole(path, chosen):
+            return chosen
         sample = {}
         for vi in inputs:
             a = chosen[vi.name]
@@ -339,7 +371,15 @@ def _array_reader(model: onnx.ModelProto):
             sample[vi.name] = a
         return sample
 
+    read.whole = whole
     return read
+
+
+def _whole_file_array(vi: onnx.ValueInfoProto, a: np.ndarray) -> bool:
+    """A folder's array that is one whole input: the input's own rank, a first size other than
+    1 that the model leaves open."""
+    dims = input_shape(vi)
+    return bool(dims) and a.ndim == len(dims) and a.shape[0] != 1 and not (isinstance(dims[0], int) and dims[0] > 0)
 
 
 # arrays larger than this are read from the file batch by batch rather than loaded whole

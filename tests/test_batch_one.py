@@ -203,6 +203,19 @@ def test_whole_inputs_stacked_on_a_new_first_axis_run_one_at_a_time(tmp_path):
     for i in range(3):
         ref = want.run(None, {"x": x[i], "gain": gain})[0]
         np.testing.assert_allclose(got[i], ref, atol=0.03 * np.abs(ref).max())
+    # a folder: one whole input a file, of any length; exec writes each sample's output apart
+    (folder / "seq").mkdir()
+    for i, length in enumerate((10, 8, 12)):
+        np.savez(folder / "seq" / f"{i}.npz", x=frames[i, :length] if length <= 10 else frames[i:i + 2].reshape(20, 4)[:12],
+                 gain=gain)
+    assert invoke("calibrate", m, "-d", folder / "seq", "-o", folder / "t2.yaml", "-q").exit_code == 0
+    executed = invoke("exec", folder / "q.onnx", "--input", folder / "seq", "-o", folder / "s.npz", "-q")
+    assert executed.exit_code == 0, executed.output
+    written = np.load(folder / "s.npz")
+    for i, length in enumerate((10, 8, 12)):
+        x_i = np.load(folder / "seq" / f"{i}.npz")["x"]
+        ref = want.run(None, {"x": x_i, "gain": gain})[0]
+        assert written[f"y/{i}"].shape == ref.shape == (1, 2, length - 2, 2)
     np.savez(folder / "bad.npz", x=x, gain=np.stack([gain] * 3))
     assert_user_error(invoke("exec", folder / "q.onnx", "--input", folder / "bad.npz", "-o", folder / "z.npz"),
                       "the array for input 'x' holds whole inputs", "the array for 'gain' must be one whole input "
