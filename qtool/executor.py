@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from . import boundary, control, masks
 from .errors import QtoolError
-from .model import (batch_hint, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs,
+from .model import (batch_hint, first_line, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs,
                     without_weight_bytes)
 from .pixels import feeds_for, pixel_inputs
 from .ops import REGISTRY, Bias, IntegerOp, NodeView, Operand, Raw, Unsupported, Weight, node_attrs
@@ -793,7 +793,11 @@ class IntegerExecutor:
         session = self._float_sessions.get(key)
         if session is None:
             session = self._float_sessions[key] = self._float_session(step.node, step.inputs, values)
-        return session.run(None, dict(zip(step.inputs, values)))
+        try:
+            return session.run(None, dict(zip(step.inputs, values)))
+        except Exception as e:  # onnxruntime's own checks (a state of fixed batch 1 for a batch of 8)
+            raise QtoolError(f"onnxruntime failed on {step.node.op_type} node '{step.node.name}', which runs in "
+                             f"float: {first_line(e)}") from None
 
     def _float_session(self, node: onnx.NodeProto, names: list[str],
                        values: list[np.ndarray]) -> ort.InferenceSession:

@@ -220,3 +220,32 @@ def test_whole_inputs_stacked_on_a_new_first_axis_run_one_at_a_time(tmp_path):
     assert_user_error(invoke("exec", folder / "q.onnx", "--input", folder / "bad.npz", "-o", folder / "z.npz"),
                       "the array for input 'x' holds whole inputs", "the array for 'gain' must be one whole input "
                       "too (model input [2]), not [3, 2]")
+
+
+def test_a_float_op_that_takes_one_sample_is_found_on_the_first_batch(tmp_path):
+    """A GRU kept float with a fixed initial state [1, 1, H] (speechmos's AECMOS at int16, where its
+    GRUs stay float): onnxruntime refuses a batch of 8 there. That is a one-line error naming the
+    node (it was an internal error, exit 3), so exec starts again one sample at a time where it
+    chose the batch size, and names the way out where the user did."""
+    from test_recurrent import H, I, T, rnn_model
+
+    model = rnn_model("GRU")
+    rng = np.random.default_rng(6)
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(0, 0.3, (1, 1, H)).astype(np.float32), "h0"))
+    model.graph.node[0].input.extend(["h0"])  # x, W, R, B, sequence_lens "", initial_h
+    model.graph.node[0].input[0] = "x_tni"  # the samples first: x [N, T, I] transposed to the GRU's [T, N, I]
+    model.graph.node.insert(0, helper.make_node("Transpose", ["x"], ["x_tni"], perm=[1, 0, 2], name="to_tni"))
+    model.graph.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", T, I]))
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(8, T, I)).astype(np.float32))
+    m, table = tmp_path / "m.onnx", tmp_path / "t.yaml"
+    assert invoke("calibrate", m, "-d", tmp_path / "d.npz", "-o", table, "--batch-size", 1, "-q").exit_code == 0
+    assert invoke("quantize", m, "-t", table, "-o", tmp_path / "q.onnx", "--keep-float", "GRU", "-q").exit_code == 0
+    executed = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "d.npz", "-o", tmp_path / "y.npz")
+    assert executed.exit_code == 0, executed.output
+    assert "batch size 1: the model failed on a batch of 8 samples" in executed.stderr
+    assert "onnxruntime failed on GRU node 'rnn', which runs in float" in executed.stderr
+    assert np.load(tmp_path / "y.npz")["y"].shape[0] == 8
+    assert_user_error(invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "d.npz", "-o", tmp_path / "z.npz",
+                             "--batch-size", 4),
+                      "onnxruntime failed on GRU node 'rnn', which runs in float", HINT)
