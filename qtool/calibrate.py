@@ -106,15 +106,18 @@ class Statistics:
     body_tensors: set = field(default_factory=set)
 
     def table(self) -> Table:
-        tensors = {}
+        """The table; a tensor that held inf or NaN is listed as ``unbounded`` instead (the data's
+        inputs are finite, checked as read, so the model computed it: ops around it stay float)."""
+        tensors, unbounded = {}, []
         for name, calibrator in self.calibrators.items():
             r = calibrator.result()
             if not (math.isfinite(r.min) and math.isfinite(r.max) and math.isfinite(r.threshold)):
-                raise QtoolError(f"tensor '{name}' has NaN or Inf values on the calibration data")
+                unbounded.append(name)
+                continue
             tensors[name] = TensorEntry(float(r.min), float(r.max), float(r.threshold), self.method)
         return Table(self.model, self.model_sha256, self.method, self.samples, __version__, tensors,
                      params=dict(sorted(self.params.items())), input_shapes=self.input_shapes,
-                     preprocess=self.preprocess)
+                     preprocess=self.preprocess, unbounded=unbounded)
 
     def table_keeping_ends(self, ends: set[str]) -> Table:
         """``table()``, with the tensors of ``ends`` (``past_last_layer``) at their whole observed

@@ -317,7 +317,8 @@ def calibrate(
     except QtoolError as e:
         raise _fail(e)
     if as_json:
-        typer.echo(json.dumps({"tensors": len(table.tensors), "samples": table.samples, "method": method,
+        typer.echo(json.dumps({"tensors": len(table.tensors), "unbounded": table.unbounded,
+                               "samples": table.samples, "method": method,
                                "params": table.params, "input_shapes": table.input_shapes,
                                "output": None if output is None else str(output),
                                "stats_out": None if stats_out is None else str(stats_out)}, indent=1))
@@ -325,6 +326,10 @@ def calibrate(
         written = " and ".join("standard output" if str(p) == STDIO else str(p)
                                for p in (output, stats_out) if p is not None)
         _log(f"calibrated {len(table.tensors)} tensors on {table.samples} samples ({method}) -> {written}")
+        if table.unbounded:
+            _log(f"no range for {len(table.unbounded)} tensor(s) that held inf or NaN (the model computes them: "
+                 f"a constant -inf, a log of 0, ...); the ops around them stay float: "
+                 f"{', '.join(repr(n) for n in table.unbounded[:4])}{', ...' if len(table.unbounded) > 4 else ''}")
 
 
 @app.command(epilog=EXIT_CODES, cls=_GroupedCommand)

@@ -651,6 +651,9 @@ class _Rewriter:
             raise QtoolError(f"--keep-float: {', '.join(repr(u) for u in unknown)} is neither an op type "
                              f"nor a node name of the prepared model (qtool analyze lists them)")
         layernorm = self._layernorm_variance_nodes()
+        unbounded = set(self.table.unbounded)
+        doubles = {vi.name for vi in [*self.graph.value_info, *self.graph.input, *self.graph.output]
+                   if vi.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE}
         joins = self.masks.join_nodes
         counts = self._cast_to_integers()
         for node in self.graph.node:
@@ -662,6 +665,12 @@ class _Rewriter:
                 reason = "kept float (--keep-float)"
             elif node.name in self.masks.arithmetic:
                 reason = masks.REASON
+            elif any(n in doubles and n not in self.inits for n in (*node.input, *node.output)):
+                wide = next(n for n in (*node.input, *node.output) if n in doubles)
+                reason = f"'{wide}' is float64, which QuantizeLinear does not take"
+            elif any(n in unbounded for n in (*node.input, *node.output)):
+                held = next(n for n in (*node.input, *node.output) if n in unbounded)
+                reason = f"'{held}' held inf or NaN on the calibration data (no range to quantize it to)"
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
             elif any(o in counts for o in node.output):

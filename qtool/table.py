@@ -50,14 +50,18 @@ class Table:
     # 256 steps is far too deep for 65536); written after the tensors where there are any, so
     # that a table --table-out wrote quantizes its int16 ops as quantize --data did
     int16_ranges: dict = field(default_factory=dict)
+    # tensors that held inf or NaN on the calibration data (the model's computing: a constant -inf
+    # padding, a log of 0): no range, and the ops that read or write them stay float
+    unbounded: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         header = {k: v for k, v in asdict(self).items()
-                  if k not in ("tensors", "int16_ranges") and (k != "preprocess" or v)}
+                  if k not in ("tensors", "int16_ranges", "unbounded") and (k != "preprocess" or v)}
         ranges = {"int16_ranges": {name: [float(lo), float(hi)] for name, (lo, hi) in self.int16_ranges.items()}} \
             if self.int16_ranges else {}
+        unbounded = {"unbounded": list(self.unbounded)} if self.unbounded else {}
         return {"qtool_table": FORMAT_VERSION, **header,
-                "tensors": {name: asdict(e) for name, e in self.tensors.items()}, **ranges}
+                "tensors": {name: asdict(e) for name, e in self.tensors.items()}, **ranges, **unbounded}
 
     def dumps(self, fmt: str = "yaml") -> str:
         if fmt == "json":
@@ -103,7 +107,11 @@ def parse_table(path: Path, text: str) -> Table:
         except (TypeError, ValueError):
             raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
     extra = {key: data[key] for key in ("params", "input_shapes", "preprocess") if isinstance(data.get(key), dict)}
-    return Table(**header, tensors=tensors, int16_ranges=_int16_ranges(path, data.get("int16_ranges")), **extra)
+    unbounded = data.get("unbounded") or []
+    if not isinstance(unbounded, list) or not all(isinstance(name, str) for name in unbounded):
+        raise QtoolError(f"table file '{path}': 'unbounded' must be a list of tensor names")
+    return Table(**header, tensors=tensors, int16_ranges=_int16_ranges(path, data.get("int16_ranges")),
+                 unbounded=unbounded, **extra)
 
 
 def _int16_ranges(path: Path, ranges) -> dict:

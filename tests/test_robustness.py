@@ -577,3 +577,47 @@ def test_external_data_inside_the_model_folder_is_read(tmp_path):
     y = yaml.safe_load((tmp_path / "t.yaml").read_text())["tensors"]["y"]
     assert (y["min"], y["max"]) == (1.0, 4.0)  # x + [0, 1, 2, 3] with x = 1: the bytes were read
     assert math.isfinite(y["threshold"])
+
+
+def test_tensors_the_model_makes_infinite_or_float64_keep_their_ops_float(tmp_path):
+    """swift-f0 pads its scores with a constant -inf before a GatherElements, and computes in
+    float64 after a Cast: calibrate stopped ("tensor has NaN or Inf values on the calibration
+    data", blaming the data), then quantize failed inside onnx (QuantizeLinear takes no double).
+    Now the table lists the infinite tensors as ``unbounded`` (written and read back), and the ops
+    around them and those on float64 tensors stay float with the reason; the rest is integer."""
+    from qtool.table_formats import read_table
+
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+         helper.make_node("Pad", ["r", "pads", "lowest"], ["padded"], mode="constant", name="pad"),
+         helper.make_node("Mul", ["padded", "two"], ["y"], name="scale"),
+         helper.make_node("Cast", ["r"], ["r64"], to=TensorProto.DOUBLE, name="to_double"),
+         helper.make_node("Mul", ["r64", "three"], ["m64"], name="scale64"),
+         helper.make_node("Cast", ["m64"], ["z"], to=f, name="to_float")], "inf",
+        [helper.make_tensor_value_info("x", f, ["N", 6])],
+        [helper.make_tensor_value_info("y", f, ["N", 8]), helper.make_tensor_value_info("z", f, ["N", 6])],
+        [numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64), "pads"),
+         numpy_helper.from_array(np.array(-np.inf, np.float32), "lowest"),
+         numpy_helper.from_array(np.float32(2), "two"), numpy_helper.from_array(np.float64(3), "three")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32))
+    calibrated = invoke("calibrate", tmp_path / "m.onnx", "-d", tmp_path / "d.npz", "-o", tmp_path / "t.yaml")
+    assert calibrated.exit_code == 0, calibrated.output
+    assert "no range for 2 tensor(s) that held inf or NaN" in calibrated.stderr and "'padded', 'y'" in calibrated.stderr
+    table = read_table(tmp_path / "t.yaml")
+    assert table.unbounded == ["padded", "y"] and "r" in table.tensors and "padded" not in table.tensors
+    quantized = invoke("quantize", tmp_path / "m.onnx", "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx")
+    assert quantized.exit_code == 0, quantized.output
+    assert "integer: 1 ops (Relu 1)" in quantized.stdout, quantized.stdout
+    assert "'padded' held inf or NaN on the calibration data" in quantized.stdout
+    assert "'r64' is float64, which QuantizeLinear does not take" in quantized.stdout
+    executed = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "d.npz", "-o", tmp_path / "o.npz", "-q")
+    assert executed.exit_code == 0, executed.output
+    out, x = np.load(tmp_path / "o.npz"), np.load(tmp_path / "d.npz")["x"]
+    assert np.isneginf(out["y"][:, 0]).all() and np.isneginf(out["y"][:, -1]).all()
+    np.testing.assert_allclose(out["z"], 3 * np.maximum(x, 0), atol=0.05)
+    text = (tmp_path / "t.yaml").read_text().replace("unbounded:\n- padded\n- y\n", "unbounded: 3\n")
+    (tmp_path / "bad.yaml").write_text(text)
+    result = invoke("quantize", tmp_path / "m.onnx", "-t", tmp_path / "bad.yaml", "-o", tmp_path / "q2.onnx")
+    assert result.exit_code == 2 and "'unbounded' must be a list of tensor names" in result.stderr, result.output
