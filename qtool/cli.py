@@ -524,7 +524,9 @@ def quantize(
                                           "over it, disjoint from those) that judge each fitted "
                                           "step: it is kept only if it scores better there "
                                           "[default: as many as --num-samples; 0: keep unjudged]."),
-    batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
+    batch_size: Optional[int] = typer.Option(None, help="Samples per onnxruntime run [default: 8, fewer "
+                                             "where a sample's activations are large: within 512 MB, as "
+                                             "calibrate chooses]."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ):
@@ -631,7 +633,7 @@ def quantize(
             raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
         if target_sqnr is not None and not math.isfinite(target_sqnr):
             raise QtoolError(f"--target-sqnr must be a finite number of dB, got {target_sqnr}")
-        if num_samples < 1 or batch_size < 1:
+        if num_samples < 1 or (batch_size is not None and batch_size < 1):
             raise QtoolError(f"--num-samples and --batch-size must be at least 1, got {num_samples} "
                              f"and {batch_size}")
         if holdout is not None and holdout < 0:

@@ -475,7 +475,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
 
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
-    samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal.get("batch_size", 8), 8)
+    samples, batch = qz.get("bias_samples", BIAS_SAMPLES), min(cal["batch_size"], 8) if cal.get("batch_size") else None
     steps = DataSteps(tuple(qz.get("try_methods") or ()), qz.get("method_choice", "method" not in cal),
                       qz.get("placement"), qz.get("weight_rounding"), qz.get("bias_correction", True),
                       qz.get("target_sqnr"), qz.get("max_float_layers"), qz.get("allow_float", False),

@@ -21,6 +21,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .model import FloatRunner, graph_inputs, input_shape, load_model
 from .bias_correction import BIAS_SAMPLES, fit_correction, quantize_corrected
+from .calibrate import batch_plan
 from .channels import fit as fit_channels
 from .placement import place
 from .sizing import fixed_batch, wide_activations
@@ -42,7 +43,7 @@ class DataSteps:
     max_float_layers: int | None = None
     allow_float: bool = False
     num_samples: int | None = BIAS_SAMPLES
-    batch_size: int = 8
+    batch_size: int | None = None  # None: 8, or fewer where a sample's activations are large (_within_memory)
     holdout: int | None = None
     preprocess: object = None
     calibrate_batch: int | None = None  # the batch size the table was calibrated at (try_methods)
@@ -68,6 +69,8 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
                         progress: bool):
     if steps.searching:
         check_search_options(options, steps.allow_float)  # before the steps that precede it run
+    if steps.batch_size is None:
+        steps = replace(steps, batch_size=_within_memory(model_path, data_path, steps.preprocess))
     common = dict(progress=progress, preprocess=steps.preprocess, holdout=steps.holdout)
     n, batch = steps.num_samples, steps.batch_size
     choice = pick = None
@@ -117,6 +120,14 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     qmodel.metadata_props.append(onnx.StringStringEntryProto(key=DATA_STEPS_KEY, value=",".join(ran)))
     check_runs(qmodel, model_path, data_path, steps.preprocess)
     return qmodel, report, table, changed
+
+
+def _within_memory(model_path, data_path, preprocess) -> int:
+    """The samples per onnxruntime run of the steps: calibrate's choice within the default memory
+    budget, at most 8 (speechmos's DNSMOS holds 1.4 GB of activations a sample: at 8 a batch, the
+    method choice's statistics peaked at 8 GB). The steps' results do not depend on it: their
+    statistics are the same at any batch size, and their scores run sample by sample."""
+    return batch_plan(model_path, data_path, preprocess=preprocess)[1]
 
 
 def int16_as_calibrated(chosen: Table, given: Table) -> Table:

@@ -194,3 +194,28 @@ def test_int16_activations_keep_the_table(heavy, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert ("method:  minmax kept (int16 activations: percentile's and mse's cuts are made for 8-bit steps)"
             in result.output)
+
+
+def test_the_steps_run_batches_that_fit_the_memory_budget(demo_model, demo_calib, tmp_path, monkeypatch):
+    """quantize --data without --batch-size runs at most 8 samples at a time, fewer where a sample's
+    activations are large, as calibrate chooses (speechmos's DNSMOS, 1.4 GB a sample: 8 at a time
+    peaked at 8 GB in the method choice); --batch-size is taken as given."""
+    import qtool.recipe
+    import qtool.sizing
+
+    seen = []
+    real = qtool.recipe.choose_method
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["batch_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qtool.recipe, "choose_method", spy)
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "-o", table, "-q").exit_code == 0
+    args = ("quantize", demo_model, "-t", table, "-o", tmp_path / "q.onnx", "--data", demo_calib, "--num-samples", 8,
+            "--no-bias-correction", "--no-weight-rounding", "--no-channel-scales", "-q")
+    assert invoke(*args).exit_code == 0 and seen == [8]  # the demo's samples are small
+    monkeypatch.setattr(qtool.sizing, "sample_bytes", lambda *a, **k: 400 << 20)  # 400 MB of activations a sample
+    assert invoke(*args).exit_code == 0 and seen == [8, 2]
+    assert invoke(*args, "--batch-size", 5).exit_code == 0 and seen == [8, 2, 5]
