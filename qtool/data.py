@@ -117,7 +117,7 @@ class ArrayDataset(Dataset):
 
 class FileDataset(Dataset):
     """A folder of files, one sample each, read when their batch comes (sorted by name); where the
-    first file's arrays are whole inputs (``_array_reader``), every file's are, fed one at a time
+    first file's arrays are whole inputs (``_ArrayReader.whole``), every file's are, fed one at a time
     as they are (sequences of any length)."""
 
     def __init__(self, path: Path, files: list[Path], read, model: onnx.ModelProto):
@@ -128,7 +128,7 @@ class FileDataset(Dataset):
         if missing:
             raise QtoolError(f"data folder '{path}' gives no data for model input '{missing[0]}' "
                              f"(model inputs: {', '.join(self.inputs)}); images feed one input")
-        self.whole_samples = getattr(read, "whole", None) is not None and read.whole(files[0], self._first)
+        self.whole_samples = isinstance(read, _ArrayReader) and read.whole(files[0], self._first)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -336,30 +336,29 @@ def fitted(img, size: tuple[int, int], fit: str, pad: float):
     return canvas
 
 
-def _array_reader(model: onnx.ModelProto):
-    inputs = graph_inputs(model)
+class _ArrayReader:
+    """One sample's arrays from a file of a folder: an array of the input's rank less 1 (or of its
+    rank with a leading 1), or, where the file holds whole inputs (``whole``), each as it is."""
 
-    def whole(path: Path, arrays: dict[str, np.ndarray]) -> bool:
+    def __init__(self, model: onnx.ModelProto):
+        self.inputs = graph_inputs(model)
+
+    def whole(self, path: Path, arrays: dict[str, np.ndarray]) -> bool:
         """Whether the file's arrays are whole inputs: one of the input's own rank, first size
         not 1, where the model leaves that size open (frames [T, F] of a model without a batch
         axis); every other array then shaped exactly as its input."""
-        found = [vi for vi in inputs if _whole_file_array(vi, arrays[vi.name])]
-        if not found:
-            return False
-        for vi in inputs:
-            if vi not in found and tuple(input_shape(vi)) != tuple(arrays[vi.name].shape):
-                raise QtoolError(f"data file '{path}': the array for input '{found[0].name}' is a whole input, "
-                                 f"so the array for '{vi.name}' must be one too (model input "
-                                 f"{_shape_text(input_shape(vi), None)}), not {list(arrays[vi.name].shape)}")
-        return True
+        found = {vi.name for vi in self.inputs if _whole_file_array(vi, arrays[vi.name])}
+        if found:
+            _fed_whole_beside(f"data file '{path}'", arrays, self.inputs, found)
+        return bool(found)
 
-    def read(path: Path) -> dict[str, np.ndarray]:
+    def __call__(self, path: Path) -> dict[str, np.ndarray]:
         arrays = read_npz(path)
-        chosen = _match_inputs(path, arrays, inputs)
-        if whole(path, chosen):
+        chosen = _match_inputs(path, arrays, self.inputs)
+        if self.whole(path, chosen):
             return chosen
         sample = {}
-        for vi in inputs:
+        for vi in self.inputs:
             a = chosen[vi.name]
             rank = len(input_shape(vi))
             if rank and a.ndim == rank and a.shape[0] == 1:
@@ -370,9 +369,6 @@ def _array_reader(model: onnx.ModelProto):
                                  f"(rank {rank - 1}, or {rank} with a leading 1)")
             sample[vi.name] = a
         return sample
-
-    read.whole = whole
-    return read
 
 
 def _whole_file_array(vi: onnx.ValueInfoProto, a: np.ndarray) -> bool:
@@ -534,7 +530,7 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
             dataset.preprocess = pre
             return dataset
         if arrays:
-            return FileDataset(path, arrays, _array_reader(model), model)
+            return FileDataset(path, arrays, _ArrayReader(model), model)
         raise QtoolError(f"data folder '{path}' holds no .npy, .npz or image files")
     arrays = read_npz(path, lazy=True)
     inputs = graph_inputs(model)
@@ -581,16 +577,22 @@ def _whole_inputs(path: Path, chosen: dict, inputs, stacked: set[str]) -> dict[s
     """The sample axes where the arrays of ``stacked`` hold one whole input per entry of their
     first axis: none in what a run is fed, every other input's array fed whole to every run
     (shaped exactly as the model input); or a one-line error."""
-    for vi in inputs:
-        shape = list(chosen[vi.name].shape)
-        if vi.name not in stacked and tuple(input_shape(vi)) != tuple(shape):
-            raise QtoolError(f"data file '{path}': the array for input '{sorted(stacked)[0]}' holds whole inputs, "
-                             f"one per entry of its first axis, so the array for '{vi.name}' must be one whole "
-                             f"input too (model input {_shape_text(input_shape(vi), None)}), not {shape}")
+    _fed_whole_beside(f"data file '{path}'", chosen, inputs, stacked)
     counts = {len(chosen[name]) for name in stacked}
     if len(counts) > 1:
         raise QtoolError(f"data file '{path}': inputs have different sample counts {sorted(counts)}")
     return {vi.name: None for vi in inputs}
+
+
+def _fed_whole_beside(where: str, arrays: dict, inputs, whole: set[str]) -> None:
+    """A one-line error unless every input but ``whole`` has an array shaped exactly as the model
+    input: beside whole inputs, every other input is one whole too (a state)."""
+    for vi in inputs:
+        shape = list(arrays[vi.name].shape)
+        if vi.name not in whole and tuple(input_shape(vi)) != tuple(shape):
+            raise QtoolError(f"{where}: the array for input '{sorted(whole)[0]}' holds whole inputs, so the array "
+                             f"for '{vi.name}' must be one whole input too (model input "
+                             f"{_shape_text(input_shape(vi), None)}), not {shape}")
 
 
 def output_sample_axes(model: onnx.ModelProto) -> dict[str, int]:
