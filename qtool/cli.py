@@ -16,7 +16,7 @@ import typer
 from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
-from .fileio import STDOUT, atomic_write, check_writable, write_all
+from .fileio import STDOUT, atomic_write, check_not_reading, check_writable, write_all
 from .report import bias_summary, channels_summary, float_node_lines, methods_summary, pick_summary, \
     placement_summary, rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
@@ -294,6 +294,8 @@ def calibrate(
             check_table_target(output)
         if stats_out is not None:
             check_writable(stats_out)
+        for written in (output, stats_out):
+            check_not_reading(written, model, data)
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, input_name)
         if given and not holds_images(data):
             raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")
@@ -641,6 +643,8 @@ def quantize(
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
+        for written in (output, params_out, table_out):
+            check_not_reading(written, model, table, data)
         loaded = read_table(table, table_format)
         if table_out is not None:
             check_writable(table_out)
@@ -879,6 +883,7 @@ def verify(
             if str(report_path) == STDOUT:
                 raise QtoolError("--report needs a file name (standard output carries the report)")
             check_writable(report_path)
+            check_not_reading(report_path, model, qmodel, data)
         if cluster is not None:
             from .cluster import verify as verify_on
 
@@ -954,6 +959,7 @@ def exec_(
     try:
         _one_stdout_writer(as_json, output)
         check_writable(output)
+        check_not_reading(output, qmodel, inputs)
         folders = _new_folders(output)
         result = execute(qmodel, inputs, output, batch_size, memory, target,
                          _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input),

@@ -68,6 +68,20 @@ def check_writable(path: str | Path) -> None:
         raise QtoolError(f"cannot write '{path}': '{folder}' is not writable")
 
 
+def check_not_reading(output: str | Path | None, *inputs: str | Path | None) -> None:
+    """Fail when ``output`` is one of the files the command reads (``inputs``): writing it would
+    replace the model, table or data that the command still reads (`quantize m.onnx -o m.onnx`
+    replaced the float model)."""
+    if output is None or _streamed(Path(output)) or not Path(output).exists():
+        return
+    for given in inputs:
+        if given is None or str(given) == STDOUT or not Path(given).exists():
+            continue
+        if os.path.samefile(output, given):
+            raise QtoolError(f"cannot write '{output}': it is '{given}', which this command reads; "
+                             f"choose another output path")
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path):
     """A binary file (readable too) that becomes ``path`` when the block ends without error, and

@@ -621,3 +621,33 @@ def test_tensors_the_model_makes_infinite_or_float64_keep_their_ops_float(tmp_pa
     (tmp_path / "bad.yaml").write_text(text)
     result = invoke("quantize", tmp_path / "m.onnx", "-t", tmp_path / "bad.yaml", "-o", tmp_path / "q2.onnx")
     assert result.exit_code == 2 and "'unbounded' must be a list of tensor names" in result.stderr, result.output
+
+
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path, demo_model, demo_calib):
+    """`quantize m.onnx -o m.onnx` replaced the float model the command was reading (a user's files
+    are sacred): every command that writes refuses an output path that is one of its inputs, by
+    the file it names (a symlink or another spelling of the path too), before any work."""
+    model, data = tmp_path / "m.onnx", tmp_path / "d.npz"
+    shutil.copy(demo_model, model)
+    shutil.copy(demo_calib, data)
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "-d", data, "-o", table, "-q").exit_code == 0
+    assert invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", "-q").exit_code == 0
+    (tmp_path / "link.onnx").symlink_to(model)
+    kept = {p: p.read_bytes() for p in (model, data, table, tmp_path / "q.onnx")}
+    cases = [
+        (("calibrate", model, "-d", data, "-o", data), data),
+        (("calibrate", model, "-d", data, "-o", table, "--stats-out", model), model),
+        (("quantize", model, "-t", table, "-o", tmp_path / "link.onnx"), model),
+        (("quantize", model, "-t", table, "-o", tmp_path / "sub" / ".." / "t.yaml"), table),
+        (("quantize", model, "-t", table, "-o", tmp_path / "q2.onnx", "--data", data, "--params-out", data), data),
+        (("exec", tmp_path / "q.onnx", "--input", data, "-o", data), data),
+        (("verify", model, tmp_path / "q.onnx", "-d", data, "--report", tmp_path / "q.onnx"), tmp_path / "q.onnx"),
+    ]
+    (tmp_path / "sub").mkdir()
+    for args, target in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "which this command reads; choose another output path" in result.stderr, (args, result.stderr)
+        assert f"it is '{target}'" in result.stderr, (args, result.stderr)
+    assert {p: p.read_bytes() for p in kept} == kept
