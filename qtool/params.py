@@ -16,7 +16,7 @@ import onnx
 
 from .executor import IntegerExecutor
 from .fixedpoint import Requant
-from .ops import NOT_DUMPED_KEY, Unsupported, node_attrs
+from .ops import DUMPED_WHEN_SET_KEY, NOT_DUMPED_KEY, Unsupported, node_attrs
 from .ops.lut import LutParams
 from .qparams import QParams
 
@@ -43,7 +43,8 @@ def _plain(value):
         return _qparams(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.name not in _SKIPPED and not f.metadata.get(NOT_DUMPED_KEY)}
+                if f.name not in _SKIPPED and not f.metadata.get(NOT_DUMPED_KEY)
+                and not (f.metadata.get(DUMPED_WHEN_SET_KEY) and getattr(value, f.name) is None)}
     if isinstance(value, np.ndarray):
         if value.dtype.kind == "f":
             return [float(v) for v in value.astype(np.float64).ravel()] if value.ndim else float(value)

@@ -26,6 +26,10 @@ REGISTRY: dict[str, "IntegerOp"] = {}
 # writes: another weight, or a table that a formula and other fields define
 NOT_DUMPED_KEY = "qtool.not_dumped"
 NOT_DUMPED = {NOT_DUMPED_KEY: True}
+# ... and a field written only where it is set (not None): a part some models have (LSTM's
+# peepholes), so that the parameters of those without it read as they did before it existed
+DUMPED_WHEN_SET_KEY = "qtool.dumped_when_set"
+DUMPED_WHEN_SET = {DUMPED_WHEN_SET_KEY: True}
 
 
 def register(cls):

@@ -46,8 +46,8 @@ import numpy as np
 
 from ..fixedpoint import Requant, quantize_multipliers, requantize, rounding_rshift
 from ..qparams import QParams
-from . import (NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Rescale, Unsupported, Weight, check_integer,
-               per_tensor, register, rescale)
+from . import (DUMPED_WHEN_SET, NOT_DUMPED, Bias, IntegerOp, NodeView, Raw, Rescale, Unsupported, Weight,
+               check_integer, per_tensor, register, rescale)
 from .conv import in_accumulator_units, weight_scales
 from .intmatmul import int_matmul
 from .lut import round_real
@@ -104,7 +104,8 @@ class Direction:
     reverse: bool
     # LSTM's P, a weight of the model: int64 [3*H] (i, o, f), int8 values
     peephole: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
-    requant_peephole: Requant | None = None  # per weight [3*H]: S_P * 2**-k / 2**-12
+    # per weight [3*H]: S_P * 2**-k / 2**-12
+    requant_peephole: Requant | None = field(default=None, metadata=DUMPED_WHEN_SET)
 
 
 @dataclass(frozen=True)
