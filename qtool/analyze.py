@@ -37,6 +37,7 @@ from .model import all_nodes, batch_hint, first_line, graph_inputs, prepare_file
 from .ops.flat import saturation_window
 from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
+from .qparams import RANGE_LIMIT
 from .runs import Runs, as_written_bytes
 from .report import finite, progress_bar
 
@@ -276,6 +277,16 @@ class QdqModel:
     def all_weights(self) -> set[str]:
         """The quantized constants that have a float original (weights, biases, constant operands)."""
         return set(self.float_weights)
+
+
+def real_entries(reference: np.ndarray) -> np.ndarray | None:
+    """Where ``reference`` holds real values (not inf, NaN or beyond ``RANGE_LIMIT``, as verify
+    leaves out: a padding of -inf, an attention mask's lowest), or None where it all does."""
+    flat = np.asarray(reference)
+    if flat.dtype.kind != "f":
+        return None
+    mask = np.isfinite(flat) & (np.abs(flat) < RANGE_LIMIT)
+    return None if mask.all() else mask
 
 
 def sqnr_db(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
@@ -526,6 +537,10 @@ class Evaluator:
                 continue
             ref = [self._values(piece, self.reference, b) for b in b_range]
             values = [self._values(piece, got, b) for b in b_range]
+            real = [real_entries(r) for r in ref]  # an output the model makes -inf in places: those left out
+            if any(mask is not None for mask in real):
+                ref = [r if mask is None else r[mask] for r, mask in zip(ref, real)]
+                values = [v if mask is None else v[mask] for v, mask in zip(values, real)]
             window = self.windows[i]
             if window is not None:  # logits where the probability no longer moves: equal
                 ref, values = [np.clip(r, *window) for r in ref], [np.clip(v, *window) for v in values]

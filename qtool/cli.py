@@ -357,6 +357,7 @@ def merge(
     try:
         _one_stdout_writer(as_json, output)
         check_table_target(output)
+        check_not_reading(output, *stats)
         table = run(stats)
         write_table(table, output)
     except QtoolError as e:
@@ -643,8 +644,8 @@ def quantize(
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
-        for written in (output, params_out, table_out):
-            check_not_reading(written, model, table, data)
+        for written in (output, params_out, table_out):  # (--table-out may replace TABLE: read whole first)
+            check_not_reading(written, model, data, precision_table, *([table] if written != table_out else []))
         loaded = read_table(table, table_format)
         if table_out is not None:
             check_writable(table_out)

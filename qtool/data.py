@@ -550,8 +550,18 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     if stacked:
         dataset.stacked = stacked
         return dataset
-    # an array shaped exactly as its model input (every size fixed) is also fed whole to every
-    # run when the sample counts disagree: a state, or inputs of different fixed leading sizes
+    # an array shaped exactly as its model input (every size fixed above 1 first) is fed whole to
+    # every run beside an input whose first size is open (a state [25] beside frames [T, 266],
+    # also when there happen to be 25 frames: fixed_batch's rule), and also when the sample
+    # counts disagree: a state, or inputs of different fixed leading sizes
+    open_first = any(dims and not (isinstance(dims[0], int) and dims[0] > 0)
+                     for dims in (input_shape(vi) for vi in inputs))
+    if open_first:
+        for vi in inputs:
+            dims = input_shape(vi)
+            if dims and all(isinstance(d, int) and d > 0 for d in dims) and dims[0] > 1 \
+                    and tuple(dims) == tuple(chosen[vi.name].shape):
+                axes[vi.name] = None
     counts = {chosen[n].shape[a] for n, a in axes.items() if a is not None}
     if len(counts) > 1:
         for vi in inputs:
@@ -650,8 +660,9 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int |
     expected = input_shape(vi)
     if stacked:  # [N, *input]: the samples on a new first axis
         expected, axis = [None, *expected], 0
-    if axis is None:  # a scalar
-        if a.ndim != len(expected):
+    if axis is None:  # a scalar, or an array fed whole
+        if a.ndim != len(expected) or any(isinstance(want, int) and want > 0 and got != want
+                                          for got, want in zip(a.shape, expected)):
             raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
                              f"model expects {_shape_text(expected, None)}")
     elif a.ndim == 0 or a.shape[axis] == 0:

@@ -44,6 +44,12 @@ from .qparams import QParams, centered, dequantize_array, quantize_array
 _SHAPE_ERRORS = ("cannot reshape array", "operands could not be broadcast", "Resize ", "Conv input ")
 
 
+# what onnxruntime raises for a run it refuses (its own checks of shapes and values); a TypeError
+# or the like from qtool's side stays an internal error
+ORT_ERRORS = tuple(getattr(ort.capi.onnxruntime_pybind11_state, name) for name in (
+    "Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "EPFail")
+    if hasattr(ort.capi.onnxruntime_pybind11_state, name))
+
 FOREIGN_ROUNDING = "half_to_even"
 SPECIALIZED_KEPT = 16  # setups kept per step, one per input shapes met (the oldest go first)
 
@@ -795,7 +801,7 @@ class IntegerExecutor:
             session = self._float_sessions[key] = self._float_session(step.node, step.inputs, values)
         try:
             return session.run(None, dict(zip(step.inputs, values)))
-        except Exception as e:  # onnxruntime's own checks (a state of fixed batch 1 for a batch of 8)
+        except ORT_ERRORS as e:  # onnxruntime's own checks (a state of fixed batch 1 for a batch of 8)
             raise QtoolError(f"onnxruntime failed on {step.node.op_type} node '{step.node.name}', which runs in "
                              f"float: {first_line(e)}") from None
 

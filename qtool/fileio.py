@@ -69,15 +69,19 @@ def check_writable(path: str | Path) -> None:
 
 
 def check_not_reading(output: str | Path | None, *inputs: str | Path | None) -> None:
-    """Fail when ``output`` is one of the files the command reads (``inputs``): writing it would
-    replace the model, table or data that the command still reads (`quantize m.onnx -o m.onnx`
-    replaced the float model)."""
-    if output is None or _streamed(Path(output)) or not Path(output).exists():
+    """Fail when ``output`` is one of the files the command reads (``inputs``), or lies in a
+    folder of data it reads: writing it would replace the model, table or data that the command
+    still reads (`quantize m.onnx -o m.onnx` replaced the float model), or add a sample to the
+    folder for the next run."""
+    if output is None or _streamed(Path(output)):
         return
     for given in inputs:
         if given is None or str(given) == STDOUT or not Path(given).exists():
             continue
-        if os.path.samefile(output, given):
+        if Path(given).is_dir() and Path(output).resolve().is_relative_to(Path(given).resolve()):
+            raise QtoolError(f"cannot write '{output}': it is inside '{given}', a folder of data this command "
+                             f"reads; choose another output path")
+        if Path(output).exists() and os.path.samefile(output, given):
             raise QtoolError(f"cannot write '{output}': it is '{given}', which this command reads; "
                              f"choose another output path")
 

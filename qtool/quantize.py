@@ -64,10 +64,11 @@ FORMATS = ("qdq", "qoperator")
 # scale is below 1/256 (onnxruntime 1.31).
 FIXED_OUTPUT_RANGE = {"Softmax": (0.0, 1.0)}
 # the ops of a Log's front end that stays float (_log_front_ends): linear transforms, powers, shapes
-FRONT_END_OPS = {"Conv", "MatMul", "Gemm", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Pow", "Sqrt", "Max", "Min",
-                 "Clip", "ReduceSum", "ReduceMean", "ReduceL2", "ReduceSumSquare", "Reshape", "Transpose", "Squeeze",
-                 "Unsqueeze", "Slice", "Concat", "Split", "Pad", "Flatten", "Identity", "Gather", "Cast", "Expand",
-                 "Shape", "ConstantOfShape", "Constant", "Range", "Equal", "Where"}
+FRONT_END_OPS = {"Conv", "MatMul", "Gemm", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Pow", "Sqrt", "ReduceSum",
+                 "ReduceL2", "ReduceSumSquare", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Concat",
+                 "Split", "Pad", "Flatten", "Identity", "Cast", "Shape", "Expand", "ConstantOfShape", "Constant"}
+FRONT_END_POWERS = {"Pow", "Abs", "Sqrt", "ReduceL2", "ReduceSumSquare"}  # and a Mul of a tensor by itself
+FRONT_END_FLOOR = 1e-3  # a Max or Clip is the front end's epsilon floor only below this constant
 # a ReduceMean/ReduceSum over at least this many values an output is a normalization's statistic
 # (a LayerNorm's row of 32 and more; a complex value's two parts are no statistic)
 STATISTIC_FROM = 8
@@ -740,9 +741,9 @@ class _Rewriter:
 
     def _log_front_ends(self) -> dict[str, str]:
         """node -> Log node, for the nodes that compute nothing but a float Log's input from the
-        model's inputs with linear, magnitude and shape ops (``FRONT_END_OPS``: an STFT or
-        constant-Q transform as a Conv, its power, an epsilon), every output read within (or by a
-        Shape). Such a
+        model's inputs with linear, power and shape ops (``FRONT_END_OPS``: an STFT or constant-Q
+        transform as a Conv, its power (at least one: ``FRONT_END_POWERS``), an epsilon added or
+        as a floor), every output read within (or by a Shape). Such a
         log spectrum spans a range no 8- or 16-bit linear grid holds: the small powers round to
         0 and their logs to log(eps) (speechmos's DNSMOS: -6.5 dB after the Log at int8, 6.4 dB
         at its output even at int16; basic-pitch likewise), where a float front end costs a
@@ -761,12 +762,27 @@ class _Rewriter:
                 ancestors[node.name] = node
                 todo += [i for i in node.input if i and i not in inits]
             within = set(ancestors) | {log.name}
-            if ancestors and all(n.op_type in FRONT_END_OPS for n in ancestors.values()) and all(
+            if ancestors and all(n.op_type in FRONT_END_OPS or self._epsilon_floor(n) for n in ancestors.values()) \
+                    and any(n.op_type in FRONT_END_POWERS or (n.op_type == "Mul" and n.input[0] == n.input[1])
+                            for n in ancestors.values()) and all(
                     u.name in within or u.op_type in ("Shape", "Size")  # sizes only, not values
                     for n in ancestors.values() for o in n.output for u in self.consumers.get(o, [])) \
                     and not any(o in self.outputs for n in ancestors.values() for o in n.output):
                 found.update({name: log.name for name in ancestors})
         return found
+
+    def _epsilon_floor(self, node: onnx.NodeProto) -> bool:
+        """A Max with a constant, or a Clip with a constant min and no max, below
+        ``FRONT_END_FLOOR``: the floor a log's input gets (DNSMOS's Maximum(power, 1e-12)). A
+        Max or Clip at 0 or 6 is a ReLU: a network's."""
+        if node.op_type == "Max" and len(node.input) == 2:
+            bounds = [self.inits.get(name) for name in node.input]
+        elif node.op_type == "Clip" and len(node.input) >= 2 and (len(node.input) < 3 or not node.input[2]):
+            bounds = [self.inits.get(node.input[1])]
+        else:
+            return False
+        known = [b for b in bounds if b is not None]
+        return len(known) == 1 and np.size(known[0]) == 1 and 0 < float(np.ravel(known[0])[0]) < FRONT_END_FLOOR
 
     def _reduces_few(self, node: onnx.NodeProto) -> bool:
         """A reduction over fewer than ``STATISTIC_FROM`` values an output, by static sizes: the

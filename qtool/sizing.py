@@ -20,17 +20,17 @@ def fixed_batch(model) -> int | None:
     """The batch size a model with a fixed first input dim demands, or None when it is free. An
     input whose first size is fixed above 1 and another size open (an LSTM state [2, N, 128]) has
     its samples on that open axis, as the data rules say (qtool/data.py): its first size is no
-    batch (Silero ran 2 samples at a time). Where an input's first size is open, the batch is free:
-    the inputs of fixed sizes beside it are states fed whole (madmom's recurrent beat trackers
-    take frames [T, 266] and states [25]: 25 is no batch)."""
+    batch (Silero ran 2 samples at a time). Nor is it where another input's first size is open:
+    that input fixed above 1 in every size is a state fed whole (madmom's recurrent beat trackers
+    take frames [T, 266] and states [25]: 25 is no batch), while a first size of 1 still is a
+    batch of 1 (an input exported without its dynamic axis beside one with it)."""
+    inputs = [dims for dims in (input_shape(vi) for vi in graph_inputs(model)) if dims]
+    open_first = any(not (isinstance(dims[0], int) and dims[0] > 0) for dims in inputs)
     fixed = set()
-    for vi in graph_inputs(model):
-        dims = input_shape(vi)
-        if dims and not (isinstance(dims[0], int) and dims[0] > 0):
-            return None
-        if not dims:
+    for dims in inputs:
+        if not (isinstance(dims[0], int) and dims[0] > 0):
             continue
-        if dims[0] > 1 and any(not isinstance(d, int) or d <= 0 for d in dims[1:]):
+        if dims[0] > 1 and (open_first or any(not isinstance(d, int) or d <= 0 for d in dims[1:])):
             continue
         fixed.add(dims[0])
     return fixed.pop() if len(fixed) == 1 else None

@@ -310,26 +310,33 @@ def test_layernorm_variance_stays_float(tmp_path):
     assert ("Add", "add_eps", "inside a LayerNormalization (float by default)") in report.kept_float
 
 
-@pytest.mark.parametrize("network_before", [False, True])
+@pytest.mark.parametrize("network_before", [False, True, "relu6", "floor"])
 def test_the_front_end_of_a_log_spectrum_stays_float(tmp_path, network_before):
     """An STFT as a Conv, its power and an epsilon, then a Log (speechmos's DNSMOS, basic-pitch):
     the small powers round to 0 on any 8- or 16-bit grid and their logs to log(eps), so the ops
     that only compute the Log's input from the model's input stay float, the network after it
-    is integer. A Relu before the Log makes it a network: quantized as before."""
+    is integer; an epsilon floor (Max with 1e-8) belongs to the front end too. A Relu, or a Clip
+    at 0 and 6 (ReLU6), before the Log makes it a network: quantized as before."""
     rng = np.random.default_rng(7)
     nodes = [helper.make_node("Conv", ["x", "frames"], ["spectrum"], strides=[8], name="stft"),
              helper.make_node("Mul", ["spectrum", "spectrum"], ["power"], name="square"),
              helper.make_node("Add", ["power", "eps"], ["floor"], name="add_eps"),
              helper.make_node("Log", ["floor"], ["log_power"], name="log"),
              helper.make_node("Conv", ["log_power", "w"], ["y"], name="head")]
-    if network_before:
+    if network_before is True:
         nodes.insert(1, helper.make_node("Relu", ["spectrum"], ["spectrum_relu"], name="relu"))
         nodes[2].input[:] = ["spectrum_relu", "spectrum_relu"]
+    elif network_before == "relu6":
+        nodes.insert(1, helper.make_node("Clip", ["spectrum", "zero", "six"], ["spectrum_relu"], name="relu"))
+        nodes[2].input[:] = ["spectrum_relu", "spectrum_relu"]
+    elif network_before == "floor":  # Add(eps) as Max(power, eps)
+        nodes[2] = helper.make_node("Max", ["power", "eps"], ["floor"], name="add_eps")
     graph = helper.make_graph(
         nodes, "logspec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 7])],
         [numpy_helper.from_array(rng.normal(size=(8, 1, 16)).astype(np.float32), "frames"),
          numpy_helper.from_array(np.array(1e-8, np.float32), "eps"),
+         numpy_helper.from_array(np.array(0, np.float32), "zero"), numpy_helper.from_array(np.array(6, np.float32), "six"),
          numpy_helper.from_array(rng.normal(size=(4, 8, 1)).astype(np.float32), "w")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
     # quiet and loud frames, as audio: a power range far wider than 16 bits
@@ -337,7 +344,7 @@ def test_the_front_end_of_a_log_spectrum_stays_float(tmp_path, network_before):
     np.savez(tmp_path / "d.npz", x=x)
     qmodel, report = quantize(tmp_path / "m.onnx", calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", progress=False))
     kept = {name: reason for _, name, reason in report.kept_float}
-    if network_before:
+    if network_before in (True, "relu6"):
         assert "stft" not in kept and "square" not in kept and report.quantized.get("Conv") == 2, kept
         return
     assert {"stft", "square", "add_eps"} <= set(kept) and "head" not in kept, kept

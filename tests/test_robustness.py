@@ -614,6 +614,12 @@ def test_tensors_the_model_makes_infinite_or_float64_keep_their_ops_float(tmp_pa
     assert "'r64' is float64, which QuantizeLinear does not take" in quantized.stdout
     executed = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "d.npz", "-o", tmp_path / "o.npz", "-q")
     assert executed.exit_code == 0, executed.output
+    # quantize --data scores the output without its -inf entries, as verify does (every score read -inf)
+    scored = invoke("quantize", tmp_path / "m.onnx", "-t", tmp_path / "t.yaml", "-o", tmp_path / "qd.onnx",
+                    "--data", tmp_path / "d.npz", "--holdout", "4", "--num-samples", "4")
+    assert scored.exit_code == 0, scored.output
+    method = next(line for line in scored.stdout.splitlines() if line.startswith("method:"))
+    assert "inf" not in method and "nan" not in method and "minmax " in method, method
     out, x = np.load(tmp_path / "o.npz"), np.load(tmp_path / "d.npz")["x"]
     assert np.isneginf(out["y"][:, 0]).all() and np.isneginf(out["y"][:, -1]).all()
     np.testing.assert_allclose(out["z"], 3 * np.maximum(x, 0), atol=0.05)
@@ -643,6 +649,7 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path, demo
         (("quantize", model, "-t", table, "-o", tmp_path / "q2.onnx", "--data", data, "--params-out", data), data),
         (("exec", tmp_path / "q.onnx", "--input", data, "-o", data), data),
         (("verify", model, tmp_path / "q.onnx", "-d", data, "--report", tmp_path / "q.onnx"), tmp_path / "q.onnx"),
+        (("merge", data, "-o", data), data),
     ]
     (tmp_path / "sub").mkdir()
     for args, target in cases:
@@ -651,3 +658,14 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path, demo
         assert "which this command reads; choose another output path" in result.stderr, (args, result.stderr)
         assert f"it is '{target}'" in result.stderr, (args, result.stderr)
     assert {p: p.read_bytes() for p in kept} == kept
+    # an output inside a folder of data the command reads would be a sample of the next run
+    (tmp_path / "samples").mkdir()
+    np.save(tmp_path / "samples" / "0.npy", np.load(data)[list(np.load(data).keys())[0]][0])
+    result = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "samples", "-o", tmp_path / "samples" / "y.npz")
+    assert result.exit_code == 2 and "it is inside" in result.stderr and "a folder of data this command reads" \
+        in result.stderr, result.output
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["0.npy"]
+    # --table-out may replace TABLE itself: it is read whole before anything is written
+    result = invoke("quantize", model, "-t", table, "-o", tmp_path / "q3.onnx", "--data", data, "--table-out", table,
+                    "--num-samples", 4, "--holdout", 4, "-q")
+    assert result.exit_code == 0, result.output

@@ -15,7 +15,8 @@ output Y's, else Y_h's), ``W``/``R`` int8 per gate row, and ``c`` int16 at ``2**
   to Q0.15, the Q0.30 product rescaled with ``M / 2**r = 2**-30 / S_h``;
 * peepholes (P, as TFLite's cell-to-gate weights): ``requant(P_q * c)`` added to the i and f
   gates' pre-activations (the cell before the step) and to o's (the cell after it), P int8 one
-  scale per weight, rescaled with ``M / 2**r = S_P * 2**-k / 2**-12``.
+  scale per column of [D, 3*H] (the directions share it), rescaled with
+  ``M / 2**r = S_P * 2**-k / 2**-12``.
 
 The cell's exponent ``k``: the smallest power of two above twice the largest magnitude the model
 gives the cell state (Y_c's and initial_c's (S, Z); qtool's preparation names Y_c so calibration
@@ -104,7 +105,7 @@ class Direction:
     reverse: bool
     # LSTM's P, a weight of the model: int64 [3*H] (i, o, f), int8 values
     peephole: np.ndarray | None = field(default=None, metadata=NOT_DUMPED)
-    # per weight [3*H]: S_P * 2**-k / 2**-12
+    # per column of P [3*H]: S_P * 2**-k / 2**-12
     requant_peephole: Requant | None = field(default=None, metadata=DUMPED_WHEN_SET)
 
 
@@ -287,7 +288,7 @@ class LSTM(Recurrent):
     output_names = ("Y", "Y_h", "Y_c")
 
     def constants(self, node):
-        # P [D, 3*H]: one int8 scale per weight (a weight of its own on each cell channel)
+        # P [D, 3*H]: one int8 scale per column (per gate and cell channel, the directions sharing it)
         return {**super().constants(node), 7: Weight(axis=1)}
 
     def check(self, node, attrs):
