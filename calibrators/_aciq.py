@@ -48,6 +48,8 @@ class ACIQCalibrator(HistogramCalibrator):
 
     def __init__(self, bits: int = 8, bins: int = DEFAULT_BINS):
         super().__init__(bins)
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+            raise ValueError(f"bits must be a whole number from 2 to 16, got {bits!r}")
         self.bits = bits
 
     def mean(self) -> float:

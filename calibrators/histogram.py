@@ -196,6 +196,8 @@ class HistogramCalibrator:
     counts_zeros = False  # whether the histogram counts exact zeros (``Histogram.zeros``)
 
     def __init__(self, bins: int = DEFAULT_BINS):
+        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
+            raise ValueError(f"bins must be a whole number of at least 2, got {bins!r}")
         self.hist = Histogram(bins, count_zeros=self.counts_zeros)
 
     # what the engine reduces inside onnxruntime for this calibrator (qtool.stats_graph)

@@ -88,6 +88,8 @@ class KL(HistogramCalibrator):
         # tpu_mlir: the exact zeros among the binned values, counted in numpy from the sample
         self.counts_zeros = variant == "tpu_mlir"
         super().__init__(bins)
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= bins:
+            raise ValueError(f"levels must be a whole number from 2 to bins ({bins}), got {levels!r}")
         self.levels, self.variant = levels, variant
 
     def threshold(self) -> float:

@@ -20,6 +20,9 @@ class MinMax:
     reductions = ("minmax",)  # what the engine reduces inside onnxruntime (qtool.stats_graph)
 
     def __init__(self, moving_average: float | None = None):
+        number = isinstance(moving_average, (int, float)) and not isinstance(moving_average, bool)
+        if moving_average is not None and not (number and 0 < moving_average <= 1):
+            raise ValueError(f"moving_average must be a number in (0, 1], got {moving_average!r}")
         self.moving_average = moving_average
         self.min = np.inf
         self.max = -np.inf

@@ -37,6 +37,8 @@ class MSE(HistogramCalibrator):
 
     def __init__(self, bins: int = DEFAULT_BINS, qmax: int = 127):
         super().__init__(bins)
+        if isinstance(qmax, bool) or not isinstance(qmax, int) or qmax < 1:
+            raise ValueError(f"qmax must be a whole number of at least 1, got {qmax!r}")
         self.qmax = qmax
 
     def threshold(self) -> float:

@@ -68,6 +68,8 @@ def calibrator_factory(method: str, params: dict | None = None):
             except ValueError:
                 raise QtoolError(f"parameter '{name}' of method '{method}' must be "
                                  f"{type(default).__name__}, got '{value}'") from None
+        elif isinstance(value, str) and default is None:  # (minmax's moving_average) a number when it reads as one
+            value = _number(value)
         kwargs[name] = value
 
     def make():
@@ -77,6 +79,16 @@ def calibrator_factory(method: str, params: dict | None = None):
             raise QtoolError(f"method '{method}': {e}") from None
 
     return make
+
+
+def _number(text: str):
+    """``text`` as an int or a float where it reads as one, else as it is."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_params(items: list[str]) -> dict[str, str]:

@@ -207,3 +207,36 @@ def test_a_constant_tensor_gets_a_range_not_inverted(method, value):
     r = c.result()
     assert r.min <= r.max
     assert abs(r.max if value > 0 else r.min) == pytest.approx(abs(value), rel=0.01)
+
+
+@pytest.mark.parametrize("params, message", [
+    (("--method", "percentile", "--param", "bins=0"), "method 'percentile': bins must be a whole number of at least 2, got 0"),
+    (("--method", "kl", "--param", "levels=0"), "method 'kl': levels must be a whole number from 2 to bins (2048), got 0"),
+    (("--method", "kl", "--param", "bins=100", "--param", "levels=200"), "levels must be a whole number from 2 to bins (100)"),
+    (("--method", "mse", "--param", "qmax=0"), "method 'mse': qmax must be a whole number of at least 1, got 0"),
+    (("--method", "aciq_gauss", "--param", "bits=40"), "method 'aciq_gauss': bits must be a whole number from 2 to 16"),
+    (("--method", "minmax", "--param", "moving_average=2"), "moving_average must be a number in (0, 1], got 2"),
+    (("--method", "minmax", "--param", "moving_average=abc"), "moving_average must be a number in (0, 1], got 'abc'"),
+])
+def test_a_parameter_out_of_range_is_a_one_line_error(tmp_path, demo_model, demo_calib, params, message):
+    """bins=0 and levels=0 ended in internal errors (the second after a numpy warning), qmax=0 wrote
+    a useless table with exit 0: every calibrator checks its parameters before any work."""
+    from test_cli import assert_user_error, invoke
+
+    assert_user_error(invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "t.yaml", *params), message)
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_moving_average_from_the_command_line_is_a_number(tmp_path, demo_model, demo_calib):
+    """--param moving_average=0.01 reached the calibrator as a string: an internal error."""
+    from qtool.table_formats import read_table
+    from test_cli import invoke
+
+    result = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "t.yaml", "--param",
+                    "moving_average=0.01", "--batch-size", 4, "-q")
+    assert result.exit_code == 0, result.output
+    table = read_table(tmp_path / "t.yaml")
+    assert float(table.params["moving_average"]) == 0.01
+    plain = invoke("calibrate", demo_model, "-d", demo_calib, "-o", tmp_path / "p.yaml", "--batch-size", 4, "-q")
+    assert plain.exit_code == 0
+    assert table.tensors != read_table(tmp_path / "p.yaml").tensors  # the average, not the extremes
