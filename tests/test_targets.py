@@ -146,6 +146,19 @@ def test_int8_targets_list_the_layers_at_risk(demo_model, demo_table):
     assert warning.endswith("--target portable avoids it")
 
 
+def test_a_qoperator_model_of_int8_activations_lists_no_hazard(demo_model, demo_table, demo_heldout):
+    """--format qoperator --target x86-vnni writes QLinearConv/QGemm of int8 activations and
+    weights, which onnxruntime runs s8 x s8, exact on every CPU: no hazard, and the AVX2
+    emulation computes the exact integers (the warning said "5 of 5 can saturate", read from the
+    QDQ form before the conversion, whose int8 activations onnxruntime moves to uint8)."""
+    qmodel, report = quantize(demo_model, demo_table, QuantizeOptions(target="x86-vnni", format="qoperator"))
+    assert {n.op_type for n in qmodel.graph.node} >= {"QLinearConv", "QGemm"}
+    assert report.hazards == [] and not any("saturate" in w for w in report.warnings)
+    x = {"input": np.load(demo_heldout)["input"][:16]}
+    exact = IntegerExecutor(qmodel).run(x).outputs["logits"]
+    assert np.array_equal(IntegerExecutor(qmodel, arithmetic="x86-avx2").run(x).outputs["logits"], exact)
+
+
 def test_quantize_cli_prints_the_hazard_warning(tmp_path, demo_model, demo_calib):
     table = tmp_path / "t.yaml"
     assert invoke("calibrate", demo_model, "-d", demo_calib, "-o", table).exit_code == 0
