@@ -652,7 +652,10 @@ def quantize(
         recorded = (Preprocess.from_dict(loaded.preprocess, f"table file '{table}'") if loaded.preprocess
                     else None)
         if input_pixels:  # the normalization given, else the one calibrate recorded, folded in
-            pre = resolve_preprocess(given, recorded, f"table file '{table}'")[0] or Preprocess()
+            pre, differing = resolve_preprocess(given, recorded, f"table file '{table}'")
+            for w in differing:  # as exec and verify say it: the model folds in the given one
+                _log(f"warning: {w}")
+            pre = pre or Preprocess()
             options = dataclasses.replace(options, input_pixels=PixelInput(pre.mean, pre.std, pre.scale))
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,

@@ -168,3 +168,25 @@ def test_a_job_folds_its_calibration_preprocessing(files, tmp_path):
     assert qmodel.graph.input[0].type.tensor_type.elem_type == TensorProto.UINT8
     assert pixel_inputs(qmodel)["x"] == {"mean": list(MEAN), "std": list(STD), "scale": SCALE, "zero_point": 102}
     assert json.loads((tmp_path / "out" / "m.verify.json").read_text())["passed"]
+
+
+def test_input_pixels_given_other_than_recorded_is_said(files, tmp_path):
+    """--mean/--std that differ from the normalization calibrate recorded are folded in as given,
+    and quantize says so as exec and verify do (it said nothing, and the model's own recorded
+    preprocessing then disagreed with its folded one)."""
+    import yaml
+
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    doc = yaml.safe_load(table.read_text())
+    doc["preprocess"] = {"resize": None, "fit": "stretch", "pad": 114.0, "mean": [0.5, 0.4, 0.3],
+                         "std": [0.5, 0.25, 0.2], "scale": 1 / 255, "channels": "rgb", "layout": "nchw", "input": None}
+    table.write_text(yaml.safe_dump(doc, sort_keys=False))
+    same = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "a.onnx", "--input-pixels", "-q")
+    assert same.exit_code == 0 and "warning: image preprocessing" not in same.stderr, same.output
+    other = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "b.onnx", "--input-pixels",
+                   "--mean", "0.1,0.1,0.1", "-q")
+    assert other.exit_code == 0, other.output
+    assert "warning: image preprocessing: mean" in other.stderr and "given, " in other.stderr \
+        and "recorded in table file" in other.stderr and "the given one is used" in other.stderr, other.stderr
