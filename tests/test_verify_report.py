@@ -392,3 +392,34 @@ def test_analyze_samples_must_be_positive(demo_model, qmodel, demo_heldout):
     result = invoke("verify", demo_model, qmodel, "--data", demo_heldout, "--analyze",
                     "--analyze-samples", "0")
     assert_user_error(result, "number of samples must be >= 1, got 0")
+
+
+def test_an_output_declared_with_another_shape_is_written_as_computed(tmp_path):
+    """A model declaring an output's shape other than it computes (plcmos_v2: a scalar for [3];
+    onnxruntime only warns): quantize's full ONNX check refused what it wrote (an internal error,
+    exit 3); it now declares the output as inferred, and verify --ort runs both forms."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from test_cli import invoke
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+         helper.make_node("ReduceSum", ["m", "axes"], ["y"], keepdims=0, name="sum")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],  # declared a scalar: it is [N]
+        [numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32))
+    assert invoke("calibrate", tmp_path / "m.onnx", "-d", tmp_path / "d.npz", "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    quantized = invoke("quantize", tmp_path / "m.onnx", "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "-q")
+    assert quantized.exit_code == 0, quantized.output
+    qmodel = onnx.load(tmp_path / "q.onnx")
+    assert len(qmodel.graph.output[0].type.tensor_type.shape.dim) == 1
+    qmodel.graph.output[0].type.tensor_type.shape.ClearField("dim")  # declared a scalar again, as plcmos_v2's
+    onnx.save(qmodel, tmp_path / "q_declared.onnx")
+    for q in ("q.onnx", "q_declared.onnx"):
+        result = invoke("verify", tmp_path / "m.onnx", tmp_path / q, "-d", tmp_path / "d.npz", "--ort", "-q")
+        assert result.exit_code == 0, result.output

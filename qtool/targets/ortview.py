@@ -4,6 +4,7 @@ it quantized), and why it disagrees with the integer executor when saturation ex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -41,17 +42,9 @@ def deployed_session(model: onnx.ModelProto, config: dict[str, str] | None = Non
     with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
         options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
         log = os.path.join(folder, "log.txt")
-        sys.stderr.flush()
-        saved = os.dup(2)
-        target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, 2)
-        try:
+        with fd2_to(log):
             session = ort.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
-        finally:
-            os.dup2(saved, 2)
-            os.close(target)
-            os.close(saved)
         with open(log, errors="replace") as f:
             passes = re.findall(r"GraphTransformer (\S+) modified: 1", f.read())
         try:  # only a description of what onnxruntime runs
@@ -60,6 +53,23 @@ def deployed_session(model: onnx.ModelProto, config: dict[str, str] | None = Non
             optimized = None
     names = list(dict.fromkeys(p for p in passes if p not in _TRIVIAL_PASSES))
     return session, optimized, names
+
+
+@contextlib.contextmanager
+def fd2_to(path: str):
+    """The process's file descriptor 2 (where onnxruntime's logger writes) sent to ``path`` for the
+    duration: a deployed session logs at INFO (its passes), and at run time its warnings (an
+    output's declared shape, once per batch) would reach the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(target, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(target)
+        os.close(saved)
 
 
 def graph_changes(model: onnx.ModelProto, optimized: onnx.ModelProto, passes: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ from ..pixels import feeds_for, pixel_inputs
 from ..fixedpoint import int_range
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
-from ..targets.ortview import AGREEMENT, deployed_session, first_parting, ort_notes
+from ..targets.ortview import AGREEMENT, deployed_session, fd2_to, first_parting, ort_notes
 from . import compare
 from .compare import Comparison
 from ..ops.flat import flat_cuts
@@ -602,7 +602,8 @@ def _ort_session(qmodel, path, config: dict[str, str] | None):
 def _ort_run(session: ort.InferenceSession, feeds: dict, path) -> dict[str, np.ndarray]:
     names = [i.name for i in session.get_inputs()]
     try:
-        values = session.run(None, {n: feeds[n] for n in names})
+        with fd2_to(os.devnull):  # the deployed session logs at INFO: its run-time warnings not on the terminal
+            values = session.run(None, {n: feeds[n] for n in names})
     except Exception as e:  # a KeyError too: an input the float model does not have
         raise QtoolError(f"onnxruntime failed on quantized model '{path}': {first_line(e)}") from None
     return dict(zip([o.name for o in session.get_outputs()], values))
