@@ -453,7 +453,7 @@ def _add_zero_biases(model: onnx.ModelProto, nodes) -> None:
 def _check(model: onnx.ModelProto) -> None:
     """onnx's full check of a model quantize writes; in place, outputs the model declares with
     shapes it does not compute (plcmos_v2 declares a scalar and makes [3]: onnxruntime warns and
-    runs it, onnx's inference refuses the DequantizeLinear before it) are declared without one."""
+    runs it, onnx's inference refuses the DequantizeLinear before it) are declared as inferred."""
     try:
         onnx.checker.check_model(model, full_check=True)
     except onnx.shape_inference.InferenceError:
