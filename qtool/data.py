@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from .errors import QtoolError
-from .model import graph_inputs, input_shape
+from .model import graph_inputs, input_shape, open_first, state_inputs
 
 _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
              onnx.TensorProto.FLOAT16: np.float16}
@@ -375,7 +375,7 @@ def _whole_file_array(vi: onnx.ValueInfoProto, a: np.ndarray) -> bool:
     """A folder's array that is one whole input: the input's own rank, a first size other than
     1 that the model leaves open."""
     dims = input_shape(vi)
-    return bool(dims) and a.ndim == len(dims) and a.shape[0] != 1 and not (isinstance(dims[0], int) and dims[0] > 0)
+    return open_first(dims) and a.ndim == len(dims) and a.shape[0] != 1
 
 
 # arrays larger than this are read from the file batch by batch rather than loaded whole
@@ -554,14 +554,10 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     # every run beside an input whose first size is open (a state [25] beside frames [T, 266],
     # also when there happen to be 25 frames: fixed_batch's rule), and also when the sample
     # counts disagree: a state, or inputs of different fixed leading sizes
-    open_first = any(dims and not (isinstance(dims[0], int) and dims[0] > 0)
-                     for dims in (input_shape(vi) for vi in inputs))
-    if open_first:
-        for vi in inputs:
-            dims = input_shape(vi)
-            if dims and all(isinstance(d, int) and d > 0 for d in dims) and dims[0] > 1 \
-                    and tuple(dims) == tuple(chosen[vi.name].shape):
-                axes[vi.name] = None
+    states = state_inputs(model)
+    for vi in inputs:
+        if vi.name in states and tuple(input_shape(vi)) == tuple(chosen[vi.name].shape):
+            axes[vi.name] = None
     counts = {chosen[n].shape[a] for n, a in axes.items() if a is not None}
     if len(counts) > 1:
         for vi in inputs:
@@ -580,7 +576,7 @@ def _stacks_whole(vi: onnx.ValueInfoProto, a) -> bool:
     (at least 1), whose first size the model leaves open (frames [T, F] of a model without a
     batch axis, given as [N, T, F])."""
     dims = input_shape(vi)
-    return bool(dims) and a.ndim == len(dims) + 1 and not (isinstance(dims[0], int) and dims[0] > 0)
+    return open_first(dims) and a.ndim == len(dims) + 1
 
 
 def _whole_inputs(path: Path, chosen: dict, inputs, stacked: set[str]) -> dict[str, None]:

@@ -834,6 +834,26 @@ def input_shape(vi: onnx.ValueInfoProto) -> list[int | str | None]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
 
 
+def fixed_size(dim) -> bool:
+    """A dim the model fixes (a positive number, not a name or unknown)."""
+    return isinstance(dim, int) and dim > 0
+
+
+def open_first(dims: list) -> bool:
+    """An input's first size is open (a batch, or the frames of a model without one)."""
+    return bool(dims) and not fixed_size(dims[0])
+
+
+def state_inputs(model: onnx.ModelProto) -> set[str]:
+    """The inputs fixed above 1 in every size beside an input whose first size is open: states
+    fed whole to every run, whose first size is no batch (madmom's beat trackers take frames
+    [T, 266] and states [25])."""
+    shapes = {vi.name: input_shape(vi) for vi in graph_inputs(model)}
+    if not any(open_first(dims) for dims in shapes.values()):
+        return set()
+    return {name for name, dims in shapes.items() if dims and all(fixed_size(d) for d in dims) and dims[0] > 1}
+
+
 def float_tensors(model: onnx.ModelProto) -> list[str]:
     """Names of float activations in graph order: inputs, then each node's outputs."""
     types = {vi.name: vi.type.tensor_type.elem_type

@@ -13,7 +13,8 @@ import onnx
 
 from .batching import check_memory, choose_batch, release_freed
 from .data import Dataset
-from .model import FloatRunner, float_tensors, graph_inputs, input_shape, node_reads, submodel, without_weights
+from .model import (FloatRunner, fixed_size, float_tensors, graph_inputs, input_shape, node_reads, state_inputs,
+                    submodel, without_weights)
 
 
 def fixed_batch(model) -> int | None:
@@ -24,13 +25,13 @@ def fixed_batch(model) -> int | None:
     that input fixed above 1 in every size is a state fed whole (madmom's recurrent beat trackers
     take frames [T, 266] and states [25]: 25 is no batch), while a first size of 1 still is a
     batch of 1 (an input exported without its dynamic axis beside one with it)."""
-    inputs = [dims for dims in (input_shape(vi) for vi in graph_inputs(model)) if dims]
-    open_first = any(not (isinstance(dims[0], int) and dims[0] > 0) for dims in inputs)
+    states = state_inputs(model)
     fixed = set()
-    for dims in inputs:
-        if not (isinstance(dims[0], int) and dims[0] > 0):
+    for vi in graph_inputs(model):
+        dims = input_shape(vi)
+        if not dims or not fixed_size(dims[0]) or vi.name in states:
             continue
-        if dims[0] > 1 and (open_first or any(not isinstance(d, int) or d <= 0 for d in dims[1:])):
+        if dims[0] > 1 and not all(fixed_size(d) for d in dims[1:]):
             continue
         fixed.add(dims[0])
     return fixed.pop() if len(fixed) == 1 else None
