@@ -37,7 +37,7 @@ from .model import all_nodes, batch_hint, first_line, graph_inputs, prepare_file
 from .ops.flat import saturation_window
 from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
-from .qparams import RANGE_LIMIT
+from .qparams import real_entries
 from .runs import Runs, as_written_bytes
 from .report import finite, progress_bar
 
@@ -279,16 +279,6 @@ class QdqModel:
         return set(self.float_weights)
 
 
-def real_entries(reference: np.ndarray) -> np.ndarray | None:
-    """Where ``reference`` holds real values (not inf, NaN or beyond ``RANGE_LIMIT``, as verify
-    leaves out: a padding of -inf, an attention mask's lowest), or None where it all does."""
-    flat = np.asarray(reference)
-    if flat.dtype.kind != "f":
-        return None
-    mask = np.isfinite(flat) & (np.abs(flat) < RANGE_LIMIT)
-    return None if mask.all() else mask
-
-
 def sqnr_db(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
     signal = sum(float((r.astype(np.float64) ** 2).sum()) for r in reference)
     noise = sum(float(((r.astype(np.float64) - g) ** 2).sum()) for r, g in zip(reference, got))
@@ -446,6 +436,9 @@ class Evaluator:
             else:
                 self.pieces += [(i, [np.flatnonzero(labels == p) for labels in placed])
                                 for p in range(len(join.inputs))]
+        # entries of no real value (an output the model pads with -inf) are no part of a piece, as
+        # verify leaves them out: found once here, on the float reference
+        self.pieces = [(i, [self._real(i, where, b) for b, where in enumerate(wheres)]) for i, wheres in self.pieces]
         # a piece that is zero in float has no SQNR to keep; it does not decide the score
         self.pieces = [p for p in self.pieces if self._energy(p, self.reference) > 0] or self.pieces[:1]
         ops = {n.name: n.op_type for n in float_model.graph.node}
@@ -488,6 +481,15 @@ class Evaluator:
                     "one run, such as the frames of one sequence, cannot be scored; quantize it without "
                     "--data)") if self.runs.split else batch_hint(self.batches[0] if self.batches else {})
             raise QtoolError(f"onnxruntime failed on a variant of the model: {first_line(e)}{hint}") from None
+
+    def _real(self, i: int, where: np.ndarray | None, b: int) -> np.ndarray | None:
+        """``where`` (flat indices into output ``i`` of batch ``b``, None: all) without the entries
+        whose float reference is no real value (``qparams.real_entries``)."""
+        value = np.ravel(self.reference[b][i])
+        real = real_entries(value if where is None else value[where])
+        if real is None:
+            return where
+        return (np.arange(real.size) if where is None else where)[real]
 
     @staticmethod
     def _values(piece, runs, b):
@@ -537,10 +539,6 @@ class Evaluator:
                 continue
             ref = [self._values(piece, self.reference, b) for b in b_range]
             values = [self._values(piece, got, b) for b in b_range]
-            real = [real_entries(r) for r in ref]  # an output the model makes -inf in places: those left out
-            if any(mask is not None for mask in real):
-                ref = [r if mask is None else r[mask] for r, mask in zip(ref, real)]
-                values = [v if mask is None else v[mask] for v, mask in zip(values, real)]
             window = self.windows[i]
             if window is not None:  # logits where the probability no longer moves: equal
                 ref, values = [np.clip(r, *window) for r in ref], [np.clip(v, *window) for v in values]

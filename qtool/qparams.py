@@ -21,6 +21,16 @@ MIN_THRESHOLD = 1e-6
 RANGE_LIMIT = 1e30
 
 
+def real_entries(values: np.ndarray) -> np.ndarray | None:
+    """Where ``values`` hold real values (not inf, NaN or beyond ``RANGE_LIMIT``: a padding of
+    -inf, an attention mask's lowest), or None where all do: two reductions decide that the usual
+    tensor has none (NaN fails both comparisons)."""
+    values = np.asarray(values)
+    if not values.size or values.dtype.kind != "f" or (values.min() > -RANGE_LIMIT and values.max() < RANGE_LIMIT):
+        return None
+    return np.isfinite(values) & (np.abs(values) < RANGE_LIMIT)
+
+
 @dataclass(frozen=True)
 class QParams:
     """Scale and zero point of one tensor; per-channel fields are arrays along ``axis``."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops.bytetable import BYTE_TYPES, byte_values
-from ..qparams import RANGE_LIMIT, QParams, dequantize_array
+from ..qparams import QParams, dequantize_array, real_entries
 from ..report import finite
 
 ENABLED = True
@@ -120,9 +120,9 @@ class Comparison:
     def _meaningful(self, ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``ref`` and ``got`` without the entries whose reference is no real value (two
         reductions decide that the usual tensor has none; NaN fails both comparisons)."""
-        if not ref.size or (ref.min() > -RANGE_LIMIT and ref.max() < RANGE_LIMIT):
+        keep = real_entries(ref)
+        if keep is None:
             return ref, got
-        keep = np.isfinite(ref) & (np.abs(ref) < RANGE_LIMIT)
         self.excluded += int(ref.size - np.count_nonzero(keep))
         return np.ascontiguousarray(ref[keep]), np.ascontiguousarray(np.broadcast_to(got, ref.shape)[keep])
 
