@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from .histogram import DEFAULT_BINS, HistogramCalibrator
+from .histogram import DEFAULT_BINS, HistogramCalibrator, check_whole
 
 
 def _laplace_error(a: float, bits: int) -> float:
@@ -48,8 +48,7 @@ class ACIQCalibrator(HistogramCalibrator):
 
     def __init__(self, bits: int = 8, bins: int = DEFAULT_BINS):
         super().__init__(bins)
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
-            raise ValueError(f"bits must be a whole number from 2 to 16, got {bits!r}")
+        check_whole("bits", bits, 2, 16)
         self.bits = bits
 
     def mean(self) -> float:

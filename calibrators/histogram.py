@@ -188,6 +188,16 @@ def _rebin(counts: np.ndarray, bins: int, factor: int) -> np.ndarray:
     return np.concatenate([shrink(negative)[::-1], shrink(positive)])
 
 
+def check_whole(name: str, value, least: int, most: int | None = None, most_name: str = "") -> None:
+    """A ``ValueError`` (calibrate's one-line error) unless ``value`` is a whole number in
+    ``[least, most]`` (``most_name``: what bounds it, for the message)."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if whole and value >= least and (most is None or value <= most):
+        return
+    bound = f"of at least {least}" if most is None else f"from {least} to {most_name or most}"
+    raise ValueError(f"{name} must be a whole number {bound}, got {value!r}")
+
+
 class HistogramCalibrator:
     """Base for calibrators that keep a ``Histogram``; subclasses define ``threshold()``."""
 
@@ -196,8 +206,7 @@ class HistogramCalibrator:
     counts_zeros = False  # whether the histogram counts exact zeros (``Histogram.zeros``)
 
     def __init__(self, bins: int = DEFAULT_BINS):
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
-            raise ValueError(f"bins must be a whole number of at least 2, got {bins!r}")
+        check_whole("bins", bins, 2)
         self.hist = Histogram(bins, count_zeros=self.counts_zeros)
 
     # what the engine reduces inside onnxruntime for this calibrator (qtool.stats_graph)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import register
-from .histogram import DEFAULT_BINS, HistogramCalibrator
+from .histogram import DEFAULT_BINS, HistogramCalibrator, check_whole
 
 VARIANTS = ("tensorrt", "tpu_mlir")
 
@@ -88,8 +88,7 @@ class KL(HistogramCalibrator):
         # tpu_mlir: the exact zeros among the binned values, counted in numpy from the sample
         self.counts_zeros = variant == "tpu_mlir"
         super().__init__(bins)
-        if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= bins:
-            raise ValueError(f"levels must be a whole number from 2 to bins ({bins}), got {levels!r}")
+        check_whole("levels", levels, 2, bins, f"bins ({bins})")
         self.levels, self.variant = levels, variant
 
     def threshold(self) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import register
-from .histogram import DEFAULT_BINS, HistogramCalibrator
+from .histogram import DEFAULT_BINS, HistogramCalibrator, check_whole
 
 
 def mse_threshold(counts: np.ndarray, width: float, qmax: int = 127) -> float:
@@ -37,8 +37,7 @@ class MSE(HistogramCalibrator):
 
     def __init__(self, bins: int = DEFAULT_BINS, qmax: int = 127):
         super().__init__(bins)
-        if isinstance(qmax, bool) or not isinstance(qmax, int) or qmax < 1:
-            raise ValueError(f"qmax must be a whole number of at least 1, got {qmax!r}")
+        check_whole("qmax", qmax, 1)
         self.qmax = qmax
 
     def threshold(self) -> float:
