@@ -259,7 +259,23 @@ def _basic_optimized(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
             ort.InferenceSession(source_file, options, providers=["CPUExecutionProvider"])
         except Exception as e:
             raise QtoolError(f"onnxruntime cannot load {source}: {first_line(e)}") from None
-        return onnx.load(options.optimized_model_filepath)
+        optimized = onnx.load(options.optimized_model_filepath)
+    _declared_opsets_only(optimized, model)
+    return optimized
+
+
+def _declared_opsets_only(optimized: onnx.ModelProto, source: onnx.ModelProto) -> None:
+    """In place: the opset imports of ``optimized`` that ``source`` declared or a node uses.
+    onnxruntime writes every domain it knows (ai.onnx.ml, ai.onnx.training, com.microsoft.nchwc,
+    org.pytorch.aten, ...), and a model that imports them unused is one some runtimes and
+    converters refuse."""
+    wanted = {o.domain for o in source.opset_import} | {"", "ai.onnx"}
+    wanted |= {n.domain for n in all_nodes(optimized.graph)}
+    wanted |= {n.domain for f in optimized.functions for n in f.node}
+    kept = [o for o in optimized.opset_import if o.domain in wanted]
+    if len(kept) < len(optimized.opset_import):
+        del optimized.opset_import[:]
+        optimized.opset_import.extend(kept)
 
 
 def fold_static_shapes(model: onnx.ModelProto) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .model import names_read
+from .model import all_nodes, names_read
 
 MS = "com.microsoft"
 _LINEAR_BINARY = {"Add": "QLinearAdd", "Mul": "QLinearMul"}
@@ -241,7 +241,8 @@ class _Converter:
         graph = helper.make_graph(kept, self.model.graph.name, list(self.model.graph.input),
                                   list(self.model.graph.output), inits)
         opsets = [o for o in self.model.opset_import if o.domain != MS]
-        opsets.append(helper.make_opsetid(MS, 1))
+        if any(n.domain == MS for n in all_nodes(graph)):
+            opsets.append(helper.make_opsetid(MS, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name=self.model.producer_name,
                                   producer_version=self.model.producer_version)
         model.ir_version = self.model.ir_version

@@ -1417,8 +1417,8 @@ class _Rewriter:
                 vi.type.tensor_type.elem_type = onnx.TensorProto.UINT8
         graph = helper.make_graph(self.nodes, self.graph.name, inputs, list(self.graph.output), inits)
         opsets = list(self.model.opset_import)
-        if any(n.domain == MS_DOMAIN for n in self.nodes) and all(o.domain != MS_DOMAIN for o in opsets):
-            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        if any(n.domain == MS_DOMAIN for n in all_nodes(graph)) and all(o.domain != MS_DOMAIN for o in opsets):
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))  # (a body's node too)
         model = helper.make_model(graph, opset_imports=opsets, producer_name="qtool",
                                   producer_version=__version__)
         model.ir_version = self.model.ir_version

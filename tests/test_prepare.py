@@ -237,3 +237,24 @@ def test_an_index_a_caller_may_feed_is_not_folded():
 
     model = _shape_slice(0, 0, 1, idx_is_input=True)
     assert fold_static_shapes(model) == 0 and "Gather" in [n.op_type for n in model.graph.node]
+
+
+def test_a_quantized_model_imports_the_domains_its_source_declares_or_uses(tmp_path):
+    """onnxruntime's optimizer writes every domain it knows into the model it saves; the prepared
+    and the quantized model import only the source's domains (and any a node uses)."""
+    from qtool.calibrate import calibrate
+    from qtool.model import load_model, prepare
+    from qtool.quantize import QuantizeOptions, quantize
+
+    source = _model(opset=13)
+    source.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 1
+    source.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(source, path)
+    prepared = prepare(load_model(path))
+    assert [(o.domain, o.version) for o in prepared.opset_import] == [("", 13)]
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).normal(0, 1, (4, 8, 4, 4)).astype(np.float32))
+    table = calibrate(path, tmp_path / "calib.npz", progress=False)
+    for fmt in ("qdq", "qoperator"):
+        qmodel, _ = quantize(path, table, QuantizeOptions(format=fmt))
+        assert {o.domain for o in qmodel.opset_import} == {""} | {n.domain for n in qmodel.graph.node}, fmt

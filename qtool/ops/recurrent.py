@@ -135,7 +135,8 @@ class RecurrentParams:
     initial_c: Rescale | None = None  # initial_c to the cell's int16 at 2**-k, if given
     # GRU
     linear_before_reset: bool = False
-    state_bits: int = 0  # the hidden state carried at S_h / 2**state_bits (GRU: STATE_BITS)
+    # the hidden state carried at S_h / 2**state_bits (GRU: STATE_BITS; None: at S_h, an LSTM's)
+    state_bits: int | None = field(default=None, metadata=DUMPED_WHEN_SET)
 
 
 class Recurrent(IntegerOp):
@@ -260,7 +261,7 @@ class Recurrent(IntegerOp):
             gx = requantize(acc, p.requant_x.multiplier, p.requant_x.rshift, p.rounding).reshape(steps, batch, -1)
             h = np.zeros((batch, h_size), np.int64)  # (h - Z_h) * 2**state_bits
             if h0 is not None:
-                h = (p.initial_h(h0[d]).astype(np.int64) - hidden.zero_point) << p.state_bits
+                h = (p.initial_h(h0[d]).astype(np.int64) - hidden.zero_point) << (p.state_bits or 0)
             c = np.zeros((batch, h_size), np.int64) if c0 is None else p.initial_c(c0[d]).astype(np.int64)
             for t in (range(steps - 1, -1, -1) if dr.reverse else range(steps)):
                 h, c = self.step(p, dr, gx[t], h, c)
@@ -291,7 +292,7 @@ class Recurrent(IntegerOp):
         """The carried state from a Q0.30 product (plus ``extra``, already carried), saturated to
         the hidden state's 8-bit range."""
         out = requantize(product, p.requant_out.multiplier, p.requant_out.rshift, p.rounding) + extra
-        hidden, bits = p.hidden, p.state_bits
+        hidden, bits = p.hidden, p.state_bits or 0
         return np.clip(out, (hidden.qmin - hidden.zero_point) << bits, (hidden.qmax - hidden.zero_point) << bits)
 
 
