@@ -460,7 +460,7 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
             bodies.update(outputs)
 
     if not reductions or not hasattr(prototype, "update_reduced"):
-        runner = FloatRunner(model, list(dict.fromkeys(names + extra)))
+        runner = FloatRunner(model, list(dict.fromkeys(names + extra)), layouts=False)
 
         def update_full(outputs):
             for name, calibrator in calibrators_by_name.items():
@@ -473,11 +473,18 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     shapes = {vi.name: input_shape(vi) for vi in infos}
     cap = histogram_samples if histogram_samples > 0 else np.iinfo(np.int64).max
     stats_model, layout = stats_graph.build(model, names, types, shapes, set(reductions), cap)
+    # without onnxruntime's blocked (NCHWc) convs: every activation read by a reduction is copied
+    # back out of their layout, and the copies outlive the priority-based order's early frees.
+    # Peak RSS at batch 8 with them, without: an NHWC ResNet-50 (opennsfw) 1169 -> 323 MB, so
+    # the memory estimate (0.5 x a sample's activations) held 4x low; PP-OCRv4 rec 375 -> 231 MB,
+    # det 475 -> 374 MB, PP-LCNet 538 -> 238 MB. Their 512-sample runs: within noise to 16% slower
+    # (rec 7.6 -> 8.8 s on a quiet machine; bench/throughput.py 1.57x -> 1.45x of onnxruntime on a
+    # busy one), 16-sample runs faster (a simpler session to build)
     # histograms are binned on the worker thread while onnxruntime runs the next batch: its threads
     # spinning between kernels took the core the binning needed (PP-OCRv4 rec, kl over 512 lines:
     # 10.0-18.0 s, bimodal, against 9.4-10.6 s without spinning); minmax bins nothing and runs
     # faster with them spinning (7.1-7.2 against 7.7-7.8 s)
-    runner = FloatRunner(stats_model, extra, spinning="sample" not in reductions)
+    runner = FloatRunner(stats_model, extra, spinning="sample" not in reductions, layouts=False)
 
     names_in_order = list(calibrators_by_name)
     ordered = [calibrators_by_name[n] for n in names_in_order]

@@ -892,12 +892,14 @@ class FloatRunner:
     """An onnxruntime session on the float model that also returns chosen intermediate tensors."""
 
     def __init__(self, model: onnx.ModelProto, extra_outputs: list[str] = (), threads: int = 0,
-                 arena: bool = True, prepack: bool = True, spinning: bool = True):
+                 arena: bool = True, prepack: bool = True, spinning: bool = True, layouts: bool = True):
         """A session on ``model`` (prepared already, so onnxruntime's default optimizations apply
         on top) returning its outputs plus ``extra_outputs``. ``prepack=False``: onnxruntime keeps
         the weights as given, not also in its GEMM kernels' packed layout (a ViT-S's session: 220
         -> 165 MB, its run about 15% slower). ``spinning=False``: its threads sleep between
-        kernels instead of spinning, for a caller that computes on another thread meanwhile."""
+        kernels instead of spinning, for a caller that computes on another thread meanwhile.
+        ``layouts=False``: without onnxruntime's layout optimizations (its blocked NCHWc convs),
+        for a graph that reads every activation (see qtool.stats_graph)."""
         known = {o.name for o in model.graph.output}
         value_info = {vi.name: vi for vi in model.graph.value_info}
         added = [value_info.get(name) or onnx.ValueInfoProto(name=name)
@@ -917,6 +919,8 @@ class FloatRunner:
         if threads:
             options.intra_op_num_threads = threads
         options.enable_cpu_mem_arena = arena
+        if not layouts:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
         if not spinning:

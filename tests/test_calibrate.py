@@ -41,7 +41,7 @@ def test_minmax_table_matches_a_direct_run(demo_model, demo_calib):
     table = calibrate(demo_model, demo_calib, progress=False)
     model = prepare(load_model(demo_model))
     x = np.load(demo_calib)["input"]
-    outputs = FloatRunner(model, list(table.tensors)).run({"input": x})
+    outputs = FloatRunner(model, list(table.tensors), layouts=False).run({"input": x})  # the statistics session's kernels
     for name, e in table.tensors.items():
         assert (e.min, e.max) == (float(outputs[name].min()), float(outputs[name].max())), name
 
@@ -443,3 +443,26 @@ def test_onnxruntime_threads_sleep_while_histograms_are_binned(demo_model, demo_
     except RuntimeError:  # not set: onnxruntime's default, spinning
         entry = "1"
     assert entry == spinning
+
+
+def test_the_statistics_session_runs_without_onnxruntimes_layout_optimizations(demo_model, demo_calib, monkeypatch):
+    """Every activation is read by a reduction, so onnxruntime's blocked (NCHWc) convs would copy
+    each one back out of their layout, and the copies outlive the early frees: an NHWC ResNet-50
+    held 4x the memory the batch was chosen for. The session is built without them (EXTENDED);
+    the table is the same either way up to float rounding, and each run gives the same bytes."""
+    import onnxruntime as ort
+
+    import qtool.calibrate as calibrate_module
+    levels = []
+    built = ort.InferenceSession.__init__
+
+    def recording(self, model, options=None, *args, **kwargs):
+        if options is not None and not options.optimized_model_filepath:
+            levels.append(options.graph_optimization_level)
+        built(self, model, options, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", recording)
+    first = calibrate_module.calibrate(demo_model, demo_calib, progress=False)
+    assert levels and set(levels) == {ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}
+    again = calibrate_module.calibrate(demo_model, demo_calib, progress=False)
+    assert first.tensors == again.tensors
