@@ -125,7 +125,10 @@ class QuantizeOptions:
         if (self.activation_type == "int16" or self.int16) and (self.format != "qdq"
                                                                 or self.target != DEFAULT_TARGET):
             what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
-            raise QtoolError(f"--activation-type int16 is written as QDQ for the {DEFAULT_TARGET} target "
+            more = f" and {len(self.int16) - 3} more" if len(self.int16) > 3 else ""
+            source = ("--activation-type int16 is" if self.activation_type == "int16" else
+                      f"the precision table's INT16 ({', '.join(self.int16[:3])}{more}) is")
+            raise QtoolError(f"{source} written as QDQ for the {DEFAULT_TARGET} target "
                              f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
         if self.weight_type not in WEIGHT_TYPES:
             raise QtoolError(f"unknown weight type '{self.weight_type}'; choose one of {', '.join(WEIGHT_TYPES)}")

@@ -131,6 +131,19 @@ def test_int16_refuses_8_bit_forms(demo_model, demo_table, tmp_path, extra, mess
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.parametrize("extra", [["--format", "qoperator"], ["--target", "x86-vnni"]])
+def test_a_precision_tables_int16_refuses_8_bit_forms_naming_the_table(demo_model, demo_table, tmp_path, extra):
+    write_table(demo_table, tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text("block_conv1 INT16\nfc F32\n")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "qtable.txt", *extra)
+    line = assert_user_error(result, "the precision table's INT16 (block_conv1) is written as QDQ for the portable "
+                                     "target (the QLinear ops and the x86 forms take 8-bit activations); "
+                                     f"drop {' '.join(extra)}")
+    assert "--activation-type" not in line
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_a_precision_table_widens_the_named_ops_and_keeps_others_float(cnn, tmp_path):
     _, model, data, x = cnn
     write_table(calibrate(model, data, progress=False), tmp_path / "t.yaml")
