@@ -656,7 +656,9 @@ def quantize(
             for w in differing:  # as exec and verify say it: the model folds in the given one
                 _log(f"warning: {w}")
             pre = pre or Preprocess()
-            options = dataclasses.replace(options, input_pixels=PixelInput(pre.mean, pre.std, pre.scale))
+            order = pre.channels if "channels" in given or recorded is not None else None  # (for messages)
+            pixels = PixelInput(pre.mean, pre.std, pre.scale, order)
+            options = dataclasses.replace(options, input_pixels=pixels)
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
                               target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout,
