@@ -348,10 +348,11 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
         report.warnings.append(f"{table_name} carries no model digest: it cannot be matched to "
                                f"model '{Path(model_path).name}' (make sure it was made for it)")
-    elif table.model_sha256 != digest:
-        report.warnings.append(f"{table_name} was made for model '{table.model}' "
-                               f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
-                               f"(sha256 {digest[:12]})")
+    made_for = None  # another model's, when the table records it
+    if table.model_sha256 and table.model_sha256 != digest:
+        made_for = (f"model '{table.model}' (sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
+                    f"(sha256 {digest[:12]})")
+        report.warnings.append(f"{table_name} was made for {made_for}")
     if options.blocked_weights and default_opset(model) < BLOCKED_OPSET:
         model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
                         "int4 and blocked weights are standard ONNX from there")
@@ -368,7 +369,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if options.format != "qdq" or options.target != DEFAULT_TARGET:
         channel_ranges = None  # QLinearConv and the x86 forms take one scale a tensor (qtool.channels)
     rewriter = _Rewriter(model, table, options, report, table_name, corrections, pixels,
-                         rounded_weights or {}, channel_ranges=channel_ranges or {})
+                         rounded_weights or {}, channel_ranges=channel_ranges or {}, made_for=made_for)
     # the weights are the prepared file's, but for the pixel folding (and a bias zero added)
     rewriter.source = (digest, repr(options.input_pixels), report.opset)
     rewritten = rewriter.run()
@@ -536,11 +537,13 @@ class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
                  table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
                  rounded_weights: dict | None = None, parent: "_Rewriter | None" = None,
-                 channel_ranges: dict | None = None):
+                 channel_ranges: dict | None = None, made_for: str | None = None):
         """``parent``: the rewriter of the graph around ``model``, when ``model`` is the body of
-        one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``)."""
+        one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``). ``made_for``: the
+        other model the table was made for, if it records one (for messages)."""
         self.model, self.table, self.opt, self.report = model, table, options, report
         self.parent = parent
+        self.made_for = parent.made_for if parent is not None else made_for
         self.bias_corrections = bias_corrections
         self.rounded = rounded_weights or {}
         self.channel_ranges = channel_ranges or {}
@@ -927,8 +930,9 @@ class _Rewriter:
             if name not in self.table.tensors:
                 user = next((n for n in self.graph.node if name in n.input or name in n.output), None)
                 where = f" ({user.op_type} node '{user.name}')" if user is not None else ""
+                other = f", made for {self.made_for}: calibrate this model" if self.made_for else ""
                 raise QtoolError(f"tensor '{name}'{where} is not in the calibration table "
-                                 f"'{self.table_name}'")
+                                 f"'{self.table_name}'{other}")
         return names
 
     def _activation_qparams(self, integer, activations) -> dict[str, QParams]:

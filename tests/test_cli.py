@@ -459,6 +459,22 @@ def test_quantize_table_misses_a_tensor(tmp_path, demo_model, pipeline):
                    expect=["tensor 'bn1_out'", "not in the calibration table", str(table)])
 
 
+def test_quantize_with_a_table_of_another_model_names_that_model(tmp_path, demo_model, pipeline):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    other = tmp_path / "other.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), other)
+    table = pipeline["table"]
+    digest = hashlib.sha256(demo_model.read_bytes()).hexdigest()[:12]
+    line = quantize_error(tmp_path, other, table)
+    assert line == (f"error: tensor 'x' (Relu node 'relu') is not in the calibration table '{table}', made for "
+                    f"model '{demo_model.name}' (sha256 {digest}), not 'other.onnx' "
+                    f"(sha256 {hashlib.sha256(other.read_bytes()).hexdigest()[:12]}): calibrate this model")
+
+
 @pytest.mark.parametrize("entry, expect", [
     ({"min": 5.0, "max": 1.0, "threshold": 5.0, "method": "minmax"}, ["invalid range", "min 5.0, max 1.0"]),
     ({"min": float("nan"), "max": 1.0, "threshold": 1.0, "method": "minmax"}, ["non-finite range"]),
