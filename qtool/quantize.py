@@ -86,6 +86,7 @@ ACTIVATION_KEY = "qtool.activation_type"  # metadata: the options' activation ty
 WEIGHT_KEY = "qtool.weight_type"  # metadata: the options' weight type, where not int8
 FLOAT_NODES_KEY = "qtool.float_nodes"  # metadata: node name -> why it runs float, as quantize reported it
 DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
+KEPT_FLOAT = "kept float (--keep-float)"  # the reason of an op QuantizeOptions.keep_float names
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ class QuantizeReport:
     blocked: dict | None = None
     # per If/Loop/Scan body: {"node", "body", "integer", "float"} (ops of the body itself)
     bodies: list[dict] = field(default_factory=list)
+    # integer ops given int16 activations beside 8-bit ones (QuantizeOptions.int16): (op_type, node)
+    int16: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -196,6 +199,8 @@ class QuantizeReport:
                "float_weights_guarded": self.guarded, "masked_softmax": self.masked}
         if self.blocked is not None:
             out["blocked_weights"] = self.blocked
+        if self.int16:
+            out["int16"] = [{"op_type": t, "node": n} for t, n in self.int16]
         if self.bodies:
             out["bodies"] = self.bodies
         if self.bias_correction is not None:
@@ -394,6 +399,9 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
+    if options.activation_type != "int16":
+        report.int16 = [(step.node.op_type, step.node.name) for step in executor.steps if step.kind == "integer"
+                        and any(qp is not None and qp.dtype == "int16" for qp in step.qparams)]
     record_float_nodes(rewritten, report.kept_float)
     if options.format != "qoperator":
         _list_hazards(report, executor, options.target)
@@ -702,7 +710,7 @@ class _Rewriter:
             if node.name in joins:  # the executor runs it with its Softmax (a masked Softmax)
                 continue
             if node.op_type in keep or node.name in keep:
-                reason = "kept float (--keep-float)"
+                reason = KEPT_FLOAT
             elif node.name in self.masks.arithmetic:
                 reason = masks.REASON
             elif any(n in doubles and n not in self.inits for n in (*node.input, *node.output)):

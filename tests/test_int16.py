@@ -162,6 +162,28 @@ def test_a_precision_table_widens_the_named_ops_and_keeps_others_float(cnn, tmp_
     assert np.array_equal(got, _as_written(qmodel, {"x": x}))  # int8 and int16 ops side by side
 
 
+def test_the_report_lists_the_int16_ops_and_credits_the_precision_table(demo_model, demo_table, tmp_path):
+    write_table(demo_table, tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text("block_conv1 INT16\nfc F32\n")
+    args = ["quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+            "--precision-table", tmp_path / "qtable.txt"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    # block_conv1's input is relu1's output (and conv1's, which relu1 shares), its output block_relu1's input
+    assert lines[1] == "int16:   4 ops (Conv 2, Relu 2) with int16 activations ('conv1', 'relu1', 'block_conv1', ...)"
+    assert "  Gemm x1: kept float (--precision-table) ('fc')" in lines
+    report = json.loads(invoke(*args, "--json").stdout)
+    assert [(i["op_type"], i["node"]) for i in report["int16"]] == [
+        ("Conv", "conv1"), ("Relu", "relu1"), ("Conv", "block_conv1"), ("Relu", "block_relu1")]
+    assert report["kept_float"] == [{"op_type": "Gemm", "node": "fc", "reason": "kept float (--precision-table)"}]
+    given = invoke(*args, "--keep-float", "Gemm")  # named by --keep-float as well: its reason
+    assert "  Gemm x1: kept float (--keep-float) ('fc')" in given.stdout.splitlines()
+    plain = json.loads(invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q8.onnx",
+                              "--json").stdout)
+    assert "int16" not in plain
+
+
 @pytest.mark.parametrize("text, message", [
     ("conv2 INT4\n", "line 1: unknown type 'INT4'; choose one of INT16, INT8, F32, F16, BF16"),
     ("# ok\nconv9 INT16\n", "line 2: the model has no node or op type 'conv9'"),
