@@ -77,6 +77,19 @@ def test_cli_stats_out_and_merge(tmp_path, demo_model, demo_calib):
     assert table["input_shapes"] == {"input": ["N", 1, 8, 8]}
 
 
+def test_merge_refuses_a_shard_given_twice(tmp_path, demo_model, demo_calib):
+    stats = tmp_path / "s.npz"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", stats, "-q").exit_code == 0
+    (tmp_path / "copy.npz").write_bytes(stats.read_bytes())
+    (tmp_path / "sub").mkdir()
+    disjoint = "merge takes the statistics of disjoint shards, each once"
+    for again, said in ((stats, "it is given twice"), (tmp_path / "sub" / ".." / "s.npz", f"it is '{stats}' again"),
+                        (tmp_path / "copy.npz", f"it has the same content as '{stats}'")):
+        line = one_line_error(invoke("merge", stats, again, "-o", tmp_path / "t.yaml"))
+        assert line == f"error: cannot merge '{again}': {said}; {disjoint}"
+    assert not (tmp_path / "t.yaml").exists()
+
+
 def test_params_reach_the_calibrator(demo_model, demo_calib):
     loose = calibrate(demo_model, demo_calib, "percentile", params={"percentile": "90"}, progress=False)
     tight = calibrate(demo_model, demo_calib, "percentile", params={"percentile": 99.999}, progress=False)
