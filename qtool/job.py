@@ -55,8 +55,8 @@ SCHEMA = {
         "batch_size": ("posint", False),
         "preprocess": ({
             "resize": (list, False),
-            "mean": (list, False),
-            "std": (list, False),
+            "mean": ((float, list), False),  # one number for every channel, or one a channel
+            "std": ((float, list), False),
             "scale": (float, False),
             "channels": (("choice", CHANNEL_ORDERS), False),
             "layout": (("choice", LAYOUTS), False),
@@ -344,6 +344,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             pre["resize"] = tuple(pre["resize"])
         for key in ("mean", "std"):
             if key in pre:
+                if not isinstance(pre[key], list):  # a number (the schema's other choice), as --mean 0.5
+                    pre[key] = [pre[key]]
                 if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pre[key]):
                     raise fail(f"calibrate.preprocess.{key}", f"expected numbers, got {pre[key]}")
                 pre[key] = tuple(float(v) for v in pre[key])
