@@ -521,13 +521,8 @@ def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str
     report.hazards = [h.to_dict() for h in x86.hazards(executor)]
     if not report.hazards:
         return
-    layers = report.hazards
-    shown = ", ".join(f"{h['node']} ({h['channels_at_risk']}/{h['channels']} channels)" for h in layers[:3])
-    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
-    report.warnings.append(
-        f"target {target}: {len(layers)} of {sum(report.quantized.get(t, 0) for t in ('Conv', 'Gemm', 'MatMul'))} "
-        f"Conv/Gemm/MatMul layers can saturate in onnxruntime on x86 CPUs without VNNI (u8 x s8 "
-        f"pairs beyond int16): {shown}{more}; --target portable avoids it")
+    layers = sum(report.quantized.get(t, 0) for t in ("Conv", "Gemm", "MatMul"))
+    report.warnings.append(f"target {target}: {x86.hazard_summary(report.hazards, layers)}")
 
 
 def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
