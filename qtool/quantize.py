@@ -366,6 +366,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if written < report.opset:
         why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and options.blocked_weights else ""
         report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
+    report.warnings += _not_followed_by_onnxruntime(options)
     pixels = None
     if options.input_pixels is not None:
         pixels = fold(model, options.input_pixels)  # (input name, zero point)
@@ -500,6 +501,22 @@ def record_float_nodes(model: onnx.ModelProto, kept_float: list[tuple[str, str, 
     model.metadata_props.extend(kept)
     model.metadata_props.append(onnx.StringStringEntryProto(
         key=FLOAT_NODES_KEY, value=json.dumps({n: r for _, n, r in kept_float}, separators=(",", ":"))))
+
+
+def _not_followed_by_onnxruntime(options: QuantizeOptions) -> list[str]:
+    """Warnings for the integer arithmetic options whose effect onnxruntime does not reproduce: it
+    requantizes with the float scales, rounding half to even, whatever the model records. Where
+    that makes a difference of more than a tie now and then."""
+    said = []
+    how = "it requantizes with the float scales, rounding half to even"
+    if options.multiplier_bits == 8 and (options.activation_type == "int16" or options.int16):
+        said.append(f"onnxruntime does not follow --multiplier-bits 8 ({how}): on int16 activations its "
+                    f"results differ from qtool exec's and verify's (an integer device's) by up to about 1% "
+                    f"of a tensor's range, hundreds of steps")
+    if options.rounding == "toward_zero":
+        said.append(f"onnxruntime does not follow --rounding toward_zero ({how}): its results differ from qtool "
+                    f"exec's and verify's (an integer device's) by about half a step at every op")
+    return said
 
 
 def _reconcile(report: QuantizeReport, executor: IntegerExecutor) -> None:

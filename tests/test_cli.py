@@ -407,6 +407,29 @@ def test_quantize_json_report(tmp_path, demo_model, pipeline):
     assert report["kept_float"] == []
 
 
+RUNTIME_ROUNDS = "(it requantizes with the float scales, rounding half to even)"
+
+
+@pytest.mark.parametrize("options, warned", [
+    (["--activation-type", "int16", "--multiplier-bits", "8"],
+     f"onnxruntime does not follow --multiplier-bits 8 {RUNTIME_ROUNDS}: on int16 activations"),
+    (["--rounding", "toward_zero", "--format", "qoperator"],
+     f"onnxruntime does not follow --rounding toward_zero {RUNTIME_ROUNDS}: its results differ"),
+    (["--rounding", "toward_zero"], "onnxruntime does not follow --rounding toward_zero"),
+    (["--multiplier-bits", "8"], None),  # int8: within a step of onnxruntime, as with 32 bits
+    (["--rounding", "half_to_even"], None),  # the ties alone differ
+])
+def test_quantize_warns_of_arithmetic_onnxruntime_does_not_follow(tmp_path, demo_model, pipeline, options, warned):
+    result = invoke("quantize", demo_model, "-t", pipeline["table"], "-o", tmp_path / "q.onnx", *options, "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    if warned is None:
+        assert result.stderr == ""
+    else:
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"warning: {warned}"), result.stderr
+
+
 def test_quantize_warns_when_table_is_for_another_model(tmp_path, demo_model, pipeline):
     model = onnx.load(str(demo_model))
     model.doc_string = "edited, so the sha256 differs from the one in the table"
