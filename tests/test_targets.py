@@ -363,6 +363,7 @@ def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, 
 
     class Parted:  # the executor, with one tensor 5 steps off
         steps, arithmetic = executor.steps, executor.arithmetic
+        constants, producer, lowering = executor.constants, executor.producer, executor.lowering
 
         @staticmethod
         def run(feeds, keep_integer=False):
@@ -373,6 +374,20 @@ def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, 
     line = first_parting(qmodel, Parted, feeds)
     assert line.startswith("first tensor where onnxruntime and the executor part: 'block_bn2_out' (Conv node")
     assert "max diff 5 LSB, 0.00% equal, on the first batch" in line
+
+
+def test_verify_ort_on_a_qoperator_model_says_its_kernel_requantizes_in_float(tmp_path, demo_model, demo_table,
+                                                                             demo_heldout):
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(format="qoperator", rounding="toward_zero"))
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    result = invoke("verify", demo_model, tmp_path / "q.onnx", "-d", demo_heldout, "--num-samples", "8", "--ort",
+                    "-q")
+    assert result.exit_code == 0, result.output
+    line = next(n for n in result.stdout.splitlines() if "first tensor where onnxruntime" in n)
+    assert "(QLinearConv node '" in line, line
+    assert line.endswith("(onnxruntime's QLinearConv kernel requantizes in float, rounding half to even; the "
+                         "executor in integers: a rounding rule)"), line
+    assert "DequantizeLinear" not in line
 
 
 def test_x86_avx2_emulates_quantize_dynamic_matmulinteger(tmp_path):
