@@ -811,13 +811,16 @@ def _expanded_groups(qdq: QdqModel, evaluator: Evaluator, analysis: Analysis, pr
 
 
 def format_analysis(analysis: Analysis, top: int | None = None) -> str:
+    ops = analysis.ops[:top] if top else analysis.ops
+    op_width = max([18, *(len(o.op_type) for o in ops)])  # columns as wide as the longest name shown
+    node_width = max([32, *(len(o.node) for o in ops)])
     lines = [f"analyze: {analysis.samples} samples; SQNR of {analysis.scored} against float: fully "
              f"quantized {analysis.quantized_db:.2f} dB, weights only {analysis.weights_only_db:.2f} dB, "
              f"activations only {analysis.activations_only_db:.2f} dB", "",
-             f"{'rank':>4}  {'op':<18} {'node':<32} {'only it quantized':>17} {'only it float':>13} "
+             f"{'rank':>4}  {'op':<{op_width}} {'node':<{node_width}} {'only it quantized':>17} {'only it float':>13} "
              f"{'gain':>7}"]
-    for rank, o in enumerate(analysis.ops[:top] if top else analysis.ops, 1):
-        lines.append(f"{rank:>4}  {o.op_type:<18} {o.node:<32} {o.only_quantized_db:>14.2f} dB "
+    for rank, o in enumerate(ops, 1):
+        lines.append(f"{rank:>4}  {o.op_type:<{op_width}} {o.node:<{node_width}} {o.only_quantized_db:>14.2f} dB "
                      f"{o.only_float_db:>10.2f} dB {o.gain_db:>+7.2f}")
     shown = min(top or len(analysis.ops), len(analysis.ops))
     if shown < len(analysis.ops):

@@ -535,6 +535,16 @@ def merge(paths: list[str | Path]) -> Table:
     if not paths:
         raise QtoolError("merge needs at least one statistics file")
     stats = Statistics.load(paths[0])
+    seen = {(Path(paths[0]).resolve(), file_digest(paths[0])): paths[0]}
     for path in paths[1:]:
-        stats.merge(Statistics.load(path), f"'{path}'")
+        shard = Statistics.load(path)
+        where, digest = Path(path).resolve(), file_digest(path)
+        twice = next((given for (w, d), given in seen.items() if w == where or d == digest), None)
+        if twice is not None:
+            same = ("is given twice" if str(twice) == str(path) else f"is '{twice}' again"
+                    if Path(twice).resolve() == where else f"has the same content as '{twice}'")
+            raise QtoolError(f"cannot merge '{path}': it {same}; merge takes the statistics of disjoint "
+                             f"shards, each once")
+        seen[(where, digest)] = path
+        stats.merge(shard, f"'{path}'")
     return stats.table()

@@ -17,8 +17,8 @@ from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import STDOUT, atomic_write, check_not_reading, check_writable, write_all
-from .report import bias_summary, channels_summary, float_node_lines, methods_summary, pick_summary, \
-    placement_summary, rounding_summary, search_summary
+from .report import bias_summary, channels_summary, float_node_lines, int16_summary, methods_summary, \
+    pick_summary, placement_summary, rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
 
 # how arrays of an .npz feed the model's inputs (qtool/data.py load_dataset), in every --data help
@@ -571,7 +571,7 @@ def quantize(
     from .model import load_model, prepare
     from .data import Preprocess, holds_images, resolve_preprocess
     from .pixels import PixelInput
-    from .precision import Precisions, read_precision_table
+    from .precision import Precisions, credited, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
     from .table_formats import dumps_table, output_format, read_table
 
@@ -656,7 +656,9 @@ def quantize(
             for w in differing:  # as exec and verify say it: the model folds in the given one
                 _log(f"warning: {w}")
             pre = pre or Preprocess()
-            options = dataclasses.replace(options, input_pixels=PixelInput(pre.mean, pre.std, pre.scale))
+            order = pre.channels if "channels" in given or recorded is not None else None  # (for messages)
+            pixels = PixelInput(pre.mean, pre.std, pre.scale, order)
+            options = dataclasses.replace(options, input_pixels=pixels)
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
                               target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout,
@@ -684,11 +686,14 @@ def quantize(
     say = _log if str(output) == STDOUT else typer.echo  # the model is on standard output
     for w in report.warnings:
         _log(f"warning: {w}")
+    report.kept_float = credited(report.kept_float, precisions, tuple(keep_float))
     if as_json:
         say(json.dumps(report.to_dict(), indent=1))
         return
     ops = ", ".join(f"{t} {n}" for t, n in report.quantized.items())
     say(f"integer: {sum(report.quantized.values())} ops ({ops})")
+    if report.int16:
+        say(f"int16:   {int16_summary(report.int16)}")
     say(f"float:   {len(report.kept_float)} ops")
     for line in float_node_lines(report.kept_float):
         say(line)

@@ -147,8 +147,8 @@ class FileDataset(Dataset):
             if not self.read.whole(self.files[start], sample):
                 raise QtoolError(f"data folder '{self.path}': '{self.files[start].name}' holds no whole "
                                  f"inputs where '{self.files[0].name}' does (arrays of the model inputs' own rank)")
-            return {name: np.ascontiguousarray(sample[name], dtype=_check_array(self.files[start], vi, sample[name],
-                                                                                  None))
+            source = _file_array(self.files[start])
+            return {name: np.ascontiguousarray(sample[name], dtype=_check_array(source, vi, sample[name], None))
                     for name, vi in self.inputs.items()}
         samples = [self.read(f) for f in self.files[start:stop]]
         feeds = {}
@@ -158,8 +158,15 @@ class FileDataset(Dataset):
                 raise QtoolError(f"data folder '{self.path}': samples for input '{name}' have "
                                  f"different shapes {sorted(shapes)}; use --batch-size 1")
             stacked = np.stack([s[name] for s in samples])
-            feeds[name] = stacked.astype(_check_array(self.files[start], vi, stacked), copy=False)
+            feeds[name] = stacked.astype(_check_array(self._batch_array(start, stop), vi, stacked), copy=False)
         return feeds
+
+    def _batch_array(self, start: int, stop: int) -> str:
+        """What a batch's stacked array is, for messages: the folder and its files."""
+        if stop - start == 1:
+            return f"data folder '{self.path}' file '{self.files[start].name}'"
+        return (f"data folder '{self.path}' batch of files '{self.files[start].name}' to "
+                f"'{self.files[stop - 1].name}'")
 
 
 @dataclass(frozen=True)
@@ -292,6 +299,7 @@ def _image_reader(model: onnx.ModelProto, pre: Preprocess):
         raise QtoolError(f"images need --input NAME for a model with inputs {', '.join(names)}"
                          if name is None else f"model has no input '{name}' (inputs: {', '.join(names)})")
     shape = input_shape(next(vi for vi in inputs if vi.name == name))
+    _check_channels(name, shape, pre)
     spatial = shape[2:4] if pre.layout == "nchw" else shape[1:3]
     size = pre.resize or (tuple(spatial) if all(isinstance(d, int) and d > 0 for d in spatial) else None)
     if size is None:
@@ -313,6 +321,26 @@ def _image_reader(model: onnx.ModelProto, pre: Preprocess):
         return {name: np.ascontiguousarray(x.transpose(2, 0, 1) if pre.layout == "nchw" else x)}
 
     return read
+
+
+def _check_channels(name: str, shape: list, pre: Preprocess) -> None:
+    """A one-line error where a 4-d model input cannot take the images as ``pre`` lays them out:
+    its channels (1 or 3) lie on the other axis than ``pre.layout`` puts them, or it has another
+    number of them than ``pre.channels`` gives."""
+    if len(shape) != 4:
+        return
+    axis, other = (1, 3) if pre.layout == "nchw" else (3, 1)
+    if shape[axis] not in (1, 3) and shape[other] in (1, 3):
+        looks = "nhwc" if pre.layout == "nchw" else "nchw"
+        raise QtoolError(f"input '{name}' is {_shape_text(shape, None)}: it looks {looks.upper()} (channels "
+                         f"{'last' if looks == 'nhwc' else 'first'}) but the images are laid out "
+                         f"{pre.layout.upper()}; give --layout {looks}")
+    channels = 1 if pre.channels == "gray" else 3
+    if isinstance(shape[axis], int) and shape[axis] > 0 and shape[axis] != channels:
+        fix = {1: "; give --channels gray", 3: "; give --channels rgb or bgr"}.get(shape[axis], "")
+        raise QtoolError(f"input '{name}' is {_shape_text(shape, None)}: it takes {shape[axis]} channel"
+                         f"{'s' if shape[axis] != 1 else ''} but the images are read as {pre.channels} "
+                         f"({channels}){fix}")
 
 
 def fitted(img, size: tuple[int, int], fit: str, pad: float):
@@ -544,7 +572,7 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     for name, axis in axes.items():
         if axis not in (None, 0) and isinstance(chosen[name], RowFile):
             chosen[name] = chosen[name][:]  # a state or the like: small, and read across rows
-    dtypes = {vi.name: _check_array(path, vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
+    dtypes = {vi.name: _check_array(_file_array(path), vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
     dataset.axes = axes
     if stacked:
@@ -639,19 +667,19 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
                      f"(model inputs: {', '.join(names)}; arrays: {', '.join(arrays)})")
 
 
-def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0,
+def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0,
                  stacked: bool = False) -> np.dtype:
-    """``a`` checked against the model input (numbers, shape, finite values: read in chunks, so a
+    """``a`` (``source`` names it: "data file 'x.npz' array") checked against the model input (numbers, shape, finite values: read in chunks, so a
     large array in a file is not loaded whole), its samples along ``axis`` (None: fed whole), or
     whole inputs stacked along its first axis (``stacked``); returns the type to feed it as (the
     input's float type for floats), for the caller to convert."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
-        raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
+        raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; "
                          "expected numbers")
     if elem in _NP_TYPES and a.dtype.kind != "f":  # integers are most likely unscaled pixels or ids
-        raise QtoolError(f"data file '{path}' array for input '{name}' has dtype {a.dtype}; "
+        raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; "
                          f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
     expected = input_shape(vi)
     if stacked:  # [N, *input]: the samples on a new first axis
@@ -659,33 +687,37 @@ def _check_array(path: Path, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int |
     if axis is None:  # a scalar, or an array fed whole
         if a.ndim != len(expected) or any(isinstance(want, int) and want > 0 and got != want
                                           for got, want in zip(a.shape, expected)):
-            raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
+            raise QtoolError(f"{source} for input '{name}' has shape {list(a.shape)}; "
                              f"model expects {_shape_text(expected, None)}")
     elif a.ndim == 0 or a.shape[axis] == 0:
-        raise QtoolError(f"data file '{path}' array for input '{name}' is empty")
+        raise QtoolError(f"{source} for input '{name}' is empty")
     else:
         where = "on the first axis" if axis == 0 else f"on axis {axis}, the model's open size"
         if expected and a.ndim != len(expected):
-            raise QtoolError(f"data file '{path}' array for input '{name}' has shape {list(a.shape)}; "
+            raise QtoolError(f"{source} for input '{name}' has shape {list(a.shape)}; "
                              f"model expects {_shape_text(expected, axis)} (samples {where})")
         for i, (got, want) in enumerate(zip(a.shape, expected)):
             if i != axis and isinstance(want, int) and want > 0 and got != want:
-                raise QtoolError(f"data file '{path}' array for input '{name}' has shape "
+                raise QtoolError(f"{source} for input '{name}' has shape "
                                  f"{list(a.shape)}; model expects {_shape_text(expected, axis)} "
                                  f"(axis {i} differs)")
     dtype = np.dtype(_NP_TYPES[elem]) if elem in _NP_TYPES else a.dtype
     if dtype.kind == "f" and (a.ndim == 0 or axis != 0):  # small: checked whole
         if not np.isfinite(np.asarray(a, dtype=dtype)).all():
-            raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf")
+            raise QtoolError(f"{source} for input '{name}' has NaN or Inf")
     elif dtype.kind == "f":
         rows = max(1, LAZY_BYTES // max(1, a[:1].nbytes))
         for start in range(0, len(a), rows):
             chunk = a[start:start + rows].astype(dtype, copy=False)
             finite = np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
             if not finite.all():
-                raise QtoolError(f"data file '{path}' array for input '{name}' has NaN or Inf "
+                raise QtoolError(f"{source} for input '{name}' has NaN or Inf "
                                  f"(first in sample {start + int(np.argmin(finite))})")
     return dtype
+
+
+def _file_array(path: Path) -> str:
+    return f"data file '{path}' array"
 
 
 def _shape_text(shape, axis: int | None = 0) -> str:

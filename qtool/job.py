@@ -55,8 +55,8 @@ SCHEMA = {
         "batch_size": ("posint", False),
         "preprocess": ({
             "resize": (list, False),
-            "mean": (list, False),
-            "std": (list, False),
+            "mean": ((float, list), False),  # one number for every channel, or one a channel
+            "std": ((float, list), False),
             "scale": (float, False),
             "channels": (("choice", CHANNEL_ORDERS), False),
             "layout": (("choice", LAYOUTS), False),
@@ -344,6 +344,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             pre["resize"] = tuple(pre["resize"])
         for key in ("mean", "std"):
             if key in pre:
+                if not isinstance(pre[key], list):  # a number (the schema's other choice), as --mean 0.5
+                    pre[key] = [pre[key]]
                 if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pre[key]):
                     raise fail(f"calibrate.preprocess.{key}", f"expected numbers, got {pre[key]}")
                 pre[key] = tuple(float(v) for v in pre[key])
@@ -366,7 +368,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         if preprocess is None:
             raise fail("quantize.input_pixels", "needs calibrate.preprocess (the mean, std and scale "
                                                 "that make the float input from the pixels)")
-        pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale)
+        pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale, preprocess.channels)
     precision_table, precisions = None, Precisions()
     if "precision_table" in qz:
         precision_table = resolve("quantize.precision_table", qz["precision_table"])

@@ -25,7 +25,7 @@ The model's metadata (``qtool.input_pixels``) keeps mean, std and scale, so that
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -41,6 +41,8 @@ class PixelInput:
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     scale: float = 1 / 255
+    # the images' channel order (rgb, bgr, gray) the values were given for: for messages only
+    channels: str | None = field(default=None, compare=False, repr=False)
 
     def check(self) -> None:
         if not self.scale > 0:
@@ -52,8 +54,12 @@ class PixelInput:
         mean, std = (np.asarray(v, np.float64) for v in (self.mean, self.std))
         for key, v in (("mean", mean), ("std", std)):
             if v.size not in (1, channels):
-                raise QtoolError(f"--input-pixels: --{key} needs 1 or {channels} values (the input's "
-                                 f"channels), got {v.size}")
+                counts = "one value" if channels == 1 else f"1 or {channels} values"
+                order = {"gray": 1, "rgb": 3, "bgr": 3}.get(self.channels, channels)
+                misfit = (f"; --channels {self.channels} ({order} channels) does not fit it" if order != channels
+                          else "")
+                raise QtoolError(f"--input-pixels: --{key} has {v.size} values but the model's input has "
+                                 f"{channels} channel{'s' if channels != 1 else ''}: give {counts}{misfit}")
         return np.broadcast_to(mean, (channels,)), np.broadcast_to(std, (channels,))
 
     def zero_point(self, channels: int) -> int:

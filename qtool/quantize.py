@@ -86,6 +86,7 @@ ACTIVATION_KEY = "qtool.activation_type"  # metadata: the options' activation ty
 WEIGHT_KEY = "qtool.weight_type"  # metadata: the options' weight type, where not int8
 FLOAT_NODES_KEY = "qtool.float_nodes"  # metadata: node name -> why it runs float, as quantize reported it
 DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
+KEPT_FLOAT = "kept float (--keep-float)"  # the reason of an op QuantizeOptions.keep_float names
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,10 @@ class QuantizeOptions:
         if (self.activation_type == "int16" or self.int16) and (self.format != "qdq"
                                                                 or self.target != DEFAULT_TARGET):
             what = f"--format {self.format}" if self.format != "qdq" else f"--target {self.target}"
-            raise QtoolError(f"--activation-type int16 is written as QDQ for the {DEFAULT_TARGET} target "
+            more = f" and {len(self.int16) - 3} more" if len(self.int16) > 3 else ""
+            source = ("--activation-type int16 is" if self.activation_type == "int16" else
+                      f"the precision table's INT16 ({', '.join(self.int16[:3])}{more}) is")
+            raise QtoolError(f"{source} written as QDQ for the {DEFAULT_TARGET} target "
                              f"(the QLinear ops and the x86 forms take 8-bit activations); drop {what}")
         if self.weight_type not in WEIGHT_TYPES:
             raise QtoolError(f"unknown weight type '{self.weight_type}'; choose one of {', '.join(WEIGHT_TYPES)}")
@@ -183,6 +187,8 @@ class QuantizeReport:
     blocked: dict | None = None
     # per If/Loop/Scan body: {"node", "body", "integer", "float"} (ops of the body itself)
     bodies: list[dict] = field(default_factory=list)
+    # integer ops given int16 activations beside 8-bit ones (QuantizeOptions.int16): (op_type, node)
+    int16: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "quantized": self.quantized,
@@ -193,6 +199,8 @@ class QuantizeReport:
                "float_weights_guarded": self.guarded, "masked_softmax": self.masked}
         if self.blocked is not None:
             out["blocked_weights"] = self.blocked
+        if self.int16:
+            out["int16"] = [{"op_type": t, "node": n} for t, n in self.int16]
         if self.bodies:
             out["bodies"] = self.bodies
         if self.bias_correction is not None:
@@ -345,10 +353,11 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
         report.warnings.append(f"{table_name} carries no model digest: it cannot be matched to "
                                f"model '{Path(model_path).name}' (make sure it was made for it)")
-    elif table.model_sha256 != digest:
-        report.warnings.append(f"{table_name} was made for model '{table.model}' "
-                               f"(sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
-                               f"(sha256 {digest[:12]})")
+    made_for = None  # another model's, when the table records it
+    if table.model_sha256 and table.model_sha256 != digest:
+        made_for = (f"model '{table.model}' (sha256 {table.model_sha256[:12]}), not '{Path(model_path).name}' "
+                    f"(sha256 {digest[:12]})")
+        report.warnings.append(f"{table_name} was made for {made_for}")
     if options.blocked_weights and default_opset(model) < BLOCKED_OPSET:
         model = upgrade(model, BLOCKED_OPSET, f"model file '{model_path}'",
                         "int4 and blocked weights are standard ONNX from there")
@@ -357,6 +366,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if written < report.opset:
         why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and options.blocked_weights else ""
         report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
+    report.warnings += _not_followed_by_onnxruntime(options)
     pixels = None
     if options.input_pixels is not None:
         pixels = fold(model, options.input_pixels)  # (input name, zero point)
@@ -365,7 +375,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if options.format != "qdq" or options.target != DEFAULT_TARGET:
         channel_ranges = None  # QLinearConv and the x86 forms take one scale a tensor (qtool.channels)
     rewriter = _Rewriter(model, table, options, report, table_name, corrections, pixels,
-                         rounded_weights or {}, channel_ranges=channel_ranges or {})
+                         rounded_weights or {}, channel_ranges=channel_ranges or {}, made_for=made_for)
     # the weights are the prepared file's, but for the pixel folding (and a bias zero added)
     rewriter.source = (digest, repr(options.input_pixels), report.opset)
     rewritten = rewriter.run()
@@ -390,6 +400,9 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     # the executor's lowering is the judge of what runs integer, and the source of the parameters
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
+    if options.activation_type != "int16":
+        report.int16 = [(step.node.op_type, step.node.name) for step in executor.steps if step.kind == "integer"
+                        and any(qp is not None and qp.dtype == "int16" for qp in step.qparams)]
     record_float_nodes(rewritten, report.kept_float)
     if options.format != "qoperator":
         _list_hazards(report, executor, options.target)
@@ -490,6 +503,22 @@ def record_float_nodes(model: onnx.ModelProto, kept_float: list[tuple[str, str, 
         key=FLOAT_NODES_KEY, value=json.dumps({n: r for _, n, r in kept_float}, separators=(",", ":"))))
 
 
+def _not_followed_by_onnxruntime(options: QuantizeOptions) -> list[str]:
+    """Warnings for the integer arithmetic options whose effect onnxruntime does not reproduce: it
+    requantizes with the float scales, rounding half to even, whatever the model records. Where
+    that makes a difference of more than a tie now and then."""
+    said = []
+    how = "it requantizes with the float scales, rounding half to even"
+    if options.multiplier_bits == 8 and (options.activation_type == "int16" or options.int16):
+        said.append(f"onnxruntime does not follow --multiplier-bits 8 ({how}): on int16 activations its "
+                    f"results differ from qtool exec's and verify's (an integer device's) by up to about 1% "
+                    f"of a tensor's range, hundreds of steps")
+    if options.rounding == "toward_zero":
+        said.append(f"onnxruntime does not follow --rounding toward_zero ({how}): its results differ from qtool "
+                    f"exec's and verify's (an integer device's) by about half a step at every op")
+    return said
+
+
 def _reconcile(report: QuantizeReport, executor: IntegerExecutor) -> None:
     """The float list is what the executor runs in float, the one verify shows: nodes the rewriter
     quantized but whose kernel refused the derived parameters are counted float, and nodes the
@@ -509,13 +538,8 @@ def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str
     report.hazards = [h.to_dict() for h in x86.hazards(executor)]
     if not report.hazards:
         return
-    layers = report.hazards
-    shown = ", ".join(f"{h['node']} ({h['channels_at_risk']}/{h['channels']} channels)" for h in layers[:3])
-    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
-    report.warnings.append(
-        f"target {target}: {len(layers)} of {sum(report.quantized.get(t, 0) for t in ('Conv', 'Gemm', 'MatMul'))} "
-        f"Conv/Gemm/MatMul layers can saturate in onnxruntime on x86 CPUs without VNNI (u8 x s8 "
-        f"pairs beyond int16): {shown}{more}; --target portable avoids it")
+    layers = sum(report.quantized.get(t, 0) for t in ("Conv", "Gemm", "MatMul"))
+    report.warnings.append(f"target {target}: {x86.hazard_summary(report.hazards, layers)}")
 
 
 def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
@@ -533,11 +557,13 @@ class _Rewriter:
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
                  table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
                  rounded_weights: dict | None = None, parent: "_Rewriter | None" = None,
-                 channel_ranges: dict | None = None):
+                 channel_ranges: dict | None = None, made_for: str | None = None):
         """``parent``: the rewriter of the graph around ``model``, when ``model`` is the body of
-        one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``)."""
+        one of its If, Loop or Scan nodes (qtool/control.py's ``body_model``). ``made_for``: the
+        other model the table was made for, if it records one (for messages)."""
         self.model, self.table, self.opt, self.report = model, table, options, report
         self.parent = parent
+        self.made_for = parent.made_for if parent is not None else made_for
         self.bias_corrections = bias_corrections
         self.rounded = rounded_weights or {}
         self.channel_ranges = channel_ranges or {}
@@ -696,7 +722,7 @@ class _Rewriter:
             if node.name in joins:  # the executor runs it with its Softmax (a masked Softmax)
                 continue
             if node.op_type in keep or node.name in keep:
-                reason = "kept float (--keep-float)"
+                reason = KEPT_FLOAT
             elif node.name in self.masks.arithmetic:
                 reason = masks.REASON
             elif any(n in doubles and n not in self.inits for n in (*node.input, *node.output)):
@@ -924,8 +950,9 @@ class _Rewriter:
             if name not in self.table.tensors:
                 user = next((n for n in self.graph.node if name in n.input or name in n.output), None)
                 where = f" ({user.op_type} node '{user.name}')" if user is not None else ""
+                other = f", made for {self.made_for}: calibrate this model" if self.made_for else ""
                 raise QtoolError(f"tensor '{name}'{where} is not in the calibration table "
-                                 f"'{self.table_name}'")
+                                 f"'{self.table_name}'{other}")
         return names
 
     def _activation_qparams(self, integer, activations) -> dict[str, QParams]:

@@ -77,6 +77,15 @@ def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", show
     return lines
 
 
+def int16_summary(ops: list[tuple[str, str]], shown: int = 3) -> str:
+    """One line on the integer ops (op_type, node) given int16 activations beside 8-bit ones."""
+    counts: dict[str, int] = defaultdict(int)
+    for op_type, _ in ops:
+        counts[op_type] += 1
+    listed = ", ".join(f"'{n}'" for _, n in ops[:shown]) + (", ..." if len(ops) > shown else "")
+    return f"{len(ops)} ops ({', '.join(f'{t} {c}' for t, c in counts.items())}) with int16 activations ({listed})"
+
+
 _CHOICES = {"none": "none", "1.0": "full", "0.5": "half"}
 
 

@@ -133,6 +133,20 @@ def layers(model: onnx.ModelProto) -> dict[str, Layer]:
     return found
 
 
+def _nothing_to_fit(model: onnx.ModelProto, options) -> str:
+    """Why ``layers`` gives ``fit`` nothing: no MatMul/Gemm of a constant weight, and the Convs with
+    int16 activations, if any, none of the kind it takes."""
+    wide = [n for n in model.graph.node if n.op_type == "Conv" and _int16(options, n)]
+    if not wide:
+        return "no MatMul or Gemm with a constant weight, no Conv with int16 activations"
+    auto = sum(any(a.name == "auto_pad" and a.s not in (b"", b"NOTSET") for a in n.attribute) for n in wide)
+    told = ("; it sets auto_pad" if len(wide) == 1 else f"; {auto} of them set auto_pad") if auto else ""
+    which = "the Conv with int16 activations is not" if len(wide) == 1 else \
+        f"none of the {len(wide)} Convs with int16 activations is"
+    return (f"no MatMul or Gemm with a constant weight, and {which} one it fits: 2-D, a constant weight, group 1 "
+            f"or depthwise, explicit pads{told}")
+
+
 def _int16(options, node: onnx.NodeProto) -> bool:
     """The node's activations are int16 (``--activation-type int16``, or the node or its op type
     given int16)."""
@@ -341,7 +355,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     pick.depthwise = sum(layer.depthwise is not None for layer in found.values())
     pick.layers = sum(layer.depthwise is None and layer.conv is None for layer in found.values())
     if not found:
-        pick.reason = "no MatMul or Gemm with a constant weight, no Conv with int16 activations"
+        pick.reason = _nothing_to_fit(float_model, options)
         return None, pick
     fit_batches, held = pick.split(float_model, data_path, num_samples, holdout, batch_size, preprocess, start)
     if held is None:

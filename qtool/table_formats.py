@@ -5,7 +5,8 @@
 * ``trt``: TensorRT's calibration cache, ``TRT-<version>-<algorithm>`` then ``name: <hex>`` rows,
   the hex being the big-endian bits of the float32 scale ``threshold / 127``.
 * ``ort``: onnxruntime's ``calibration.json`` (``write_calibration_table``, ``save_tensors_data``),
-  read only.
+  read only. The ``calibration.cache`` written beside it is refused: its ``name value`` lines keep
+  only ``max(highest, lowest)``, each range's maximum, without the minimum.
 
 ``read_table`` and ``write_table`` read and write a table in any of these or qtool's own YAML/JSON
 (qtool/table.py), chosen by the file's name and content.
@@ -125,11 +126,30 @@ def _parse(path: Path, text: str, fmt: str | None) -> tuple[Table, str]:
     if not text.strip():
         raise QtoolError(f"table file '{path}' is empty")
     fmt = fmt or detect_format(path, text)
+    if fmt == "yaml" and _is_ort_cache(text):
+        raise QtoolError(f"table file '{path}' is onnxruntime's calibration.cache, which keeps only each "
+                         f"tensor's maximum (no minimum); pass the calibration.json written beside it")
     if fmt == "json" and text.lstrip().startswith("{"):
         _json(path, text)  # JSON's own error, with the line; YAML would accept some broken JSON
     parse = {"yaml": parse_table, "json": parse_table, "cali_table": parse_cali_table,
              "trt": parse_trt_cache, "ort": parse_ort_json}[fmt]
     return parse(path, text), fmt
+
+
+def _is_ort_cache(text: str) -> bool:
+    """Whether ``text`` is onnxruntime's ``calibration.cache``: ``name value`` lines, nothing else
+    (not YAML's ``key: value``)."""
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != 2 or fields[0].endswith(":"):
+            return False
+        try:
+            float(fields[1])
+        except ValueError:
+            return False
+    return True
 
 
 def _entry(where: str, lo: float, hi: float, threshold: float, method: str) -> TensorEntry:

@@ -86,6 +86,22 @@ def test_cli_analyze_json_and_text(tmp_path, demo_model, demo_heldout):
     assert "... 10 more" in text.stdout and text.stdout.count(" dB ") >= 3
 
 
+def test_cli_analyze_columns_stay_aligned_for_long_node_names(tmp_path, demo_model, demo_heldout):
+    model = onnx.load(demo_model)
+    for node in model.graph.node:  # as exporters name them: longer than the 32 columns of the node name
+        node.name = f"/model/backbone/stage_one/{node.name}/{node.op_type}_output_0"
+    onnx.save(model, tmp_path / "long.onnx")
+    result = invoke("analyze", tmp_path / "long.onnx", "-d", demo_heldout, "--num-samples", "16", "-q")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank"))
+    rows = lines[header + 1:header + 14]
+    assert all(len(row.split()[2]) > 32 for row in rows)  # the node names
+    end = lines[header].index("only it quantized") + len("only it quantized")
+    assert all(row.index(" dB") + len(" dB") == end for row in rows), "\n".join(lines[header:header + 14])
+    assert len({len(row) for row in rows + [lines[header]]}) == 1
+
+
 def test_cli_analyze_errors(tmp_path, demo_model, demo_heldout):
     assert_user_error(invoke("analyze", tmp_path / "none.onnx", "-d", demo_heldout), "none.onnx", "not found")
     assert_user_error(invoke("analyze", demo_model, "-d", demo_heldout, "--batch-size", "0"), "batch")

@@ -77,6 +77,19 @@ def test_cli_stats_out_and_merge(tmp_path, demo_model, demo_calib):
     assert table["input_shapes"] == {"input": ["N", 1, 8, 8]}
 
 
+def test_merge_refuses_a_shard_given_twice(tmp_path, demo_model, demo_calib):
+    stats = tmp_path / "s.npz"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", stats, "-q").exit_code == 0
+    (tmp_path / "copy.npz").write_bytes(stats.read_bytes())
+    (tmp_path / "sub").mkdir()
+    disjoint = "merge takes the statistics of disjoint shards, each once"
+    for again, said in ((stats, "it is given twice"), (tmp_path / "sub" / ".." / "s.npz", f"it is '{stats}' again"),
+                        (tmp_path / "copy.npz", f"it has the same content as '{stats}'")):
+        line = one_line_error(invoke("merge", stats, again, "-o", tmp_path / "t.yaml"))
+        assert line == f"error: cannot merge '{again}': {said}; {disjoint}"
+    assert not (tmp_path / "t.yaml").exists()
+
+
 def test_params_reach_the_calibrator(demo_model, demo_calib):
     loose = calibrate(demo_model, demo_calib, "percentile", params={"percentile": "90"}, progress=False)
     tight = calibrate(demo_model, demo_calib, "percentile", params={"percentile": 99.999}, progress=False)
@@ -466,3 +479,68 @@ def test_the_statistics_session_runs_without_onnxruntimes_layout_optimizations(d
     assert levels and set(levels) == {ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}
     again = calibrate_module.calibrate(demo_model, demo_calib, progress=False)
     assert first.tensors == again.tensors
+
+
+def _nhwc_model(tmp_path):
+    """A channels-last model as Keras exports it: x [N, h, w, 3] -> Transpose -> Conv."""
+    from onnx import TensorProto, helper, numpy_helper
+    import onnx
+
+    w = np.random.default_rng(0).normal(0, 1, (2, 3, 1, 1)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["t"], name="to_nchw", perm=[0, 3, 1, 2]),
+         helper.make_node("Conv", ["t", "w"], ["y"], name="conv")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "h", "w", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, "h", "w"])],
+        [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "nhwc.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+    return path
+
+
+def _rgb_images(folder, count=3):
+    from PIL import Image
+
+    folder.mkdir()
+    for i in range(count):
+        Image.fromarray(np.full((6, 6, 3), 40 * i, np.uint8)).save(folder / f"im{i}.png")
+    return folder
+
+
+def test_images_for_a_channels_last_input_ask_for_layout_nhwc(tmp_path):
+    model, folder, out = _nhwc_model(tmp_path), _rgb_images(tmp_path / "images"), tmp_path / "t.yaml"
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).random((4, 6, 6, 3), np.float32))
+    qmodel = tmp_path / "q.onnx"  # quantized from arrays: it records no image preprocessing
+    assert invoke("calibrate", model, "-d", tmp_path / "d.npz", "-o", tmp_path / "a.yaml", "-q").exit_code == 0
+    assert invoke("quantize", model, "-t", tmp_path / "a.yaml", "-o", qmodel, "-q").exit_code == 0
+    message = ("input 'x' is [N,h,w,3]: it looks NHWC (channels last) but the images are laid out NCHW; "
+               "give --layout nhwc")
+    for extra in ([], ["--resize", "6x6"]):
+        line = one_line_error(invoke("calibrate", model, "-d", folder, "-o", out, *extra, "-q"))
+        assert line == f"error: {message}"
+        line = one_line_error(invoke("verify", model, qmodel, "-d", folder, *extra, "-q"))
+        assert line == f"error: {message}"
+    assert not out.exists()
+    result = invoke("calibrate", model, "-d", folder, "-o", out, "--resize", "6x6", "--layout", "nhwc", "-q")
+    assert result.exit_code == 0, result.output
+
+
+def test_images_of_other_channels_than_the_input_are_one_line(tmp_path, demo_model):
+    folder = _rgb_images(tmp_path / "images")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", tmp_path / "t.yaml", "-q"),
+                   "input 'input' is [N,1,8,8]: it takes 1 channel but the images are read as rgb (3); "
+                   "give --channels gray")
+    one_line_error(invoke("calibrate", _nhwc_model(tmp_path), "-d", folder, "-o", tmp_path / "t.yaml",
+                          "--layout", "nhwc", "--channels", "gray", "--resize", "6x6", "-q"),
+                   "input 'x' is [N,h,w,3]: it takes 3 channels but the images are read as gray (1); "
+                   "give --channels rgb or bgr")
+
+
+@pytest.mark.parametrize("batch, where", [
+    ([], "data folder '{folder}' batch of files 'im0.png' to 'im2.png' for input 'input'"),
+    (["--batch-size", "1"], "data folder '{folder}' file 'im0.png' for input 'input'")])
+def test_a_folder_batch_of_the_wrong_size_names_the_folder(tmp_path, demo_model, batch, where):
+    folder = _rgb_images(tmp_path / "images")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", tmp_path / "t.yaml", "--channels", "gray",
+                          "--resize", "6x6", *batch, "-q"),
+                   where.format(folder=folder), "model expects [N,1,8,8] (axis 2 differs)")

@@ -407,6 +407,29 @@ def test_quantize_json_report(tmp_path, demo_model, pipeline):
     assert report["kept_float"] == []
 
 
+RUNTIME_ROUNDS = "(it requantizes with the float scales, rounding half to even)"
+
+
+@pytest.mark.parametrize("options, warned", [
+    (["--activation-type", "int16", "--multiplier-bits", "8"],
+     f"onnxruntime does not follow --multiplier-bits 8 {RUNTIME_ROUNDS}: on int16 activations"),
+    (["--rounding", "toward_zero", "--format", "qoperator"],
+     f"onnxruntime does not follow --rounding toward_zero {RUNTIME_ROUNDS}: its results differ"),
+    (["--rounding", "toward_zero"], "onnxruntime does not follow --rounding toward_zero"),
+    (["--multiplier-bits", "8"], None),  # int8: within a step of onnxruntime, as with 32 bits
+    (["--rounding", "half_to_even"], None),  # the ties alone differ
+])
+def test_quantize_warns_of_arithmetic_onnxruntime_does_not_follow(tmp_path, demo_model, pipeline, options, warned):
+    result = invoke("quantize", demo_model, "-t", pipeline["table"], "-o", tmp_path / "q.onnx", *options, "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    if warned is None:
+        assert result.stderr == ""
+    else:
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"warning: {warned}"), result.stderr
+
+
 def test_quantize_warns_when_table_is_for_another_model(tmp_path, demo_model, pipeline):
     model = onnx.load(str(demo_model))
     model.doc_string = "edited, so the sha256 differs from the one in the table"
@@ -457,6 +480,22 @@ def test_quantize_table_misses_a_tensor(tmp_path, demo_model, pipeline):
     table.write_text(yaml.safe_dump(data, sort_keys=False))
     quantize_error(tmp_path, demo_model, table,
                    expect=["tensor 'bn1_out'", "not in the calibration table", str(table)])
+
+
+def test_quantize_with_a_table_of_another_model_names_that_model(tmp_path, demo_model, pipeline):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    other = tmp_path / "other.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), other)
+    table = pipeline["table"]
+    digest = hashlib.sha256(demo_model.read_bytes()).hexdigest()[:12]
+    line = quantize_error(tmp_path, other, table)
+    assert line == (f"error: tensor 'x' (Relu node 'relu') is not in the calibration table '{table}', made for "
+                    f"model '{demo_model.name}' (sha256 {digest}), not 'other.onnx' "
+                    f"(sha256 {hashlib.sha256(other.read_bytes()).hexdigest()[:12]}): calibrate this model")
 
 
 @pytest.mark.parametrize("entry, expect", [

@@ -256,7 +256,7 @@ def test_offset_requant_on_int64_builds_what_python_integers_build(channels, zer
     if int(bound.max()) <= 2**24 and np.abs(bias).max() < 2**28 and int(rshift.max()) <= 40 \
             and np.max(np.abs(zero_out)) < 2**16:  # under 2**55 + 2**59 + 2**56
         assert _int64_holds(bias, multiplier, rshift, bound, zero_out)
-    if int(bound.max()) * 2**31 > 2**62 and int(multiplier.max()) > 2**30:
+    if int(bound.max()) * int(multiplier.max()) > 2**62:  # the largest of each, as _int64_holds bounds them
         assert not _int64_holds(bias, multiplier, rshift, bound, zero_out)
 
 

@@ -131,6 +131,19 @@ def test_int16_refuses_8_bit_forms(demo_model, demo_table, tmp_path, extra, mess
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.parametrize("extra", [["--format", "qoperator"], ["--target", "x86-vnni"]])
+def test_a_precision_tables_int16_refuses_8_bit_forms_naming_the_table(demo_model, demo_table, tmp_path, extra):
+    write_table(demo_table, tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text("block_conv1 INT16\nfc F32\n")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "qtable.txt", *extra)
+    line = assert_user_error(result, "the precision table's INT16 (block_conv1) is written as QDQ for the portable "
+                                     "target (the QLinear ops and the x86 forms take 8-bit activations); "
+                                     f"drop {' '.join(extra)}")
+    assert "--activation-type" not in line
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_a_precision_table_widens_the_named_ops_and_keeps_others_float(cnn, tmp_path):
     _, model, data, x = cnn
     write_table(calibrate(model, data, progress=False), tmp_path / "t.yaml")
@@ -147,6 +160,28 @@ def test_a_precision_table_widens_the_named_ops_and_keeps_others_float(cnn, tmp_
     executor = IntegerExecutor(qmodel)
     got = executor.run({"x": x}).outputs["y"]
     assert np.array_equal(got, _as_written(qmodel, {"x": x}))  # int8 and int16 ops side by side
+
+
+def test_the_report_lists_the_int16_ops_and_credits_the_precision_table(demo_model, demo_table, tmp_path):
+    write_table(demo_table, tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_text("block_conv1 INT16\nfc F32\n")
+    args = ["quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+            "--precision-table", tmp_path / "qtable.txt"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    # block_conv1's input is relu1's output (and conv1's, which relu1 shares), its output block_relu1's input
+    assert lines[1] == "int16:   4 ops (Conv 2, Relu 2) with int16 activations ('conv1', 'relu1', 'block_conv1', ...)"
+    assert "  Gemm x1: kept float (--precision-table) ('fc')" in lines
+    report = json.loads(invoke(*args, "--json").stdout)
+    assert [(i["op_type"], i["node"]) for i in report["int16"]] == [
+        ("Conv", "conv1"), ("Relu", "relu1"), ("Conv", "block_conv1"), ("Relu", "block_relu1")]
+    assert report["kept_float"] == [{"op_type": "Gemm", "node": "fc", "reason": "kept float (--precision-table)"}]
+    given = invoke(*args, "--keep-float", "Gemm")  # named by --keep-float as well: its reason
+    assert "  Gemm x1: kept float (--keep-float) ('fc')" in given.stdout.splitlines()
+    plain = json.loads(invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q8.onnx",
+                              "--json").stdout)
+    assert "int16" not in plain
 
 
 @pytest.mark.parametrize("text, message", [

@@ -138,7 +138,8 @@ def test_input_read_by_another_op_is_one_line(files, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--mean", "0.5"], "the image options describe the images of --data (a folder) or the pixels of "
                         "--input-pixels: add one"),
-    (["--input-pixels", "--mean", "0.5,0.5"], "--input-pixels: --mean needs 1 or 3 values"),
+    (["--input-pixels", "--mean", "0.5,0.5"], "--input-pixels: --mean has 2 values but the model's input has 3 "
+                                              "channels: give 1 or 3 values"),
     (["--input-pixels", "--std", "0"], "--input-pixels: --std must not be 0"),
     (["--input-pixels", "--mean", "a"], "--mean takes comma-separated numbers, got 'a'"),
 ])
@@ -148,6 +149,22 @@ def test_bad_pixel_settings(files, tmp_path, args, message):
     assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
     result = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "q.onnx", *args)
     assert_user_error(result, message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mean", "0.5,0.5,0.5"], "--input-pixels: --mean has 3 values but the model's input has 1 channel: "
+                                "give one value"),
+    (["--channels", "rgb", "--std", "0.5,0.5,0.5"],
+     "--input-pixels: --std has 3 values but the model's input has 1 channel: give one value; "
+     "--channels rgb (3 channels) does not fit it"),
+])
+def test_values_for_three_channels_on_a_one_channel_input(demo_model, demo_calib, tmp_path, args, message):
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", demo_model, "-d", demo_calib, "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", demo_model, "-t", table, "-o", tmp_path / "q.onnx", "--input-pixels", *args)
+    line = assert_user_error(result, message)
+    assert line.endswith(message)
+    assert not (tmp_path / "q.onnx").exists()
 
 
 def test_a_job_folds_its_calibration_preprocessing(files, tmp_path):

@@ -85,6 +85,21 @@ def test_a_job_takes_image_folders(tmp_path, images, demo_model):
     assert report["samples"] == 40 and report["outputs"][0]["sqnr_db"] > 20
 
 
+@pytest.mark.parametrize("mean, std", [(0.5, 0.25), (1, [0.25])])
+def test_a_jobs_mean_and_std_may_be_one_number_as_on_the_command_line(tmp_path, images, demo_model, mean, std):
+    from qtool.job import plan_jobs
+
+    def planned(preprocess):
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump({"model": str(demo_model), "output_dir": str(tmp_path / "out"),
+                                       "calibrate": {"data": str(images), "preprocess": preprocess}}))
+        return plan_jobs(job)[0].preprocess
+
+    listed = planned({"mean": [float(mean)], "std": std if isinstance(std, list) else [std]})
+    assert planned({"mean": mean, "std": std}) == listed
+    assert listed.mean == (float(mean),) and listed.std == (0.25,)
+
+
 def test_analyze_reads_images_as_the_table_recorded(tmp_path, images, demo_model):
     table = tmp_path / "t.yaml"
     assert invoke("calibrate", demo_model, "-d", images, "-o", table, *SETTINGS, "-q").exit_code == 0

@@ -314,6 +314,26 @@ def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_pa
     assert not report["kept"] and report["heldout_samples"] == 0
 
 
+def test_int16_convs_with_auto_pad_are_said_to_be_outside_the_fit(tmp_path):
+    """pnet's Convs (auto_pad VALID) at int16 were reported as 'no Conv with int16 activations'."""
+    w = np.random.default_rng(0).normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad="VALID")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6, 6])],
+                              [numpy_helper.from_array(w, "w")])
+    model = tmp_path / "valid.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), model)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(1).normal(0, 1, (32, 3, 8, 8)).astype(np.float32))
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "-d", tmp_path / "d.npz", "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", "--data", tmp_path / "d.npz",
+                    "--activation-type", "int16")
+    assert result.exit_code == 0, result.output
+    assert ("weights: nearest (no MatMul or Gemm with a constant weight, and the Conv with int16 activations is "
+            "not one it fits: 2-D, a constant weight, group 1 or depthwise, explicit pads; it sets auto_pad)"
+            ) in result.stdout.splitlines()
+
+
 def test_gram_matrices_in_several_passes_give_the_same_model(tmp_path, monkeypatch):
     # the Gram matrices are held a group at a time (GRAM_BYTES), one pass over the fit samples each
     model = squeeze_block(tmp_path / "squeeze.onnx")

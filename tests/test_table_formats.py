@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +174,17 @@ def test_reads_onnxruntime_calibration_json(ort_calibration, demo_model):
     for name, entry in table.tensors.items():
         assert entry.min == raw["data"][name]["lowest"]["data"][0]
         assert entry.max == raw["data"][name]["highest"]["data"][0]
+
+
+@pytest.mark.parametrize("command", ["quantize", "convert-table"])
+def test_onnxruntime_calibration_cache_is_refused_for_the_json(tmp_path, ort_calibration, demo_model, command):
+    cache = ort_calibration[0].parent / "calibration.cache"  # written beside calibration.json
+    assert all(len(line.split()) == 2 for line in cache.read_text().splitlines())  # 'name max' lines
+    args = (["quantize", demo_model, "-t", cache, "-o", tmp_path / "q.onnx"] if command == "quantize"
+            else ["convert-table", cache, "-o", tmp_path / "t.yaml"])
+    line = user_error_leaves_nothing(tmp_path, *args)
+    assert line == (f"error: table file '{cache}' is onnxruntime's calibration.cache, which keeps only each "
+                    f"tensor's maximum (no minimum); pass the calibration.json written beside it")
 
 
 @pytest.mark.parametrize("content", [

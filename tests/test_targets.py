@@ -211,6 +211,25 @@ def test_verify_target_x86_avx2_on_a_vnni_model(tmp_path, demo_model, demo_table
     assert figures["x86-avx2"] != figures["exact"]  # the saturation shows in the figures
 
 
+def test_verify_target_x86_avx2_names_the_saturation_and_the_portable_target(tmp_path, demo_model, demo_table,
+                                                                             demo_heldout):
+    qmodel, report = quantize(demo_model, demo_table, QuantizeOptions(target="x86-vnni"))
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    args = ["verify", demo_model, tmp_path / "q.onnx", "-d", demo_heldout, "--num-samples", "64", "-q"]
+    result = invoke(*args, "--target", "x86-avx2")
+    assert result.exit_code == 1, result.output  # FAIL: the saturation costs the output about 10 dB
+    warned = next(w for w in report.warnings if "saturate" in w)  # quantize's warning, in the same words
+    assert f"x86-avx2 arithmetic: {warned.removeprefix('target x86-vnni: ')}" in result.stdout.splitlines()
+    steps = result.stdout.split("next steps:\n")[1].splitlines()
+    assert steps[0] == "  - quantize with --target portable (not x86-vnni): 5 layers can saturate with the x86-avx2 " \
+                       "arithmetic (above)"
+    hazards = json.loads(invoke(*args, "--target", "x86-avx2", "--json").stdout)["saturation_hazards"]
+    assert hazards == report.hazards
+    exact = invoke(*args, "--target", "exact", "--json")
+    assert "saturation_hazards" not in json.loads(exact.stdout)
+    assert "quantize with --target portable" not in " ".join(json.loads(exact.stdout).get("next_steps", []))
+
+
 def test_verify_ort_names_the_host(tmp_path, demo_model, demo_table, demo_heldout):
     qmodel, _ = quantize(demo_model, demo_table)
     onnx.save(qmodel, tmp_path / "q.onnx")
@@ -344,6 +363,7 @@ def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, 
 
     class Parted:  # the executor, with one tensor 5 steps off
         steps, arithmetic = executor.steps, executor.arithmetic
+        constants, producer, lowering = executor.constants, executor.producer, executor.lowering
 
         @staticmethod
         def run(feeds, keep_integer=False):
@@ -354,6 +374,20 @@ def test_verify_ort_names_where_onnxruntime_parts_from_the_executor(demo_model, 
     line = first_parting(qmodel, Parted, feeds)
     assert line.startswith("first tensor where onnxruntime and the executor part: 'block_bn2_out' (Conv node")
     assert "max diff 5 LSB, 0.00% equal, on the first batch" in line
+
+
+def test_verify_ort_on_a_qoperator_model_says_its_kernel_requantizes_in_float(tmp_path, demo_model, demo_table,
+                                                                             demo_heldout):
+    qmodel, _ = quantize(demo_model, demo_table, QuantizeOptions(format="qoperator", rounding="toward_zero"))
+    onnx.save(qmodel, tmp_path / "q.onnx")
+    result = invoke("verify", demo_model, tmp_path / "q.onnx", "-d", demo_heldout, "--num-samples", "8", "--ort",
+                    "-q")
+    assert result.exit_code == 0, result.output
+    line = next(n for n in result.stdout.splitlines() if "first tensor where onnxruntime" in n)
+    assert "(QLinearConv node '" in line, line
+    assert line.endswith("(onnxruntime's QLinearConv kernel requantizes in float, rounding half to even; the "
+                         "executor in integers: a rounding rule)"), line
+    assert "DequantizeLinear" not in line
 
 
 def test_x86_avx2_emulates_quantize_dynamic_matmulinteger(tmp_path):

@@ -14,6 +14,7 @@ from collections import Counter
 import onnx
 import onnxruntime as ort
 
+from ..qoperator_exec import QOPERATOR_TYPES
 from . import x86
 from .form import exposed_float_ops
 
@@ -160,10 +161,14 @@ def first_parting(qmodel: onnx.ModelProto, executor, feeds: dict, config: dict[s
         diff = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
         if diff.max(initial=0) > 1:
             op = step.node.op_type if step.kind == "integer" else "QuantizeLinear"
+            float_part = (f"onnxruntime's {op} kernel requantizes in float, rounding half to even"
+                          if op in QOPERATOR_TYPES else
+                          "onnxruntime computes this op in float between DequantizeLinear and QuantizeLinear")
             why = (" (u8 x s8 saturation on this CPU: --target host reproduces it)"
-                   if op in ("Conv", "MatMul", "Gemm") and x86.ort_saturates() and executor.arithmetic == "exact"
-                   else " (onnxruntime computes this op in float between DequantizeLinear and QuantizeLinear; "
-                        "the executor in integers: a rounding rule)" if step.kind == "integer" else "")
+                   if x86.ort_saturates() and executor.arithmetic == "exact" and step.kind == "integer"
+                   and x86.saturating(step.node, *x86.stored_types(executor, step.node)) is not None
+                   else f" ({float_part}; the executor in integers: a rounding rule)" if step.kind == "integer"
+                   else "")
             return (f"first tensor where onnxruntime and the executor part: '{key}' ({op} node "
                     f"'{step.node.name}'), max diff {int(diff.max())} LSB, {100 * np.mean(diff == 0):.2f}% "
                     f"equal, on the first batch{why}")

@@ -286,6 +286,15 @@ def hazards(executor) -> list[Hazard]:
     return found
 
 
+def hazard_summary(found: list[dict], layers: int) -> str:
+    """What quantize warns and verify reports of the ``found`` hazards (``Hazard.to_dict()``)
+    among ``layers`` Conv/Gemm/MatMul layers."""
+    shown = ", ".join(f"{h['node']} ({h['channels_at_risk']}/{h['channels']} channels)" for h in found[:3])
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return (f"{len(found)} of {layers} Conv/Gemm/MatMul layers can saturate in onnxruntime on x86 CPUs "
+            f"without VNNI (u8 x s8 pairs beyond int16): {shown}{more}; --target portable avoids it")
+
+
 # -- the host ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> dict[str, bool]:

@@ -28,6 +28,7 @@ from ..pixels import feeds_for, pixel_inputs
 from ..fixedpoint import int_range
 from ..qparams import QParams
 from ..report import finite, float_node_lines, progress_bar
+from ..targets import x86
 from ..targets.ortview import AGREEMENT, deployed_session, fd2_to, first_parting, ort_notes
 from . import compare
 from .compare import Comparison
@@ -108,6 +109,10 @@ class VerifyReport:
     made: dict = field(default_factory=dict)  # the quantized model's qtool.* metadata: how it was made
     probabilities: dict = field(default_factory=dict)  # output -> (Softmax or Sigmoid, the logits it reads)
     layer_samples: int | None = None  # the samples the tensors were compared on (None: all)
+    # with the x86-avx2 arithmetic: the layers whose u8 x s8 pairs can saturate (x86.Hazard.to_dict()),
+    # and what quantize warns of them
+    saturation: list[dict] = field(default_factory=list)
+    saturation_note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -145,6 +150,8 @@ class VerifyReport:
              "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
              "arithmetic": self.arithmetic,
              "failures": self.failures}
+        if self.saturation:
+            d["saturation_hazards"] = self.saturation
         d["quantized_with"] = self.made
         if not self.passed:
             d["next_steps"] = next_steps(self)
@@ -397,6 +404,10 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                           made={p.key: p.value for p in qmodel.metadata_props
                                 if p.key.startswith("qtool.") and p.key not in ("qtool.params", "qtool.float_nodes")},
                           probabilities=_probabilities(model, executor.output_names))
+    if executor.arithmetic == "x86-avx2":
+        report.saturation = [h.to_dict() for h in x86.hazards(executor)]
+        layers = sum(1 for s in executor.steps if s.kind == "integer" and s.node.op_type in x86.EMULATED)
+        report.saturation_note = x86.hazard_summary(report.saturation, layers) if report.saturation else ""
     if run_ort:
         report.ort_notes = ort_notes(qmodel, ort_graph, executor, ort_checks, ort_passes)
         if any(c.equal_fraction < AGREEMENT or (c.unit == "lsb" and c.max_diff > 1) for c in ort_checks):
@@ -440,6 +451,10 @@ def next_steps(report: VerifyReport) -> list[str]:
     """What to try after a FAIL, from how the model was made and where the loss is."""
     steps = []
     made = report.made
+    if report.saturation:
+        made_for = made.get("qtool.target")
+        steps.append(f"quantize with --target portable{f' (not {made_for})' if made_for else ''}: "
+                     f"{len(report.saturation)} layers can saturate with the x86-avx2 arithmetic (above)")
     if "qtool.data_steps" not in made:
         steps.append("quantize with samples: qtool quantize MODEL -t TABLE -o QMODEL --data CALIB.npz "
                      "(chooses the calibration method, corrects biases, places int16 in transformers; each "
@@ -695,6 +710,8 @@ def format_report(report: VerifyReport) -> str:
         lines.append(f"(output '{output}' holds the probabilities of a {op_type}: quantize --data and analyze "
                      f"score its input, the logits '{logits}'{figure})")
     rule = tolerance_rule(report.tolerance, bool(report.parts))
+    if report.saturation_note:
+        lines += ["", f"x86-avx2 arithmetic: {report.saturation_note}"]
     lines.append("")
     lines.append(f"PASS ({rule})" if report.passed else f"FAIL ({rule}): " + "; ".join(report.failures))
     if not report.passed:
