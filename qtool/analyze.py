@@ -39,7 +39,7 @@ from .pixels import feeds_for, pixel_inputs
 from .prefix import SharedPrefix
 from .qparams import real_entries
 from .runs import Runs, as_written_bytes
-from .report import finite, progress_bar
+from .report import column_width, finite, progress_bar
 
 FENCE_OPS = ("QuantizeLinear", "DequantizeLinear")
 WIDER_THAN_FENCE = 1.01  # a calibrated range beyond its 8-bit fence by more than rounding: cut (QdqModel.widened)
@@ -812,8 +812,7 @@ def _expanded_groups(qdq: QdqModel, evaluator: Evaluator, analysis: Analysis, pr
 
 def format_analysis(analysis: Analysis, top: int | None = None) -> str:
     ops = analysis.ops[:top] if top else analysis.ops
-    op_width = max([18, *(len(o.op_type) for o in ops)])  # columns as wide as the longest name shown
-    node_width = max([32, *(len(o.node) for o in ops)])
+    op_width, node_width = column_width([o.op_type for o in ops], 18), column_width([o.node for o in ops], 32)
     lines = [f"analyze: {analysis.samples} samples; SQNR of {analysis.scored} against float: fully "
              f"quantized {analysis.quantized_db:.2f} dB, weights only {analysis.weights_only_db:.2f} dB, "
              f"activations only {analysis.activations_only_db:.2f} dB", "",

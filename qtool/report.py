@@ -77,6 +77,12 @@ def float_node_lines(nodes: list[tuple[str, str, str]], indent: str = "  ", show
     return lines
 
 
+def column_width(values, least: int) -> int:
+    """A table column as wide as its longest value, at least ``least``: figures stay under their
+    headings where names are long (exporters' node and tensor names pass 32 characters)."""
+    return max([least, *(len(v) for v in values)])
+
+
 def int16_summary(ops: list[tuple[str, str]], shown: int = 3) -> str:
     """One line on the integer ops (op_type, node) given int16 activations beside 8-bit ones."""
     counts: dict[str, int] = defaultdict(int)

@@ -185,6 +185,26 @@ def test_infinite_sqnr_and_markup_in_names():
     assert "m&lt;1&gt;.onnx" in html and "up&lt;1&gt;" in html
 
 
+def test_text_report_columns_stay_aligned_for_long_names():
+    """Exporters' tensor names pass the 32 columns a name had: the figures stay under their
+    headings in the output, tensor and onnxruntime tables."""
+    from qtool.verify import format_report
+
+    ref = np.linspace(-1, 1, 50)
+    long = "/model/backbone/stage_one/block_three/conv_two/Conv_output_0"
+    tensors = [_comparison("short", ref, ref + 0.01), _comparison(long, ref, ref + 0.02)]
+    outputs = [_comparison(long + "/logits", ref, ref + 0.01), _comparison("y", ref, ref + 0.01)]
+    ort_checks = [OrtCheck(_comparison(c.name, ref, ref + 0.01), None, 0.0, 50, 50) for c in outputs]
+    report = VerifyReport(4, (0.99, 30.0), outputs, tensors, [], ort=ort_checks)
+    lines = format_report(report).splitlines()
+    for heading in ("output ", "tensor "):
+        for at in [i for i, line in enumerate(lines) if line.startswith(heading)]:
+            end = lines[at].index("SQNR dB") + len("SQNR dB")
+            rows = lines[at + 1:at + 3]
+            assert all(row[end - 1].isdigit() and row[end:end + 1] in ("", " ") for row in rows), \
+                "\n".join(lines[at:at + 3])
+
+
 # -- --ort -------------------------------------------------------------------------------------------
 
 def test_ort_figures_are_sane(run, demo_model, qmodel, demo_heldout):

@@ -27,7 +27,7 @@ from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, 
 from ..pixels import feeds_for, pixel_inputs
 from ..fixedpoint import int_range
 from ..qparams import QParams
-from ..report import finite, float_node_lines, progress_bar
+from ..report import column_width, finite, float_node_lines, progress_bar
 from ..targets import x86
 from ..targets.ortview import AGREEMENT, deployed_session, fd2_to, first_parting, ort_notes
 from . import compare
@@ -641,10 +641,11 @@ def _ran(name: str, op_type: str, inputs) -> str:
 
 
 def format_report(report: VerifyReport) -> str:
+    out_w = column_width([c.name for c in report.outputs], 32)
     lines = [f"verify: {report.samples} samples, float model (onnxruntime) vs integer executor", "",
-             f"{'output':<32} {'cosine':>9} {'SQNR dB':>8}"]
+             f"{'output':<{out_w}} {'cosine':>9} {'SQNR dB':>8}"]
     for c in report.outputs:
-        lines.append(f"{c.name:<32} {c.cosine:>9.6f} {c.sqnr:>8.2f}")
+        lines.append(f"{c.name:<{out_w}} {c.cosine:>9.6f} {c.sqnr:>8.2f}")
         joined = report.parts.get(c.name)
         if joined is not None and joined.unplaced:
             lines.append(f"  (its parts, the inputs of Concat '{joined.join.node}', could not be placed "
@@ -661,11 +662,12 @@ def format_report(report: VerifyReport) -> str:
     if report.layer_samples is not None and report.layer_samples < report.samples:
         lines.append(f"tensors compared on {report.layer_samples} of the {report.samples} samples, in batches "
                      f"spread over them (--layers all: every sample)")
-    lines += [f"{'tensor':<32} {'op':<18} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
-    for c in report.tensors:
+    ops = [c.op_type + ("+Relu" if c.clamped else "+flat" if c.cut is not None else "") for c in report.tensors]
+    name_w, op_w = column_width([c.name for c in report.tensors], 32), column_width(ops, 18)
+    lines += [f"{'tensor':<{name_w}} {'op':<{op_w}} {'ran':<8} {'cosine':>9} {'SQNR dB':>8} {'max LSB':>8}"]
+    for c, op in zip(report.tensors, ops):
         mark = "  <- worst" if c.name in worst else ""
-        op = c.op_type + ("+Relu" if c.clamped else "+flat" if c.cut is not None else "")
-        lines.append(f"{c.name:<32} {op:<18} {c.ran:<8} {c.cosine:>9.6f} {c.sqnr:>8.2f} "
+        lines.append(f"{c.name:<{name_w}} {op:<{op_w}} {c.ran:<8} {c.cosine:>9.6f} {c.sqnr:>8.2f} "
                      f"{c.max_lsb:>8.2f}{mark}")
     if any(c.clamped for c in report.tensors):
         lines.append("(+Relu: quantized with the range of the Relu that reads it; compared after it)")
@@ -688,11 +690,12 @@ def format_report(report: VerifyReport) -> str:
         lines += ["", f"ran in float: {len(report.float_nodes)} nodes"]
         lines += float_node_lines(report.float_nodes)
     if report.ort is not None:
+        ort_w = column_width([c.name for c in report.ort], 32)
         lines += ["", "onnxruntime on the quantized model: cosine and SQNR against the float model, "
                       "max diff and equal elements against the integer executor",
-                  f"{'output':<32} {'cosine':>9} {'SQNR dB':>8} {'max diff':>12} {'equal':>8}"]
+                  f"{'output':<{ort_w}} {'cosine':>9} {'SQNR dB':>8} {'max diff':>12} {'equal':>8}"]
         for c in report.ort:
-            lines.append(f"{c.name:<32} {c.vs_float.cosine:>9.6f} {c.vs_float.sqnr:>8.2f} "
+            lines.append(f"{c.name:<{ort_w}} {c.vs_float.cosine:>9.6f} {c.vs_float.sqnr:>8.2f} "
                          f"{format_diff(c):>12} {100 * c.equal_fraction:>7.2f}%")
         lines += [f"  {note}" for note in report.ort_notes]
     if report.accuracy:
