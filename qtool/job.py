@@ -208,17 +208,34 @@ def load_jobs(path: str | Path) -> list[tuple[str, dict]]:
         jobs = doc.get("jobs")
         if not isinstance(jobs, list) or not jobs:
             raise QtoolError(f"jobs: expected a non-empty list of jobs, got {jobs!r}")
-        specs = []
-        for i, job in enumerate(jobs):
+
+        def spec(i: int, job) -> tuple[str, dict]:
             where = f"jobs[{i}]"
             if not isinstance(job, dict):
                 raise QtoolError(f"{where}: expected a mapping, got {type(job).__name__}")
             merged = _merged(defaults, job)
             _check(merged, SCHEMA, where)
-            specs.append((where, merged))
-        return specs
+            return where, merged
+
+        return _each_job(list(enumerate(jobs)), lambda item: spec(*item))
     except QtoolError as e:
         raise QtoolError(f"job file '{path}': {e}") from None
+
+
+def _each_job(items: list, check):
+    """``check`` of every job's item; where jobs fail, one error that gives each failing job's
+    first problem (a batch file with three broken jobs is fixed in one pass, not three)."""
+    results, failed = [], []
+    for item in items:
+        try:
+            results.append(check(item))
+        except QtoolError as e:
+            failed.append(str(e))
+    if len(failed) == 1:
+        raise QtoolError(failed[0])
+    if failed:
+        raise QtoolError(f"{len(failed)} of {len(items)} jobs have errors: " + "; ".join(failed))
+    return results
 
 
 @dataclass
@@ -401,7 +418,7 @@ def plan_jobs(path: str | Path) -> list[JobPlan]:
     """Every job of the file, checked whole before any work. Outputs are named after the job, so
     two jobs may share an output_dir but not a name."""
     path = Path(path)
-    plans = [plan_job(path, where, job) for where, job in load_jobs(path)]
+    plans = _each_job(load_jobs(path), lambda spec: plan_job(path, *spec))
     names = {}
     for plan in plans:
         if plan.name in names:

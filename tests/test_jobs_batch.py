@@ -254,3 +254,25 @@ def test_precision_table_errors_name_the_job_key_and_the_line(tmp_path, inputs, 
                               f"'{table}'")
     assert message in result.stderr
     assert not (tmp_path / "out").exists()  # the whole file is checked before any work
+
+
+def test_every_broken_job_of_a_batch_is_named_in_one_error(tmp_path, inputs):
+    """A batch with two broken jobs names both (each job's first problem), so it is fixed in one
+    pass: the settings checks and then the file checks (a model not found), before any work."""
+    spec = batch(inputs)
+    spec["jobs"][0]["calibrate"] = {"method": "bogus"}
+    spec["jobs"][1]["quantize"] = {"format": "qlinear"}
+    spec["jobs"].append({"name": "fine"})
+    path = write(tmp_path, spec)
+    before = snapshot(tmp_path)
+    assert_user_error(invoke("run", path), f"job file '{path}'", "2 of 3 jobs have errors",
+                      "jobs[0].calibrate.method: unknown 'bogus'", "jobs[1].quantize.format: unknown 'qlinear'")
+    spec["jobs"][0]["calibrate"] = {"method": "minmax"}
+    spec["jobs"][1]["quantize"] = {}
+    spec["jobs"][1]["model"] = str(tmp_path / "missing.onnx")
+    spec["jobs"][2]["model"] = str(tmp_path / "gone.onnx")
+    path = write(tmp_path, spec)
+    message = assert_user_error(invoke("run", path), f"job file '{path}'", "2 of 3 jobs have errors",
+                                "jobs[1].model", "missing.onnx", "jobs[2].model", "gone.onnx")
+    assert "jobs[0]" not in message
+    assert snapshot(tmp_path) == before
