@@ -571,7 +571,7 @@ def quantize(
     from .model import load_model, prepare
     from .data import Preprocess, holds_images, resolve_preprocess
     from .pixels import PixelInput
-    from .precision import Precisions, credited, read_precision_table
+    from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
     from .table_formats import dumps_table, output_format, read_table
 
@@ -584,8 +584,8 @@ def quantize(
         if precision_table is not None:
             precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
-                                  tuple(keep_float) + precisions.keep_float, format, strict, target, None,
-                                  precisions.int16, weight_type, block_size)
+                                  format=format, strict=strict, target=target, weight_type=weight_type,
+                                  block_size=block_size, **precisions.options(keep_float))
         if bias_correction and data is None:
             raise QtoolError("--bias-correction needs calibration samples: add --data DATA")
         if method_choice and data is None:
@@ -686,7 +686,6 @@ def quantize(
     say = _log if str(output) == STDOUT else typer.echo  # the model is on standard output
     for w in report.warnings:
         _log(f"warning: {w}")
-    report.kept_float = credited(report.kept_float, precisions, tuple(keep_float))
     if as_json:
         say(json.dumps(report.to_dict(), indent=1))
         return

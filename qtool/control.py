@@ -249,7 +249,8 @@ class BodyStats:
         body, names, inner, runner = self.bodies[(node.name, attr)]
         inputs = {vi.name for vi in body.graph.input} - {t.name for t in body.graph.initializer}
         if runner is None:
-            runner = FloatRunner(body, names + [n for n in inner.feeds_needed if n not in names and n not in inputs])
+            runner = FloatRunner(body, names + [n for n in inner.feeds_needed if n not in names and n not in inputs],
+                                 layouts=False)  # every tensor an output: as calibrate's main session
             self.bodies[(node.name, attr)] = (body, names, inner, runner)
         out = runner.run({n: feeds[n] for n in inputs})
         for name in names:

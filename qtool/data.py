@@ -17,6 +17,7 @@ import onnx
 
 from .errors import QtoolError
 from .model import graph_inputs, input_shape, open_first, state_inputs
+from .pixels import count_misfit
 
 _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
              onnx.TensorProto.FLOAT16: np.float16}
@@ -214,8 +215,8 @@ class Preprocess:
         channels = 1 if self.channels == "gray" else 3
         for key in ("mean", "std"):
             if len(getattr(self, key)) not in (1, channels):
-                raise QtoolError(f"preprocess {key} needs 1 or {channels} values, "
-                                 f"got {list(getattr(self, key))}")
+                raise QtoolError(f"preprocess {key} {list(getattr(self, key))} "
+                                 f"{count_misfit(len(getattr(self, key)), channels, f'--channels {self.channels}')}")
         if any(v == 0 for v in self.std):
             raise QtoolError("preprocess std must not be 0")
 

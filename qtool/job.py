@@ -395,8 +395,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             raise fail("quantize.precision_table", str(e)) from None
     options = QuantizeOptions(**{k: v for k, v in qz.items()
                                  if k not in DATA_DRIVEN + ("input_pixels", "keep_float", "precision_table")},
-                              keep_float=tuple(qz.get("keep_float", ())) + precisions.keep_float,
-                              int16=precisions.int16, input_pixels=pixels)
+                              **precisions.options(qz.get("keep_float", ())), input_pixels=pixels)
     try:  # the options' own rules (a block size of 1, int4 with QOperator): before any work
         options.check()
     except QtoolError as e:

@@ -36,6 +36,16 @@ from .errors import QtoolError
 METADATA_KEY = "qtool.input_pixels"
 
 
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def count_misfit(values: int, channels: int, holder: str) -> str:
+    """For messages: ``values`` mean or std values given where ``holder`` has ``channels``."""
+    give = "one value" if channels == 1 else f"1 or {channels} values"
+    return f"has {plural(values, 'value')} but {holder} has {plural(channels, 'channel')}: give {give}"
+
+
 @dataclass(frozen=True)
 class PixelInput:
     mean: tuple[float, ...] = (0.0,)
@@ -54,12 +64,11 @@ class PixelInput:
         mean, std = (np.asarray(v, np.float64) for v in (self.mean, self.std))
         for key, v in (("mean", mean), ("std", std)):
             if v.size not in (1, channels):
-                counts = "one value" if channels == 1 else f"1 or {channels} values"
                 order = {"gray": 1, "rgb": 3, "bgr": 3}.get(self.channels, channels)
-                misfit = (f"; --channels {self.channels} ({order} channels) does not fit it" if order != channels
-                          else "")
-                raise QtoolError(f"--input-pixels: --{key} has {v.size} values but the model's input has "
-                                 f"{channels} channel{'s' if channels != 1 else ''}: give {counts}{misfit}")
+                misfit = (f"; --channels {self.channels} ({plural(order, 'channel')}) does not fit it"
+                          if order != channels else "")
+                counted = count_misfit(v.size, channels, "the model's input")
+                raise QtoolError(f"--input-pixels: --{key} {counted}{misfit}")
         return np.broadcast_to(mean, (channels,)), np.broadcast_to(std, (channels,))
 
     def zero_point(self, channels: int) -> int:

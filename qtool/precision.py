@@ -31,6 +31,13 @@ class Precisions:
     int16: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()
 
+    def options(self, keep_float=()) -> dict:
+        """QuantizeOptions' fields for this table beside --keep-float's ``keep_float``: every name
+        kept float, those only the table names (their reason credits it), and the int16 ones."""
+        keep_float = tuple(keep_float)
+        return {"keep_float": keep_float + self.keep_float,
+                "table_float": tuple(n for n in self.keep_float if n not in keep_float), "int16": self.int16}
+
 
 def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions:
     """The table at ``path``, every name checked against ``model``'s node names and op types."""
@@ -58,17 +65,3 @@ def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions
         elif kind == "float":
             floats.append(name)
     return Precisions(tuple(dict.fromkeys(int16)), tuple(dict.fromkeys(floats)))
-
-
-def credited(kept_float: list[tuple[str, str, str]], precisions: Precisions, keep_float: tuple[str, ...]
-             ) -> list[tuple[str, str, str]]:
-    """A quantize report's float ops (op_type, node, reason), those that only the precision table
-    keeps float credited to it: quantize names every op of its options' ``keep_float`` for
-    --keep-float (and records that in the model, which stays as written)."""
-    from .quantize import KEPT_FLOAT
-
-    def tables(t: str, n: str) -> bool:
-        return bool({t, n} & set(precisions.keep_float)) and not {t, n} & set(keep_float)
-
-    return [(t, n, "kept float (--precision-table)" if r == KEPT_FLOAT and tables(t, n) else r)
-            for t, n, r in kept_float]

@@ -87,6 +87,7 @@ WEIGHT_KEY = "qtool.weight_type"  # metadata: the options' weight type, where no
 FLOAT_NODES_KEY = "qtool.float_nodes"  # metadata: node name -> why it runs float, as quantize reported it
 DATA_STEPS_KEY = "qtool.data_steps"  # metadata: the judged steps of quantize --data that ran (qtool/recipe.py)
 KEPT_FLOAT = "kept float (--keep-float)"  # the reason of an op QuantizeOptions.keep_float names
+TABLE_FLOAT = "kept float (--precision-table)"  # ... that only the precision table names (table_float)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class QuantizeOptions:
     # ``block_size`` along K (0: one scale per output channel); other ops' weights stay int8
     weight_type: str = "int8"
     block_size: int = 0
+    # the names of keep_float that only --precision-table gave (the reason recorded credits it)
+    table_float: tuple[str, ...] = ()
 
     @property
     def blocked_weights(self) -> bool:
@@ -401,7 +404,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     executor = IntegerExecutor(rewritten)
     _reconcile(report, executor)
     if options.activation_type != "int16":
-        report.int16 = [(step.node.op_type, step.node.name) for step in executor.steps if step.kind == "integer"
+        report.int16 = [(step.node.op_type, step.node.name) for step in executor.all_steps() if step.kind == "integer"
                         and any(qp is not None and qp.dtype == "int16" for qp in step.qparams)]
     record_float_nodes(rewritten, report.kept_float)
     if options.format != "qoperator":
@@ -704,6 +707,7 @@ class _Rewriter:
     def _choose_nodes(self) -> dict:
         integer = {}
         keep = set(self.opt.keep_float)
+        asked = keep - set(self.opt.table_float)  # by --keep-float
         known = {n.op_type for n in all_nodes(self.graph)} | {n.name for n in all_nodes(self.graph)}
         unknown = sorted(keep - known)
         if unknown and self.parent is None:  # a body's rewriter sees the names of its body only
@@ -722,7 +726,7 @@ class _Rewriter:
             if node.name in joins:  # the executor runs it with its Softmax (a masked Softmax)
                 continue
             if node.op_type in keep or node.name in keep:
-                reason = KEPT_FLOAT
+                reason = KEPT_FLOAT if {node.op_type, node.name} & asked else TABLE_FLOAT
             elif node.name in self.masks.arithmetic:
                 reason = masks.REASON
             elif any(n in doubles and n not in self.inits for n in (*node.input, *node.output)):

@@ -165,6 +165,12 @@ def test_cli_image_folder_errors(tmp_path, demo_model):
                    "unknown channel order 'cmyk'")
     one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--resize", "8by8", "-q"),
                    "--resize takes HEIGHTxWIDTH")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--channels", "gray",
+                          "--mean", "0.5,0.5,0.5", "-q"),
+                   "preprocess mean [0.5, 0.5, 0.5] has 3 values but --channels gray has 1 channel: give one value")
+    one_line_error(invoke("calibrate", demo_model, "-d", folder, "-o", out, "--channels", "rgb",
+                          "--std", "0.5,0.5", "-q"),
+                   "preprocess std [0.5, 0.5] has 2 values but --channels rgb has 3 channels: give 1 or 3 values")
     assert not out.exists()
 
 
@@ -461,8 +467,8 @@ def test_onnxruntime_threads_sleep_while_histograms_are_binned(demo_model, demo_
 def test_the_statistics_session_runs_without_onnxruntimes_layout_optimizations(demo_model, demo_calib, monkeypatch):
     """Every activation is read by a reduction, so onnxruntime's blocked (NCHWc) convs would copy
     each one back out of their layout, and the copies outlive the early frees: an NHWC ResNet-50
-    held 4x the memory the batch was chosen for. The session is built without them (EXTENDED);
-    the table is the same either way up to float rounding, and each run gives the same bytes."""
+    held 4x the memory the batch was chosen for. The session is built without them (EXTENDED),
+    and two runs give the same table."""
     import onnxruntime as ort
 
     import qtool.calibrate as calibrate_module

@@ -177,6 +177,9 @@ def test_the_report_lists_the_int16_ops_and_credits_the_precision_table(demo_mod
     assert [(i["op_type"], i["node"]) for i in report["int16"]] == [
         ("Conv", "conv1"), ("Relu", "relu1"), ("Conv", "block_conv1"), ("Relu", "block_relu1")]
     assert report["kept_float"] == [{"op_type": "Gemm", "node": "fc", "reason": "kept float (--precision-table)"}]
+    # the model records the same reason, so verify shows it too
+    recorded = next(p.value for p in onnx.load(tmp_path / "q.onnx").metadata_props if p.key == "qtool.float_nodes")
+    assert "--precision-table" in recorded and "--keep-float" not in recorded
     given = invoke(*args, "--keep-float", "Gemm")  # named by --keep-float as well: its reason
     assert "  Gemm x1: kept float (--keep-float) ('fc')" in given.stdout.splitlines()
     plain = json.loads(invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q8.onnx",

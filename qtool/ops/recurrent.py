@@ -31,8 +31,8 @@ BiGRUs: 21.1 dB at the output, 32.1 dB carried finer, 34.7 dB with the GRUs floa
 at Q0.15 and ``h8 = rshift(u, 8)`` (the 8-bit state, what the matmuls and Y see):
 
 * ``linear_before_reset=1``: the h gate is ``gx_h + rshift(r * requant(sum R_h h8 + Rb_h), 15)``;
-* ``linear_before_reset=0``: ``rshift(rshift(r * u, 15), 8)`` (the reset state, 8-bit) goes
-  through ``R_h`` instead;
+* ``linear_before_reset=0``: ``rshift(r * u, 15 + 8)`` (the reset state, 8-bit) goes through
+  ``R_h`` instead;
 * ``u = sat(requant((2**15 - z) * tanh(gate)) + rshift(z * u, 15))``, the first term rescaled
   with ``2**-30 / (S_h / 2**8)``, saturated to the 8-bit range times ``2**8``.
 
@@ -143,6 +143,7 @@ class Recurrent(IntegerOp):
     """What LSTM and GRU share: weights, biases and the gates' pre-activations."""
 
     gates: int  # 4 (LSTM: i, o, f, c) or 3 (GRU: z, r, h)
+    state_bits: int | None = None  # the hidden state carried 2**state_bits finer (GRU)
     output_names: tuple[str, ...]
     accepts_constants = True  # initial states given as initializers
 
@@ -213,12 +214,13 @@ class Recurrent(IntegerOp):
             directions=directions, hidden=hidden,
             requant_x=quantize_multipliers(x_scale / gate, bits),
             requant_h=quantize_multipliers(h_scale / gate, bits),
-            requant_out=quantize_multipliers(2.0**-30 / np.float64(hidden.scale), bits),
+            requant_out=quantize_multipliers(2.0**-30 / (np.float64(hidden.scale) * 2.0**-(self.state_bits or 0)),
+                                             bits),
             sigmoid=table("sigmoid", GATE_BITS), tanh_gate=table("tanh", GATE_BITS),
             initial_h=self._from_state(view, 5, hidden), outputs=outputs,
             rounding=view.rounding, cell_bits=k, tanh_cell=table("tanh", k) if cell else None,
             initial_c=self._from_state(view, 6, cell) if cell else None,
-            linear_before_reset=bool(view.attr("linear_before_reset", 0)))
+            linear_before_reset=bool(view.attr("linear_before_reset", 0)), state_bits=self.state_bits)
 
     def _cell(self, view: NodeView, outs) -> tuple[int, QParams | None]:
         return 0, None
@@ -364,13 +366,8 @@ class LSTM(Recurrent):
 class GRU(Recurrent):
     op_type = "GRU"
     gates = 3
+    state_bits = STATE_BITS
     output_names = ("Y", "Y_h")
-
-    def derive(self, view: NodeView) -> RecurrentParams:
-        p = super().derive(view)
-        carried = np.float64(p.hidden.scale) * 2.0**-STATE_BITS
-        return replace(p, state_bits=STATE_BITS,
-                       requant_out=quantize_multipliers(2.0**-30 / carried, view.multiplier_bits))
 
     def step(self, p, dr, gx, h, c):
         n = dr.recurrent.shape[0]
@@ -380,7 +377,7 @@ class GRU(Recurrent):
         if p.linear_before_reset:
             reset = rounding_rshift(r * self.recurrent_part(p, dr, h8, slice(2 * n, None)), UNIT_BITS, p.rounding)
         else:
-            reset_state = self.coarse(p, rounding_rshift(r * h, UNIT_BITS, p.rounding))
+            reset_state = rounding_rshift(r * h, UNIT_BITS + p.state_bits, p.rounding)  # to 8 bits, rounded once
             reset = self.recurrent_part(p, dr, reset_state, slice(2 * n, None))
         candidate = look(p.tanh_gate, np.clip(gx[:, 2 * n:] + reset, *INT16))
         keep = rounding_rshift(z * h, UNIT_BITS, p.rounding)
