@@ -174,8 +174,10 @@ def test_layers_finds_depthwise_and_group_1_convs(tmp_path):
     found = layers(model)
     assert list(found) == ["dw", "pw"] and found["dw"].depthwise == ((1, 1, 1, 1), (1, 1), (1, 1))
     assert found["pw"].conv == ((0, 0, 0, 0), (1, 1), (1, 1)) and found["pw"].depthwise is None
+    model.graph.node[1].attribute.append(helper.make_attribute("auto_pad", "VALID"))
+    assert layers(model)["pw"].conv == ((0, 0, 0, 0), (1, 1), (1, 1))  # VALID: no pads, fitted
     model.graph.node[0].attribute.append(helper.make_attribute("auto_pad", "SAME_UPPER"))
-    assert list(layers(model)) == ["pw"]  # implicit pads: not fitted
+    assert list(layers(model)) == ["pw"]  # pads that depend on the input's size: not fitted
 
 
 def _fitted_and_nearest(model, data, tmp_path) -> tuple:
@@ -315,11 +317,15 @@ def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_pa
 
 
 def test_int16_convs_with_auto_pad_are_said_to_be_outside_the_fit(tmp_path):
-    """pnet's Convs (auto_pad VALID) at int16 were reported as 'no Conv with int16 activations'."""
+    """A Conv whose pads depend on its input's size (auto_pad SAME_*) is not fitted, and the report
+    says why (pnet's, auto_pad VALID, were reported as 'no Conv with int16 activations'; VALID
+    ones are fitted now)."""
     w = np.random.default_rng(0).normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
-    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad="VALID")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6, 6])],
+    # (at stride 2 on open sizes: preparation writes out the pads of one at stride 1, or of fixed sizes)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad="SAME_UPPER",
+                                                strides=[2, 2])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, "h", "w"])],
                               [numpy_helper.from_array(w, "w")])
     model = tmp_path / "valid.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), model)
@@ -330,7 +336,7 @@ def test_int16_convs_with_auto_pad_are_said_to_be_outside_the_fit(tmp_path):
                     "--activation-type", "int16")
     assert result.exit_code == 0, result.output
     assert ("weights: nearest (no MatMul or Gemm with a constant weight, and the Conv with int16 activations is "
-            "not one it fits: 2-D, a constant weight, group 1 or depthwise, explicit pads; it sets auto_pad)"
+            "not one it fits: 2-D, a constant weight, group 1 or depthwise, explicit pads or VALID; it sets auto_pad)"
             ) in result.stdout.splitlines()
 
 
