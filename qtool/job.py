@@ -385,7 +385,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         if preprocess is None:
             raise fail("quantize.input_pixels", "needs calibrate.preprocess (the mean, std and scale "
                                                 "that make the float input from the pixels)")
-        pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale, preprocess.channels)
+        given = cal["preprocess"].get("channels")  # (for messages: a channel order the job did not set is none)
+        pixels = PixelInput(preprocess.mean, preprocess.std, preprocess.scale, given)
     precision_table, precisions = None, Precisions()
     if "precision_table" in qz:
         precision_table = resolve("quantize.precision_table", qz["precision_table"])
