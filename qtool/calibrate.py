@@ -50,11 +50,29 @@ def make_calibrator(method: str, params: dict | None = None):
 def calibrator_factory(method: str, params: dict | None = None):
     """A function making calibrators of ``method`` with ``params`` (see ``make_calibrator``): the
     parameters are checked once, not once per tensor."""
+    cls, kwargs = _calibrator_class(method), typed_params(method, params)
+
+    def make():
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise QtoolError(f"method '{method}': {e}") from None
+
+    return make
+
+
+def _calibrator_class(method: str):
     try:
-        cls = calibrators.get(method)
+        return calibrators.get(method)
     except KeyError as e:
         raise QtoolError(e.args[0]) from None
-    signature = inspect.signature(cls.__init__)
+
+
+def typed_params(method: str, params: dict | None) -> dict:
+    """``params`` checked against ``method``'s parameters, strings (from the command line) turned
+    into the type of the parameter's default: what a table and a statistics file record, so that
+    ``--param percentile=99.9`` and a job's ``percentile: 99.9`` are the same parameters."""
+    signature = inspect.signature(_calibrator_class(method).__init__)
     allowed = {n: p.default for n, p in signature.parameters.items() if n != "self"}
     kwargs = {}
     for name, value in (params or {}).items():
@@ -70,15 +88,10 @@ def calibrator_factory(method: str, params: dict | None = None):
                                  f"{type(default).__name__}, got '{value}'") from None
         elif isinstance(value, str) and default is None:  # (minmax's moving_average) a number when it reads as one
             value = _number(value)
+        elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # a job's 'percentile: 99' is --param percentile=99's 99.0
         kwargs[name] = value
-
-    def make():
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as e:
-            raise QtoolError(f"method '{method}': {e}") from None
-
-    return make
+    return kwargs
 
 
 def _number(text: str):
@@ -334,7 +347,7 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
             if declared != shapes[vi.name]:
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     names = needed_tensors(model, float_tensors(typed))
-    stats = Statistics(Path(model_path).name, file_digest(model_path), method, dict(params or {}),
+    stats = Statistics(Path(model_path).name, file_digest(model_path), method, typed_params(method, params),
                        0, shapes, {name: new_calibrator() for name in names},
                        data.preprocess.to_dict() if data.preprocess is not None else {})
     bodies = _bodies(model, typed, stats.calibrators, new_calibrator)

@@ -73,8 +73,27 @@ def test_cli_stats_out_and_merge(tmp_path, demo_model, demo_calib):
     result = invoke("merge", tmp_path / "s.npz", "-o", tmp_path / "t.yaml")
     assert result.exit_code == 0, result.output
     table = yaml.safe_load((tmp_path / "t.yaml").read_text())
-    assert table["method"] == "percentile" and table["params"] == {"percentile": "99.9"}
+    assert table["method"] == "percentile" and table["params"] == {"percentile": 99.9}
     assert table["input_shapes"] == {"input": ["N", 1, 8, 8]}
+
+
+def test_params_are_recorded_as_numbers_whether_typed_or_given_as_text(tmp_path, demo_model, demo_calib):
+    """--param's text and a job's (or the API's) numbers are the same parameters: the table and the
+    statistics record them typed, so shards made either way merge."""
+    x = np.load(demo_calib)["input"]
+    np.savez(tmp_path / "a.npz", input=x[:64])
+    np.savez(tmp_path / "b.npz", input=x[64:128])
+    given = invoke("calibrate", demo_model, "-d", tmp_path / "a.npz", "--stats-out", tmp_path / "sa.npz",
+                   "-o", tmp_path / "ta.yaml", "--method", "percentile", "--param", "percentile=99", "--param",
+                   "bins=1024", "-q")
+    assert given.exit_code == 0, given.output
+    collect(demo_model, tmp_path / "b.npz", "percentile", {"percentile": 99, "bins": 1024},
+            progress=False).save(tmp_path / "sb.npz")
+    recorded = yaml.safe_load((tmp_path / "ta.yaml").read_text())["params"]
+    assert recorded == {"bins": 1024, "percentile": 99.0}
+    assert isinstance(recorded["percentile"], float) and isinstance(recorded["bins"], int)
+    merged = merge([tmp_path / "sa.npz", tmp_path / "sb.npz"])
+    assert merged.params == recorded and merged.samples == 128
 
 
 def test_merge_refuses_a_shard_given_twice(tmp_path, demo_model, demo_calib):
