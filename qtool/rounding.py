@@ -103,6 +103,9 @@ class Layer(NamedTuple):
         return self.x if self.depthwise is None else (self.x, self.depthwise)
 
 
+FITTED_AUTO_PAD = (b"NOTSET", b"VALID", b"", "NOTSET", "VALID")  # a Conv's own pads, or none (VALID)
+
+
 def layers(model: onnx.ModelProto) -> dict[str, Layer]:
     """node name -> ``Layer`` of each MatMul/Gemm whose weight is a 2-D constant and of each 2-D
     Conv, depthwise (a constant weight [C, 1, kh, kw]) or of one group ([N, C, kh, kw]), with
@@ -118,7 +121,7 @@ def layers(model: onnx.ModelProto) -> dict[str, Layer]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Conv":
             pad = attrs.get("auto_pad", b"NOTSET")
-            if len(dims) != 4 or pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):  # VALID: no pads
+            if len(dims) != 4 or pad not in FITTED_AUTO_PAD:
                 continue
             geometry = (tuple(attrs.get("pads", (0, 0, 0, 0))), tuple(attrs.get("strides", (1, 1))),
                         tuple(attrs.get("dilations", (1, 1))))
@@ -139,7 +142,7 @@ def _nothing_to_fit(model: onnx.ModelProto, options) -> str:
     wide = [n for n in model.graph.node if n.op_type == "Conv" and _int16(options, n)]
     if not wide:
         return "no MatMul or Gemm with a constant weight, no Conv with int16 activations"
-    auto = sum(any(a.name == "auto_pad" and a.s not in (b"", b"NOTSET", b"VALID") for a in n.attribute) for n in wide)
+    auto = sum(any(a.name == "auto_pad" and a.s not in FITTED_AUTO_PAD for a in n.attribute) for n in wide)
     told = ("; it sets auto_pad" if len(wide) == 1 else f"; {auto} of them set auto_pad") if auto else ""
     which = "the Conv with int16 activations is not" if len(wide) == 1 else \
         f"none of the {len(wide)} Convs with int16 activations is"
