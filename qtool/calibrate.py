@@ -344,7 +344,9 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
         for vi in graph_inputs(model):
             axis = data.sample_axis(vi.name)  # None: fed whole, no axis of samples
             declared = ["N" if i == axis else (d if d else "?") for i, d in enumerate(input_shape(vi))]
-            if declared != shapes[vi.name]:
+            differ = [(d, s) for d, s in zip(declared, shapes[vi.name]) if d != s]
+            # open dims the data fixes (a fixed one the data contradicts is the data's error, not a fix)
+            if differ and all(not isinstance(d, int) for d, _ in differ) and len(declared) == len(shapes[vi.name]):
                 log(f"input '{vi.name}': dims {declared} fixed to {shapes[vi.name]} from the data")
     names = needed_tensors(model, float_tensors(typed))
     stats = Statistics(Path(model_path).name, file_digest(model_path), method, typed_params(method, params),

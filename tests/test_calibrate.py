@@ -212,6 +212,20 @@ def test_dynamic_dims_are_reported(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["input_shapes"] == {"x": ["N", 3, 5, 7]}
 
 
+def test_images_of_another_size_than_the_models_fixed_one_get_the_error_alone(tmp_path, demo_model):
+    """The demo's input is fixed at 8x8: images resized to 16x16 are refused, without a log line
+    saying the data fixed its dims to 16x16 first (it did not: only open dims are fixed)."""
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((16, 16), 40 * i, np.uint8)).save(folder / f"im{i}.png")
+    result = invoke("calibrate", demo_model, "-d", folder, "--channels", "gray", "--resize", "16x16",
+                    "-o", tmp_path / "t.yaml")
+    one_line_error(result, "has shape [3, 1, 16, 16]; model expects [N,1,8,8] (axis 2 differs)")
+
+
 def test_third_party_calibrator_through_entry_points(monkeypatch, demo_model, demo_calib):
     import calibrators
     from calibrators import Range
