@@ -549,17 +549,34 @@ def past_last_layer(model: onnx.ModelProto) -> set[str]:
 def merge(paths: list[str | Path]) -> Table:
     if not paths:
         raise QtoolError("merge needs at least one statistics file")
+    _each_once(paths)
     stats = Statistics.load(paths[0])
-    seen = {(Path(paths[0]).resolve(), file_digest(paths[0])): paths[0]}
     for path in paths[1:]:
-        shard = Statistics.load(path)
-        where, digest = Path(path).resolve(), file_digest(path)
-        twice = next((given for (w, d), given in seen.items() if w == where or d == digest), None)
-        if twice is not None:
-            same = ("is given twice" if str(twice) == str(path) else f"is '{twice}' again"
-                    if Path(twice).resolve() == where else f"has the same content as '{twice}'")
-            raise QtoolError(f"cannot merge '{path}': it {same}; merge takes the statistics of disjoint "
-                             f"shards, each once")
-        seen[(where, digest)] = path
-        stats.merge(shard, f"'{path}'")
+        stats.merge(Statistics.load(path), f"'{path}'")
     return stats.table()
+
+
+def _each_once(paths: list[str | Path]) -> None:
+    """A one-line error where a statistics file is given twice (the same path, another path to the
+    same file, or a copy of its bytes): its samples would count twice. Files are hashed only where
+    their sizes match; one that cannot be read is left to ``Statistics.load`` to report."""
+    seen: list[tuple[str | Path, Path, int]] = []
+    digests: dict[Path, str] = {}
+
+    def digest(where: Path) -> str:
+        if where not in digests:
+            digests[where] = file_digest(where)
+        return digests[where]
+
+    for path in paths:
+        try:
+            where, size = Path(path).resolve(), Path(path).stat().st_size
+        except OSError:
+            continue
+        for given, other, other_size in seen:
+            if where == other or (size == other_size and digest(where) == digest(other)):
+                same = ("is given twice" if str(given) == str(path) else f"is '{given}' again" if where == other
+                        else f"has the same content as '{given}'")
+                raise QtoolError(f"cannot merge '{path}': it {same}; merge takes the statistics of "
+                                 f"disjoint shards, each once")
+        seen.append((path, where, size))
