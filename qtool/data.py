@@ -17,7 +17,7 @@ import onnx
 
 from .errors import QtoolError
 from .model import graph_inputs, input_shape, open_first, state_inputs
-from .pixels import count_misfit
+from .pixels import channel_count, count_misfit, plural
 
 _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
              onnx.TensorProto.FLOAT16: np.float16}
@@ -212,7 +212,7 @@ class Preprocess:
                              f"{', '.join(CHANNEL_ORDERS)}")
         if self.layout not in LAYOUTS:
             raise QtoolError(f"unknown layout '{self.layout}'; choose one of {', '.join(LAYOUTS)}")
-        channels = 1 if self.channels == "gray" else 3
+        channels = channel_count(self.channels)
         for key in ("mean", "std"):
             if len(getattr(self, key)) not in (1, channels):
                 raise QtoolError(f"preprocess {key} {list(getattr(self, key))} "
@@ -336,12 +336,11 @@ def _check_channels(name: str, shape: list, pre: Preprocess) -> None:
         raise QtoolError(f"input '{name}' is {_shape_text(shape, None)}: it looks {looks.upper()} (channels "
                          f"{'last' if looks == 'nhwc' else 'first'}) but the images are laid out "
                          f"{pre.layout.upper()}; give --layout {looks}")
-    channels = 1 if pre.channels == "gray" else 3
+    channels = channel_count(pre.channels)
     if isinstance(shape[axis], int) and shape[axis] > 0 and shape[axis] != channels:
         fix = {1: "; give --channels gray", 3: "; give --channels rgb or bgr"}.get(shape[axis], "")
-        raise QtoolError(f"input '{name}' is {_shape_text(shape, None)}: it takes {shape[axis]} channel"
-                         f"{'s' if shape[axis] != 1 else ''} but the images are read as {pre.channels} "
-                         f"({channels}){fix}")
+        raise QtoolError(f"input '{name}' is {_shape_text(shape, None)}: it takes {plural(shape[axis], 'channel')} "
+                         f"but the images are read as {pre.channels} ({channels}){fix}")
 
 
 def fitted(img, size: tuple[int, int], fit: str, pad: float):
@@ -670,8 +669,9 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
 
 def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0,
                  stacked: bool = False) -> np.dtype:
-    """``a`` (``source`` names it: "data file 'x.npz' array") checked against the model input (numbers, shape, finite values: read in chunks, so a
-    large array in a file is not loaded whole), its samples along ``axis`` (None: fed whole), or
+    """``a`` (``source`` names it: "data file 'x.npz' array") checked against the model input
+    (numbers, shape, finite values: read in chunks, so a large array in a file is not loaded
+    whole), its samples along ``axis`` (None: fed whole), or
     whole inputs stacked along its first axis (``stacked``); returns the type to feed it as (the
     input's float type for floats), for the caller to convert."""
     name = vi.name

@@ -40,6 +40,11 @@ def plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
+def channel_count(order: str | None) -> int | None:
+    """The channels an image read as ``order`` (gray, rgb, bgr) has; None for no order."""
+    return {"gray": 1, "rgb": 3, "bgr": 3}.get(order)
+
+
 def count_misfit(values: int, channels: int, holder: str) -> str:
     """For messages: ``values`` mean or std values given where ``holder`` has ``channels``."""
     give = "one value" if channels == 1 else f"1 or {channels} values"
@@ -64,7 +69,7 @@ class PixelInput:
         mean, std = (np.asarray(v, np.float64) for v in (self.mean, self.std))
         for key, v in (("mean", mean), ("std", std)):
             if v.size not in (1, channels):
-                order = {"gray": 1, "rgb": 3, "bgr": 3}.get(self.channels, channels)
+                order = channel_count(self.channels) or channels
                 misfit = (f"; --channels {self.channels} ({plural(order, 'channel')}) does not fit it"
                           if order != channels else "")
                 counted = count_misfit(v.size, channels, "the model's input")
