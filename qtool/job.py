@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,7 @@ SCHEMA = {
         "layers": ("layers", False),  # verify --layers: samples the tensors are compared on, or "all"
     }, False),
 }
+QUANTIZE_KEYS = frozenset(SCHEMA["quantize"][0])  # what a job's quantize step may set
 # quantize keys that are not QuantizeOptions: steps measured on the calibration data
 DATA_DRIVEN = ("bias_correction", "bias_samples", "holdout", "target_sqnr", "max_float_layers",
                "try_methods", "method_choice", "placement", "weight_rounding", "channel_scales", "allow_float",
@@ -306,6 +308,26 @@ def resolve_path(base: Path, value: str) -> Path:
     return Path(os.path.normpath(base / value))
 
 
+# the command-line options the quantize step's messages name, and the job keys that set them
+_JOB_KEYS = {"input-pixels": "quantize.input_pixels", "mean": "calibrate.preprocess.mean",
+             "std": "calibrate.preprocess.std", "scale": "calibrate.preprocess.scale",
+             "channels": "calibrate.preprocess.channels"}
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def in_job_words(message: str) -> str:
+    """``message`` with the options it names (``--block-size``, ``--input-pixels: --std``) as the
+    job keys that set them (``quantize.block_size``, ``calibrate.preprocess.std``); an option a
+    job has no key for stays as it is."""
+    def key(match: re.Match) -> str:
+        flag = match.group(1)
+        if flag in _JOB_KEYS:
+            return _JOB_KEYS[flag]
+        field = flag.replace("-", "_")
+        return f"quantize.{field}" if field in QUANTIZE_KEYS else match.group(0)
+    return _FLAG.sub(key, message)
+
+
 def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     """Check one job before any work: files, labels, settings, output folder."""
     prefix = f"{where}." if where else ""
@@ -400,7 +422,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     try:  # the options' own rules (a block size of 1, int4 with QOperator): before any work
         options.check()
     except QtoolError as e:
-        raise fail("quantize", str(e)) from None
+        raise fail("quantize", in_job_words(str(e))) from None
     plan = JobPlan(name, where, model, files["calibrate.data"], files["verify.data"],
                    out / f"{name}.table.yaml", out / f"{name}.q.onnx", out / f"{name}.verify.json",
                    cal, preprocess, options, tolerance, ver, job, precision_table)
@@ -504,7 +526,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         qmodel, qreport, table, changed = quantize_with_data(plan.model, table, plan.options, str(plan.table),
                                                              plan.calibrate_data, steps, progress)
     except QtoolError as e:  # the command line's advice, in the job's words
-        raise QtoolError(str(e).replace("add --batch-size 1", "set calibrate.batch_size: 1")) from None
+        raise QtoolError(in_job_words(str(e).replace("add --batch-size 1", "set calibrate.batch_size: 1"))) from None
     if changed:
         write_table(table, table_path)  # the table the model is quantized from
     if not qz.get("params_metadata", True):

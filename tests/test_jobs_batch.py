@@ -105,6 +105,22 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path, inputs):
     assert (tmp_path / "out" / "sym8" / "sym8.q.onnx").is_file()
 
 
+def test_a_job_s_input_pixels_error_names_the_job_keys_not_the_flags(tmp_path, inputs):
+    """The normalization folded in at quantize time is the job's calibrate.preprocess: a mean of
+    three values for the demo's one-channel input is said in those words, not --mean's."""
+    spec = batch(inputs, j0={"calibrate": {"preprocess": {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}},
+                             "quantize": {"input_pixels": True}})
+    spec["jobs"] = spec["jobs"][:1]
+    result = invoke("run", write(tmp_path, spec), "-q")
+    assert_no_crash(result)
+    assert result.exit_code == 2
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:2] == ["asym", "error"]
+    assert lines[2].strip() == ("quantize.input_pixels: calibrate.preprocess.mean has 3 values but the model's "
+                                "input has 1 channel: give one value"), lines[2]
+    assert "--" not in lines[2]
+
+
 def test_a_failed_verification_exits_1_and_runs_again_next_time(tmp_path, inputs):
     spec = batch(inputs, j1={"verify": {"max_accuracy_drop": -100.0}})  # impossible to meet
     path = write(tmp_path, spec)
@@ -178,9 +194,9 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize.weight_type: unknown 'int3'; choose one of int8, int4"]),
     (lambda s: s["jobs"][0].update(quantize={"block_size": -4}), ["jobs[0].quantize.block_size: must be >= 0, got -4"]),
     (lambda s: s["jobs"][0].update(quantize={"block_size": 1}),
-     ["jobs[0].quantize: --block-size must be 0 (per channel) or at least 2, got 1"]),
+     ["jobs[0].quantize: quantize.block_size must be 0 (per channel) or at least 2, got 1"]),
     (lambda s: s["jobs"][0].update(quantize={"weight_type": "int16"}),
-     ["jobs[0].quantize: --weight-type int16 goes with --activation-type int16"]),
+     ["jobs[0].quantize: quantize.weight_type int16 goes with quantize.activation_type int16"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
         "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels",
         "method-choice", "weight-type", "block-size", "block-size-1", "weight-type-int16"])
