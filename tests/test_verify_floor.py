@@ -96,8 +96,30 @@ def test_the_loss_starts_at_the_first_sharp_drop_in_graph_order():
     assert start.name == "c" and abs(drop - 7) < 1e-9  # 7 dB below b, the lowest before it
     assert "where the loss starts: c (Add) at 30.00 dB, 7.0 dB below every tensor before it" in format_report(report)
     assert report.to_dict()["loss_start"] == {"tensor": "c", "op_type": "Add", "sqnr_db": 30.0, "drop_db": 7.0}
+    # d falls 25 dB below c: the larger drop, named too (the start alone pointed at a 7 dB step)
+    largest, most = report.largest_drop()
+    assert largest.name == "d" and abs(most - 25) < 1e-9
+    assert "where it drops most: d (Add) at 5.00 dB, 25.0 dB below every tensor before it" in format_report(report)
+    assert report.to_dict()["largest_drop"] == {"tensor": "d", "op_type": "Add", "sqnr_db": 5.0, "drop_db": 25.0}
     gentle = VerifyReport(4, (0.99, 20.0), [], [_comparison(n, 40 - 3 * i) for i, n in enumerate("abcdef")], [])
     assert gentle.loss_start() is None and gentle.to_dict()["loss_start"] is None
+    assert gentle.largest_drop() is None and gentle.to_dict()["largest_drop"] is None
+    assert "drops most" not in format_report(gentle)
+
+
+def test_a_float_op_that_drops_most_is_named_as_run_in_float():
+    """A float Log of a quantized power spectrum (sweep 2's DNSMOS SBO) falls far more than the
+    Conv where the loss starts; the report and the next steps name it, run in float."""
+    tensors = [_comparison("x", 90, "input"), _comparison("conv", 52), _comparison("power", 45.9),
+               _comparison("log", -6.5, "float"), _comparison("out", 4)]
+    report = VerifyReport(4, (0.99, 20.0), [_comparison("out", 4)], tensors, [])
+    report.failures.append("output 'out' SQNR 4.00 dB < 20.0 dB")
+    assert report.loss_start()[0].name == "power"
+    text = format_report(report)
+    assert "where it drops most: log (Add, run in float) at -6.50 dB, 52.4 dB below every tensor before it" in text
+    assert "the loss starts at power (Add) and drops most at log (Add, run in float)" in text
+    single = VerifyReport(4, (0.99, 20.0), [], tensors[:3], [])
+    assert single.largest_drop()[0] is single.loss_start()[0] and "drops most" not in format_report(single)
 
 
 def test_verify_of_a_float_model_is_a_one_line_error(demo_model, demo_heldout):

@@ -126,14 +126,27 @@ class VerifyReport:
         """The first tensor, in graph order, whose SQNR is ``LOSS_STEP_DB`` or more below every
         tensor computed before it, and by how much: where the damage begins, which the worst
         tensors (downstream of it) do not show."""
-        floor = math.inf
+        drops = self._drops()
+        return drops[0] if drops else None
+
+    def largest_drop(self) -> tuple[Comparison, float] | None:
+        """Of the tensors ``LOSS_STEP_DB`` or more below every tensor before them, the one that
+        falls most (the first of equal ones): where the loss starts can be a small step from a
+        high level (a Conv from 52 to 46 dB) before the op that costs the output most (a float
+        Log of a quantized power spectrum, 46 -> -6 dB)."""
+        drops = self._drops()
+        return max(drops, key=lambda d: d[1]) if drops else None
+
+    def _drops(self) -> list[tuple[Comparison, float]]:
+        """The sharp drops in graph order: (tensor, dB below the lowest tensor before it)."""
+        floor, out = math.inf, []
         for c in self.tensors:
             if c.ran == "input" or not math.isfinite(c.sqnr):
                 continue
             if math.isfinite(floor) and c.sqnr <= floor - LOSS_STEP_DB:
-                return c, floor - c.sqnr
+                out.append((c, floor - c.sqnr))
             floor = min(floor, c.sqnr)
-        return None
+        return out
 
     def to_dict(self) -> dict:
         d = {"passed": self.passed, "samples": self.samples, "layer_samples": self.layer_samples,
@@ -142,9 +155,8 @@ class VerifyReport:
                                         else {}) for c in self.outputs],
              "tensors": [c.to_dict() for c in self.tensors],
              "worst": self.worst(),
-             "loss_start": (None if (start := self.loss_start()) is None else
-                            {"tensor": start[0].name, "op_type": start[0].op_type, "sqnr_db": finite(start[0].sqnr),
-                             "drop_db": round(start[1], 2)}),
+             "loss_start": _drop_dict(self.loss_start()),
+             "largest_drop": _drop_dict(self.largest_drop()),
              "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in self.float_nodes],
              "accuracy": self.accuracy,
              "ort": None if self.ort is None else [c.to_dict() for c in self.ort],
@@ -465,11 +477,29 @@ def next_steps(report: VerifyReport) -> list[str]:
     elif made.get("qtool.weight_type", "int8") == "int8":
         steps.append("16-bit weights too: --activation-type int16 --weight-type int16 (Conv, ConvTranspose, "
                      "MatMul and Gemm weights int16: 16x16)")
-    start = report.loss_start()
+    start, largest = report.loss_start(), report.largest_drop()
     where = f"; the loss starts at {start[0].name} ({start[0].op_type})" if start is not None else ""
+    if largest is not None and largest[0] is not start[0]:
+        where += f" and drops most at {largest[0].name} ({largest[0].op_type}{_in_float(largest[0])})"
     steps.append(f"find the costly ops: qtool analyze MODEL --data CALIB.npz --table TABLE, or verify "
                  f"--analyze{where}; give them int16 (--precision-table) or keep them float (--keep-float)")
     return steps
+
+
+def _in_float(c: Comparison) -> str:
+    return ", run in float" if c.ran == "float" else ""
+
+
+def _drop_text(c: Comparison, drop: float) -> str:
+    return (f"{c.name} ({c.op_type}{_in_float(c)}) at {c.sqnr:.2f} dB, {drop:.1f} dB below every tensor "
+            f"before it")
+
+
+def _drop_dict(found: tuple[Comparison, float] | None) -> dict | None:
+    if found is None:
+        return None
+    c, drop = found
+    return {"tensor": c.name, "op_type": c.op_type, "sqnr_db": finite(c.sqnr), "drop_db": round(drop, 2)}
 
 
 def accuracy(labels: str, correct_float: int, correct_int: int, samples: int) -> dict:
@@ -681,11 +711,11 @@ def format_report(report: VerifyReport) -> str:
                      "beyond 1e30 such as an attention mask's lowest: "
                      + ", ".join(f"{c.name} {c.excluded}" for c in excluded[:5])
                      + (f" and {len(excluded) - 5} more tensors" if len(excluded) > 5 else "") + ")")
-    start = report.loss_start()
+    start, largest = report.loss_start(), report.largest_drop()
     if start is not None:
-        c, drop = start
-        lines.append(f"where the loss starts: {c.name} ({c.op_type}) at {c.sqnr:.2f} dB, {drop:.1f} dB below "
-                     f"every tensor before it")
+        lines.append(f"where the loss starts: {_drop_text(*start)}")
+    if largest is not None and largest[0] is not start[0]:
+        lines.append(f"where it drops most: {_drop_text(*largest)}")
     if report.float_nodes:
         lines += ["", f"ran in float: {len(report.float_nodes)} nodes"]
         lines += float_node_lines(report.float_nodes)
