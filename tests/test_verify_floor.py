@@ -2,7 +2,6 @@
 output), figures over the entries that are real values (a mask's -3.4e38 or an inf left out and
 counted), and the first tensor where the loss starts."""
 
-import dataclasses
 import json
 
 import numpy as np
