@@ -180,6 +180,11 @@ def rounding_summary(rp: dict) -> str:
                                                    (rp.get("depthwise", 0), "depthwise Conv"),
                                                    (rp.get("convs", 0), "Conv")) if count]
     what = f"{' and '.join(kinds)} weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
+    apart = [f"{count} {text}" for count, text in (
+        (rp.get("too_wide", 0), f"of more than {rp.get('max_inputs')} inputs"),
+        (rp.get("shared_apart", 0), "whose weight other nodes read in other ways")) if count]
+    if apart:
+        what += f" ({' and '.join(apart)} left nearest)"
     if rp.get("heldout_without_convs_sqnr_db") is not None:  # the Convs judged apart
         verdict = "left nearest" if rp["convs_left_nearest"] else "fitted"
         held += (f" (Convs {verdict}: with them {rp['heldout_with_convs_sqnr_db']}, without "

@@ -73,6 +73,10 @@ DAMP = 0.01
 # no choice, before -> after fitting at 0.1, logits 27.23 -> 27.14 and 28.35 -> 32.01 dB)
 CONV_DAMP = 0.1
 GRAM_BYTES = 128 << 20  # the Gram matrices one pass over the fit samples holds at once (_gram_groups)
+# a layer of more inputs keeps nearest rounding: its Gram alone is GRAM_BYTES, and GPTQ holds a few
+# copies of it (inverse, Cholesky factor); a VGG16 head's 25088 inputs (a 5 GB Gram) took a
+# quantize --data to 20 GB and a crash. No zoo or bench layer has more than 2880.
+MAX_INPUTS = 4096
 # the held-out gain that keeps fitted rounding: on PP-OCRv4 rec it scored 0.04 dB higher on 16
 # judging samples and 0.75 dB lower on the job's evaluation set; a gain that small is noise
 GAIN_DB = 0.5
@@ -220,7 +224,8 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dic
     rows under ``("rows", key)`` (its Gram left out where they are fewer than its inputs)."""
     inits = {i.name: i for i in float_model.graph.initializer}
     keys = {layer.gram_key: layer for layer in found.values()}
-    runner = FloatRunner(float_model, sorted({layer.x for layer in found.values()}))
+    # without the blocked convs, whose sums differ between CPUs: the integers go into the model
+    runner = FloatRunner(float_model, sorted({layer.x for layer in found.values()}), layouts=False)
     sums: dict = {}
     # the samples in all (a depthwise layer's ``samples`` below are a chunk's)
     total, too_few = getattr(batches, "samples", None), set()
@@ -270,26 +275,71 @@ def _inputs(layer: Layer, inits: dict) -> int:
 
 def _gram_groups(found: dict[str, Layer], inits: dict) -> list[dict[str, Layer]]:
     """``found`` in groups whose Gram matrices (float64) together hold at most ``GRAM_BYTES``, in
-    graph order, a gram key's layers in one group: each group is one pass over the fit samples
-    (YOLOX's 69 Convs hold 208 MB of Gram matrices, a ResNet-50's several GB)."""
+    graph order, each group one pass over the fit samples (YOLOX's 69 Convs hold 208 MB of Gram
+    matrices, a ResNet-50's several GB). The layers of one gram key, and those of one weight (an
+    unrolled recurrence's steps, fitted on their Grams' sum), share a group: layers joined by
+    either, at any remove, go together, in a group of their own where they alone pass the bound."""
     size: dict = {}
     for layer in found.values():
         k = _inputs(layer, inits)
         channels = inits[layer.weight].dims[0] if layer.depthwise is not None else 1
         size[layer.gram_key] = channels * k * k * 8
+    parent: dict = {}
+
+    def root(item):
+        while parent.setdefault(item, item) != item:
+            item = parent[item]
+        return item
+
+    for layer in found.values():  # a layer joins its gram key and its weight
+        parent[root(("weight", layer.weight))] = root(("gram", layer.gram_key))
+    keys_of: dict = {}
+    for layer in found.values():
+        keys_of.setdefault(root(("gram", layer.gram_key)), {})[layer.gram_key] = None
     groups: list[dict[str, Layer]] = []
     held, placed = 0, {}
     for name, layer in found.items():
-        key = layer.gram_key
-        if key not in placed:
-            if groups and held + size[key] <= GRAM_BYTES:
-                held += size[key]
+        part = root(("gram", layer.gram_key))
+        if part not in placed:
+            need = sum(size[key] for key in keys_of[part])
+            if groups and held + need <= GRAM_BYTES:
+                held += need
             else:
                 groups.append({})
-                held = size[key]
-            placed[key] = len(groups) - 1
-        groups[placed[key]][name] = layer
+                held = need
+            placed[part] = len(groups) - 1
+        groups[placed[part]][name] = layer
     return groups
+
+
+def _fittable(model: onnx.ModelProto, found: dict[str, Layer], inits: dict) -> tuple[dict[str, Layer], int, int]:
+    """``found`` less the layers that keep nearest rounding: those of more than ``MAX_INPUTS``
+    inputs, and those whose weight another node reads too, unless every reader is a layer of the
+    same kind (then the weight is fitted once, on the sum of their Grams). With their counts."""
+    wide = {name for name, layer in found.items() if _inputs(layer, inits) > MAX_INPUTS}
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in inits:
+                readers.setdefault(name, set()).add(node.name)
+    kept = {name: layer for name, layer in found.items() if name not in wide}
+    apart = set()
+    for weight in {layer.weight for layer in kept.values()}:
+        names = readers.get(weight, set())
+        kinds = {(found[n].transposed, found[n].depthwise is None, found[n].conv is None) for n in names if n in kept}
+        if not names <= set(kept) or len(kinds) > 1:
+            apart |= {n for n in names if n in kept}
+    return {name: layer for name, layer in kept.items() if name not in apart}, len(wide), len(apart)
+
+
+def _left_nearest(pick) -> str:
+    """For the report: the layers ``_fittable`` left nearest."""
+    parts = []
+    if pick.too_wide:
+        parts.append(f"{pick.too_wide} of more than {MAX_INPUTS} inputs")
+    if pick.shared_apart:
+        parts.append(f"{pick.shared_apart} whose weight other nodes read in other ways")
+    return "layers left nearest: " + " and ".join(parts)
 
 
 def _fitted(layer: Layer, w: np.ndarray, qp, gram: np.ndarray) -> np.ndarray:
@@ -323,6 +373,8 @@ class RoundingPick(JudgedStep):
     with_convs_db: float | None = None
     without_convs_db: float | None = None
     convs_nearest: bool = False
+    too_wide: int = 0  # layers of more than MAX_INPUTS inputs, left nearest
+    shared_apart: int = 0  # layers whose weight other nodes read too, in other ways: left nearest
 
     @property
     def variant(self) -> str:
@@ -335,6 +387,7 @@ class RoundingPick(JudgedStep):
                 "heldout_with_convs_sqnr_db": None if self.with_convs_db is None else finite(self.with_convs_db),
                 "heldout_without_convs_sqnr_db": None if self.without_convs_db is None else finite(
                     self.without_convs_db), "convs_left_nearest": self.convs_nearest,
+                "too_wide": self.too_wide, "max_inputs": MAX_INPUTS, "shared_apart": self.shared_apart,
                 **self.judged_dict()}
 
 
@@ -355,42 +408,54 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     nodes = {node.name: node for node in float_model.graph.node}
     found = {name: layer for name, layer in layers(float_model).items()
              if (layer.depthwise is None and layer.conv is None) or _int16(options, nodes[name])}
+    if not found:
+        pick.reason = _nothing_to_fit(float_model, options)
+        return None, pick
+    inits = {i.name: i for i in float_model.graph.initializer}
+    found, pick.too_wide, pick.shared_apart = _fittable(float_model, found, inits)
     pick.depthwise = sum(layer.depthwise is not None for layer in found.values())
     pick.layers = sum(layer.depthwise is None and layer.conv is None for layer in found.values())
     if not found:
-        pick.reason = _nothing_to_fit(float_model, options)
+        pick.reason = _left_nearest(pick)
         return None, pick
     fit_batches, held = pick.split(float_model, data_path, num_samples, holdout, batch_size, preprocess, start)
     if held is None:
         return None, pick
-    inits = {i.name: i for i in float_model.graph.initializer}
     rounded: dict[str, Rounded] = {}
     conv_weights: set[str] = set()
     pick.convs = 0
     with progress_bar(len(found), "weight rounding", progress, unit="layer") as bar:
         for group in _gram_groups(found, inits):  # one pass over the fit samples each
             sums = grams(float_model, group, fit_batches)
+            by_weight: dict[str, list[Layer]] = {}
             for layer in group.values():
+                by_weight.setdefault(layer.weight, []).append(layer)
+            for weight, readers in by_weight.items():
+                layer, keys = readers[0], list(dict.fromkeys(r.gram_key for r in readers))
                 # a Conv whose rows do not outnumber its inputs K = C kh kw keeps nearest rounding
                 # (an SE block's 1 x 1 convs see one row a sample: fitted on 16, PP-OCRv4 rec's lost
                 # 25 dB of their output on other lines)
-                if layer.conv is not None and sums[("rows", layer.gram_key)] < _inputs(layer, inits):
-                    bar.update(1)
+                if layer.conv is not None and (sum(sums[("rows", key)] for key in keys) < _inputs(layer, inits)
+                                               or any(key not in sums for key in keys)):
+                    bar.update(len(readers))
                     continue
-                pick.convs += layer.conv is not None
+                pick.convs += len(readers) if layer.conv is not None else 0
                 if layer.conv is not None:
-                    conv_weights.add(layer.weight)
-                if layer.weight not in rounded:
-                    w = onnx.numpy_helper.to_array(inits[layer.weight]).astype(np.float32)
-                    axis = 0 if layer.transposed or layer.depthwise is not None or layer.conv is not None else 1
-                    qp = per_channel_symmetric(w, axis) if options.per_channel else \
-                        symmetric(float(np.abs(w).max(initial=0.0)), "int8")
-                    q = _fitted(layer, w, qp, sums[layer.gram_key])
-                    rounded[layer.weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
-                bar.update(1)
+                    conv_weights.add(weight)
+                w = onnx.numpy_helper.to_array(inits[weight]).astype(np.float32)
+                axis = 0 if layer.transposed or layer.depthwise is not None or layer.conv is not None else 1
+                qp = per_channel_symmetric(w, axis) if options.per_channel else \
+                    symmetric(float(np.abs(w).max(initial=0.0)), "int8")
+                # a weight read by several layers (an unrolled recurrence's steps): their outputs'
+                # errors add, so it is fitted on the sum of their Grams (the first step alone
+                # reads a zero state, whose Gram says its weights do not matter)
+                q = _fitted(layer, w, qp, sum(sums[key] for key in keys))
+                rounded[weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
+                bar.update(len(readers))
             del sums
     if not rounded:
-        pick.reason = "no Conv with more rows on the fit samples than inputs, no MatMul or Gemm"
+        pick.reason = "no Conv with more rows on the fit samples than inputs, no MatMul or Gemm" + (
+            f"; {_left_nearest(pick)}" if pick.too_wide or pick.shared_apart else "")
         pick.seconds = time.perf_counter() - start
         return None, pick
     pick.heldout = held.samples

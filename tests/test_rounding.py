@@ -415,3 +415,78 @@ def test_convs_are_judged_apart_from_the_other_fitted_layers(tmp_path, monkeypat
     assert rp["convs_left_nearest"] and rp["heldout_fitted_sqnr_db"] == rp["heldout_without_convs_sqnr_db"]
     assert rp["heldout_with_convs_sqnr_db"] < rp["heldout_without_convs_sqnr_db"]
     np.testing.assert_array_equal(conv_integers(tmp_path / "q3.onnx"), nearest)
+
+
+def _shared_weight_models(tmp_path):
+    """A dense layer's weight read twice, as an unrolled recurrence reads it at every step: first
+    by a step whose input is all zeros (the initial state), then by one reading the samples; and
+    the same model without the zero step. Inputs correlated, so fitting pays."""
+    rng = np.random.default_rng(11)
+    w = numpy_helper.from_array(rng.normal(0, 0.5, (8, 6)).astype(np.float32), "w")
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    both = [helper.make_node("Mul", ["x", "zero"], ["h0"], name="initial_state"),
+            helper.make_node("MatMul", ["h0", "w"], ["s0"], name="step0"),
+            helper.make_node("MatMul", ["x", "w"], ["s1"], name="step1"),
+            helper.make_node("Add", ["s0", "s1"], ["y"], name="sum")]
+    alone = [helper.make_node("MatMul", ["x", "w"], ["y"], name="step1")]
+    shapes = ({"x": ["N", 8]}, {"y": ["N", 6]})
+    models = (saved_model(tmp_path / "shared.onnx", "shared", both, [w, zero], *shapes),
+              saved_model(tmp_path / "alone.onnx", "alone", alone, [w], *shapes))
+    mix = rng.normal(0, 1, (8, 8)) + 2 * np.eye(8)
+    for seed, name in ((1, "data.npz"), (2, "held.npz")):
+        z = np.random.default_rng(seed).normal(0, 1, (32, 8))
+        np.savez(tmp_path / name, x=(z @ mix).astype(np.float32))
+    return models, tmp_path / "data.npz"
+
+
+def test_a_weight_several_layers_read_is_fitted_on_the_sum_of_their_grams(tmp_path, monkeypatch):
+    # fitted on its first reader's Gram alone, the weight of a step that reads a zero state was
+    # zeroed ("inputs always zero: weights that do not matter"): sweep 4's unrolled-LSTM CRNN fell
+    # from 30.1 to 9.1 dB. On the sum, the zero step adds nothing: the integers of the model
+    # without it. (The judge is set aside: the integers are the point here.)
+    def keep(pick, before_db, after_db):
+        pick.before_db, pick.after_db, pick.kept = before_db, after_db, True
+        return True
+
+    monkeypatch.setattr(rounding.RoundingPick, "judge", keep)
+    (shared, alone), data = _shared_weight_models(tmp_path)
+    got = {}
+    for name, model in (("shared", shared), ("alone", alone)):
+        table = calibrate(model, data, progress=False)
+        found = layers(onnx.load(model))
+        assert {layer.weight for layer in found.values()} == {"w"}
+        rounded, pick = fit(model, table, QuantizeOptions(), "t", data, progress=False)
+        assert pick.layers == len(found) and rounded is not None, pick.to_dict()
+        got[name] = rounded["w"].values
+    assert np.abs(got["shared"]).max() > 0
+    np.testing.assert_array_equal(got["shared"], got["alone"])
+    inits = {i.name: i for i in onnx.load(shared).graph.initializer}
+    assert [list(g) for g in rounding._gram_groups(layers(onnx.load(shared)), inits)] == [["step0", "step1"]]
+
+
+def test_layers_too_wide_or_sharing_a_weight_with_other_ops_keep_nearest(tmp_path, monkeypatch):
+    # a VGG16 head's 25088 inputs made a 5 GB Gram and a 20 GB quantize --data that crashed; here
+    # the bound is lowered to 4 under the test's 8 inputs
+    (shared, _), data = _shared_weight_models(tmp_path)
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", shared, "--data", data, "-o", table, "-q").exit_code == 0
+    monkeypatch.setattr(rounding, "MAX_INPUTS", 4)
+    rounded, pick = fit(shared, calibrate(shared, data, progress=False), QuantizeOptions(), "t", data,
+                        progress=False)
+    assert rounded is None and pick.too_wide == 2 and pick.layers == 0
+    assert pick.reason == "layers left nearest: 2 of more than 4 inputs"
+    result = invoke("quantize", shared, "-t", table, "-o", tmp_path / "q.onnx", "--data", data)
+    assert result.exit_code == 0, result.output
+    assert "weights: nearest (layers left nearest: 2 of more than 4 inputs)" in result.output
+    monkeypatch.setattr(rounding, "MAX_INPUTS", 4096)
+    # the weight also read by a Gemm (another kind of reader): both its layers keep nearest
+    model = onnx.load(shared)
+    model.graph.node.append(helper.make_node("Gemm", ["x", "w"], ["g"], name="other"))
+    model.graph.output.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["N", 6]))
+    onnx.save(model, tmp_path / "mixed.onnx")
+    found = layers(model)
+    kept, wide, apart = rounding._fittable(model, found, {i.name: i for i in model.graph.initializer})
+    assert (kept, wide, apart) == ({"step0": found["step0"], "step1": found["step1"], "other": found["other"]}, 0, 0)
+    model.graph.node.append(helper.make_node("Gemm", ["x", "w"], ["g2"], name="transposed_reader", transB=1))
+    kept, wide, apart = rounding._fittable(model, layers(model), {i.name: i for i in model.graph.initializer})
+    assert kept == {} and apart == 4
