@@ -185,6 +185,9 @@ def rounding_summary(rp: dict) -> str:
         (rp.get("shared_apart", 0), "whose weight other nodes read in other ways")) if count]
     if apart:
         what += f" ({' and '.join(apart)} left nearest)"
+    if rp.get("shared_weights"):
+        what += (f" ({rp['shared_layers']} of them read {rp['shared_weights']} shared weights, each fitted once "
+                 f"on its readers' inputs)")
     if rp.get("heldout_without_convs_sqnr_db") is not None:  # the Convs judged apart
         verdict = "left nearest" if rp["convs_left_nearest"] else "fitted"
         held += (f" (Convs {verdict}: with them {rp['heldout_with_convs_sqnr_db']}, without "

@@ -106,6 +106,11 @@ class Layer(NamedTuple):
             return (self.x, "conv", self.conv)
         return self.x if self.depthwise is None else (self.x, self.depthwise)
 
+    def sum_key(self, shared: frozenset = frozenset()):
+        """Where its Gram is summed: its ``gram_key``'s, or for a weight several dense layers read
+        (``shared``: an unrolled recurrence's steps) one sum over all of their inputs' rows."""
+        return ("weight", self.weight) if self.weight in shared else self.gram_key
+
 
 FITTED_AUTO_PAD = (b"NOTSET", b"VALID", b"", "NOTSET", "VALID")  # a Conv's own pads, or none (VALID)
 
@@ -218,12 +223,17 @@ def windows(x: np.ndarray, kernel: tuple[int, int], depthwise: tuple) -> np.ndar
     return found.reshape(x.shape[0], -1, kh * kw)
 
 
-def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dict:
+def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches, shared: frozenset = frozenset()) -> dict:
     """``X^T X`` of each layer's input rows over ``batches`` (float64, summed batch by batch), by
-    ``Layer.gram_key``: [K, K], or [C, k, k] per input channel of a depthwise layer; and a Conv's
-    rows under ``("rows", key)`` (its Gram left out where they are fewer than its inputs)."""
+    ``Layer.sum_key``: [K, K], or [C, k, k] per input channel of a depthwise layer; and a Conv's
+    rows under ``("rows", key)`` (its Gram left out where they are fewer than its inputs). A
+    weight of ``shared`` (dense layers only) gets one sum, over every layer that reads it."""
     inits = {i.name: i for i in float_model.graph.initializer}
-    keys = {layer.gram_key: layer for layer in found.values()}
+    readers: dict = {}  # sum key -> the layers whose rows it adds: one a gram key, each of a shared weight's
+    for layer in found.values():
+        key = layer.sum_key(shared)
+        if key not in readers or key[0] == "weight":
+            readers.setdefault(key, []).append(layer)
     # without the blocked convs, whose sums differ between CPUs: the integers go into the model
     runner = FloatRunner(float_model, sorted({layer.x for layer in found.values()}), layouts=False)
     sums: dict = {}
@@ -231,7 +241,7 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches) -> dic
     total, too_few = getattr(batches, "samples", None), set()
     for feeds in batches:
         values = runner.run(feeds)
-        for key, layer in keys.items():
+        for key, layer in ((key, layer) for key, layers_ in readers.items() for layer in layers_):
             x = np.asarray(values[layer.x])
             if layer.conv is not None:  # every input channel's windows side by side: [rows, C * kh * kw]
                 kernel = tuple(inits[layer.weight].dims[2:])
@@ -273,49 +283,36 @@ def _inputs(layer: Layer, inits: dict) -> int:
     return dims[1] if layer.transposed else dims[0]
 
 
-def _gram_groups(found: dict[str, Layer], inits: dict) -> list[dict[str, Layer]]:
+def _gram_groups(found: dict[str, Layer], inits: dict, shared: frozenset = frozenset()) -> list[dict[str, Layer]]:
     """``found`` in groups whose Gram matrices (float64) together hold at most ``GRAM_BYTES``, in
-    graph order, each group one pass over the fit samples (YOLOX's 69 Convs hold 208 MB of Gram
-    matrices, a ResNet-50's several GB). The layers of one gram key, and those of one weight (an
-    unrolled recurrence's steps, fitted on their Grams' sum), share a group: layers joined by
-    either, at any remove, go together, in a group of their own where they alone pass the bound."""
+    graph order, the layers of one ``Layer.sum_key`` in one group: each group is one pass over the
+    fit samples (YOLOX's 69 Convs hold 208 MB of Gram matrices, a ResNet-50's several GB)."""
     size: dict = {}
     for layer in found.values():
         k = _inputs(layer, inits)
         channels = inits[layer.weight].dims[0] if layer.depthwise is not None else 1
-        size[layer.gram_key] = channels * k * k * 8
-    parent: dict = {}
-
-    def root(item):
-        while parent.setdefault(item, item) != item:
-            item = parent[item]
-        return item
-
-    for layer in found.values():  # a layer joins its gram key and its weight
-        parent[root(("weight", layer.weight))] = root(("gram", layer.gram_key))
-    keys_of: dict = {}
-    for layer in found.values():
-        keys_of.setdefault(root(("gram", layer.gram_key)), {})[layer.gram_key] = None
+        size[layer.sum_key(shared)] = channels * k * k * 8
     groups: list[dict[str, Layer]] = []
     held, placed = 0, {}
     for name, layer in found.items():
-        part = root(("gram", layer.gram_key))
-        if part not in placed:
-            need = sum(size[key] for key in keys_of[part])
-            if groups and held + need <= GRAM_BYTES:
-                held += need
+        key = layer.sum_key(shared)
+        if key not in placed:
+            if groups and held + size[key] <= GRAM_BYTES:
+                held += size[key]
             else:
                 groups.append({})
-                held = need
-            placed[part] = len(groups) - 1
-        groups[placed[part]][name] = layer
+                held = size[key]
+            placed[key] = len(groups) - 1
+        groups[placed[key]][name] = layer
     return groups
 
 
-def _fittable(model: onnx.ModelProto, found: dict[str, Layer], inits: dict) -> tuple[dict[str, Layer], int, int]:
+def _fittable(model: onnx.ModelProto, found: dict[str, Layer], inits: dict
+              ) -> tuple[dict[str, Layer], frozenset, int, int]:
     """``found`` less the layers that keep nearest rounding: those of more than ``MAX_INPUTS``
-    inputs, and those whose weight another node reads too, unless every reader is a layer of the
-    same kind (then the weight is fitted once, on the sum of their Grams). With their counts."""
+    inputs, and those whose weight another node reads too, unless every reader is a dense layer
+    (MatMul/Gemm) reading it the same way: then the weight is fitted once, on the sum of their
+    Grams (the weights so shared are returned). With the two counts."""
     wide = {name for name, layer in found.items() if _inputs(layer, inits) > MAX_INPUTS}
     readers: dict[str, set[str]] = {}
     for node in model.graph.node:
@@ -323,13 +320,18 @@ def _fittable(model: onnx.ModelProto, found: dict[str, Layer], inits: dict) -> t
             if name in inits:
                 readers.setdefault(name, set()).add(node.name)
     kept = {name: layer for name, layer in found.items() if name not in wide}
-    apart = set()
+    apart, shared = set(), set()
     for weight in {layer.weight for layer in kept.values()}:
         names = readers.get(weight, set())
-        kinds = {(found[n].transposed, found[n].depthwise is None, found[n].conv is None) for n in names if n in kept}
-        if not names <= set(kept) or len(kinds) > 1:
+        if len(names) < 2:
+            continue
+        kinds = {(kept[n].transposed, kept[n].depthwise, kept[n].conv) for n in names if n in kept}
+        if names <= set(kept) and kinds in ({(False, None, None)}, {(True, None, None)}):
+            shared.add(weight)
+        else:
             apart |= {n for n in names if n in kept}
-    return {name: layer for name, layer in kept.items() if name not in apart}, len(wide), len(apart)
+    return ({name: layer for name, layer in kept.items() if name not in apart}, frozenset(shared),
+            len(wide), len(apart))
 
 
 def _left_nearest(pick) -> str:
@@ -375,6 +377,8 @@ class RoundingPick(JudgedStep):
     convs_nearest: bool = False
     too_wide: int = 0  # layers of more than MAX_INPUTS inputs, left nearest
     shared_apart: int = 0  # layers whose weight other nodes read too, in other ways: left nearest
+    shared_weights: int = 0  # weights several dense layers read, fitted on the sum of their Grams
+    shared_layers: int = 0  # the layers that read them
 
     @property
     def variant(self) -> str:
@@ -388,6 +392,7 @@ class RoundingPick(JudgedStep):
                 "heldout_without_convs_sqnr_db": None if self.without_convs_db is None else finite(
                     self.without_convs_db), "convs_left_nearest": self.convs_nearest,
                 "too_wide": self.too_wide, "max_inputs": MAX_INPUTS, "shared_apart": self.shared_apart,
+                "shared_weights": self.shared_weights, "shared_layers": self.shared_layers,
                 **self.judged_dict()}
 
 
@@ -412,7 +417,9 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
         pick.reason = _nothing_to_fit(float_model, options)
         return None, pick
     inits = {i.name: i for i in float_model.graph.initializer}
-    found, pick.too_wide, pick.shared_apart = _fittable(float_model, found, inits)
+    found, shared, pick.too_wide, pick.shared_apart = _fittable(float_model, found, inits)
+    pick.shared_weights = len(shared)
+    pick.shared_layers = sum(layer.weight in shared for layer in found.values())
     pick.depthwise = sum(layer.depthwise is not None for layer in found.values())
     pick.layers = sum(layer.depthwise is None and layer.conv is None for layer in found.values())
     if not found:
@@ -425,18 +432,17 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     conv_weights: set[str] = set()
     pick.convs = 0
     with progress_bar(len(found), "weight rounding", progress, unit="layer") as bar:
-        for group in _gram_groups(found, inits):  # one pass over the fit samples each
-            sums = grams(float_model, group, fit_batches)
+        for group in _gram_groups(found, inits, shared):  # one pass over the fit samples each
+            sums = grams(float_model, group, fit_batches, shared)
             by_weight: dict[str, list[Layer]] = {}
             for layer in group.values():
                 by_weight.setdefault(layer.weight, []).append(layer)
             for weight, readers in by_weight.items():
-                layer, keys = readers[0], list(dict.fromkeys(r.gram_key for r in readers))
+                layer, key = readers[0], readers[0].sum_key(shared)
                 # a Conv whose rows do not outnumber its inputs K = C kh kw keeps nearest rounding
                 # (an SE block's 1 x 1 convs see one row a sample: fitted on 16, PP-OCRv4 rec's lost
                 # 25 dB of their output on other lines)
-                if layer.conv is not None and (sum(sums[("rows", key)] for key in keys) < _inputs(layer, inits)
-                                               or any(key not in sums for key in keys)):
+                if layer.conv is not None and sums[("rows", key)] < _inputs(layer, inits):
                     bar.update(len(readers))
                     continue
                 pick.convs += len(readers) if layer.conv is not None else 0
@@ -449,7 +455,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
                 # a weight read by several layers (an unrolled recurrence's steps): their outputs'
                 # errors add, so it is fitted on the sum of their Grams (the first step alone
                 # reads a zero state, whose Gram says its weights do not matter)
-                q = _fitted(layer, w, qp, sum(sums[key] for key in keys))
+                q = _fitted(layer, w, qp, sums[key])
                 rounded[weight] = Rounded(np.asarray(qp.scale), q.astype(np.int8))
                 bar.update(len(readers))
             del sums

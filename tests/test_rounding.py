@@ -457,11 +457,16 @@ def test_a_weight_several_layers_read_is_fitted_on_the_sum_of_their_grams(tmp_pa
         assert {layer.weight for layer in found.values()} == {"w"}
         rounded, pick = fit(model, table, QuantizeOptions(), "t", data, progress=False)
         assert pick.layers == len(found) and rounded is not None, pick.to_dict()
+        assert (pick.shared_weights, pick.shared_layers) == ((1, 2) if name == "shared" else (0, 0))
         got[name] = rounded["w"].values
     assert np.abs(got["shared"]).max() > 0
     np.testing.assert_array_equal(got["shared"], got["alone"])
     inits = {i.name: i for i in onnx.load(shared).graph.initializer}
-    assert [list(g) for g in rounding._gram_groups(layers(onnx.load(shared)), inits)] == [["step0", "step1"]]
+    found = layers(onnx.load(shared))
+    kept, weights, wide, apart = rounding._fittable(onnx.load(shared), found, inits)
+    assert (kept, weights, wide, apart) == (found, frozenset({"w"}), 0, 0)
+    assert found["step0"].sum_key(weights) == found["step1"].sum_key(weights) == ("weight", "w")
+    assert [list(g) for g in rounding._gram_groups(found, inits, weights)] == [["step0", "step1"]]
 
 
 def test_layers_too_wide_or_sharing_a_weight_with_other_ops_keep_nearest(tmp_path, monkeypatch):
@@ -485,8 +490,13 @@ def test_layers_too_wide_or_sharing_a_weight_with_other_ops_keep_nearest(tmp_pat
     model.graph.output.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["N", 6]))
     onnx.save(model, tmp_path / "mixed.onnx")
     found = layers(model)
-    kept, wide, apart = rounding._fittable(model, found, {i.name: i for i in model.graph.initializer})
-    assert (kept, wide, apart) == ({"step0": found["step0"], "step1": found["step1"], "other": found["other"]}, 0, 0)
+    kept, weights, wide, apart = rounding._fittable(model, found, {i.name: i for i in model.graph.initializer})
+    assert (kept, weights, wide, apart) == (found, frozenset({"w"}), 0, 0) and len(found) == 3
     model.graph.node.append(helper.make_node("Gemm", ["x", "w"], ["g2"], name="transposed_reader", transB=1))
-    kept, wide, apart = rounding._fittable(model, layers(model), {i.name: i for i in model.graph.initializer})
-    assert kept == {} and apart == 4
+    kept, weights, wide, apart = rounding._fittable(model, layers(model), {i.name: i for i in model.graph.initializer})
+    assert kept == {} and weights == frozenset() and apart == 4
+    # and read by an op that is no layer (an Add of the weight): every reader keeps nearest
+    model = onnx.load(shared)
+    model.graph.node.append(helper.make_node("Add", ["w", "w"], ["w2"], name="not_a_layer"))
+    kept, weights, wide, apart = rounding._fittable(model, layers(model), {i.name: i for i in model.graph.initializer})
+    assert kept == {} and apart == 2
