@@ -494,7 +494,11 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     # the memory estimate (0.5 x a sample's activations) held 4x low; PP-OCRv4 rec 375 -> 231 MB,
     # det 475 -> 374 MB, PP-LCNet 538 -> 238 MB. Their 512-sample runs: within noise to 16% slower
     # (rec 7.6 -> 8.8 s on a quiet machine; bench/throughput.py 1.57x -> 1.45x of onnxruntime on a
-    # busy one), 16-sample runs faster (a simpler session to build)
+    # busy one), 16-sample runs faster (a simpler session to build). And the tables are the same
+    # on every CPU: with the blocked convs opennsfw's differed between an AVX-512 and an AVX2 host
+    # (FloatRunner's note). The ordering is onnxruntime's: the nodes its layout pass adds (the
+    # copies, and any reduction rewritten into the blocked form) get the highest indices, and its
+    # priority order runs lower indices first, so they all wait for the end of the graph
     # histograms are binned on the worker thread while onnxruntime runs the next batch: its threads
     # spinning between kernels took the core the binning needed (PP-OCRv4 rec, kl over 512 lines:
     # 10.0-18.0 s, bimodal, against 9.4-10.6 s without spinning); minmax bins nothing and runs

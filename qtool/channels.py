@@ -112,7 +112,7 @@ def channel_ranges(float_model: onnx.ModelProto, tensors: list[str], batches, pr
             else:
                 model.graph.node.append(helper.make_node(op, [flat], [out], keepdims=0, axes=[0, 2]))
             names.append(out)
-    runner = FloatRunner(model, names)
+    runner = FloatRunner(model, names, layouts=False)  # the ranges go into the model: the same on every CPU
     lo: dict[str, np.ndarray] = {}
     hi: dict[str, np.ndarray] = {}
     with progress_bar(len(batches) if count is None else count, "channel ranges", progress, unit="batch") as bar:

@@ -899,7 +899,12 @@ class FloatRunner:
         -> 165 MB, its run about 15% slower). ``spinning=False``: its threads sleep between
         kernels instead of spinning, for a caller that computes on another thread meanwhile.
         ``layouts=False``: without onnxruntime's layout optimizations (its blocked NCHWc convs),
-        for a graph that reads every activation (see qtool.stats_graph)."""
+        for a graph that reads every activation (see qtool.stats_graph), and for every float
+        tensor that decides what a quantized model holds: the blocked convs add their products
+        in blocks of the CPU's vector width (16 channels with AVX-512, 8 with AVX2), so their
+        last bits differ between CPUs. On opennsfw (a ResNet-50), 47 of its 50 Conv/Gemm inputs
+        differed between this AVX-512 host and an AVX2 one (qemu -cpu EPYC-Rome), and so did its
+        calibration table; without them none did (bench/cpus.py)."""
         known = {o.name for o in model.graph.output}
         value_info = {vi.name: vi for vi in model.graph.value_info}
         added = [value_info.get(name) or onnx.ValueInfoProto(name=name)
