@@ -573,6 +573,8 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
         if axis not in (None, 0) and isinstance(chosen[name], RowFile):
             chosen[name] = chosen[name][:]  # a state or the like: small, and read across rows
     dtypes = {vi.name: _check_array(_file_array(path), vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
+    if not stacked:
+        check_named_dims(f"data file '{path}'", inputs, chosen, axes)
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
     dataset.axes = axes
     if stacked:
@@ -682,6 +684,10 @@ def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int 
     if elem in _NP_TYPES and a.dtype.kind != "f":  # integers are most likely unscaled pixels or ids
         raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; "
                          f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
+    wanted = _integer_type(elem)
+    if wanted is not None and a.dtype.kind == "f":  # ids, positions, a mask: no float will do
+        raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; model expects {wanted} "
+                         f"(token ids, positions or a mask: save it as integers)")
     expected = input_shape(vi)
     if stacked:  # [N, *input]: the samples on a new first axis
         expected, axis = [None, *expected], 0
@@ -703,6 +709,9 @@ def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int 
                                  f"{list(a.shape)}; model expects {_shape_text(expected, axis)} "
                                  f"(axis {i} differs)")
     dtype = np.dtype(_NP_TYPES[elem]) if elem in _NP_TYPES else a.dtype
+    if wanted is not None and a.dtype != wanted:  # int32 ids for an int64 input: fed as int64
+        _check_fits(source, name, a, wanted)
+        dtype = wanted
     if dtype.kind == "f" and (a.ndim == 0 or axis != 0):  # small: checked whole
         if not np.isfinite(np.asarray(a, dtype=dtype)).all():
             raise QtoolError(f"{source} for input '{name}' has NaN or Inf")
@@ -715,6 +724,58 @@ def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int 
                 raise QtoolError(f"{source} for input '{name}' has NaN or Inf "
                                  f"(first in sample {start + int(np.argmin(finite))})")
     return dtype
+
+
+def _integer_type(elem: int) -> np.dtype | None:
+    """The numpy type of an integer or boolean model input type (None for the others)."""
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return dtype if dtype.kind in "biu" else None
+
+
+def _check_fits(source: str, name: str, a: np.ndarray, wanted: np.dtype) -> None:
+    """Integers of ``a`` that ``wanted`` (the model input's integer type) holds too, or a one-line
+    error: converted, they would wrap."""
+    if wanted.kind == "b":
+        ok = a.size == 0 or bool(np.isin(np.unique(np.asarray(a)), (0, 1)).all())
+        if not ok:
+            raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype} with values other "
+                             f"than 0 and 1; model expects bool")
+        return
+    if a.dtype.kind == "b" or np.can_cast(a.dtype, wanted, "safe") or a.size == 0:
+        return
+    info = np.iinfo(wanted)
+    lo, hi = int(np.min(a)), int(np.max(a))
+    if lo < info.min or hi > info.max:
+        raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype} with values in [{lo}, {hi}]; "
+                         f"model expects {wanted}, which holds [{info.min}, {info.max}]")
+
+
+def check_named_dims(source: str, inputs, arrays: dict[str, np.ndarray], axes: dict[str, int | None]) -> None:
+    """Inputs whose shapes name the same size (input_ids and attention_mask both
+    [batch, sequence_length]) get arrays that agree on it, or a one-line error naming both: else
+    onnxruntime fails deep in the graph with a broadcasting message."""
+    seen: dict[str, tuple[str, int]] = {}
+    for vi in inputs:
+        a, axis = arrays.get(vi.name), axes.get(vi.name)
+        if a is None:
+            continue
+        dims = input_shape(vi)
+        for i, dim in enumerate(dims):
+            # a name that is no word ('?') or that one input gives twice (paddle2onnx's [?, 3, ?, ?])
+            # is a placeholder, not a size shared
+            if not isinstance(dim, str) or i >= a.ndim or i == axis or not (dim[:1].isalpha() or dim[:1] == "_") \
+                    or dims.count(dim) > 1:
+                continue
+            size = int(a.shape[i])
+            if dim in seen and seen[dim][1] != size:
+                other, had = seen[dim]
+                raise QtoolError(f"{source}: arrays for inputs '{other}' and '{vi.name}' differ in "
+                                 f"'{dim}' ({had} and {size}); the model names that size in both, so "
+                                 f"they must agree")
+            seen.setdefault(dim, (vi.name, size))
 
 
 def _file_array(path: Path) -> str:
