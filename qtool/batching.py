@@ -3,11 +3,20 @@
 A command estimates what one sample costs from the model and the data: the bytes of every float
 activation of one sample (shapes inferred with the data's sizes), times what the command holds
 per activation byte, measured on PP-OCRv4 rec as the growth of peak RSS per extra sample in a
-batch and rounded up for other models: calibrate ~0.25 (onnxruntime's arena; the statistics are
-reduced inside the graph), exec 0.14-0.27 (the executor frees each activation after its last
+batch and rounded up for other models: exec 0.14-0.27 (the executor frees each activation after its last
 reader: what grows is the live activations and the kernels' temporaries; PP-OCRv4 rec 0.16, det
 at 320 0.27, a ViT-S 0.14, at 512 samples; with 16-bit activations, det 0.45), verify ~3.7
-(every float and integer tensor of the batch side by side, and the executor's temporaries). The
+(every float and integer tensor of the batch side by side, and the executor's temporaries).
+
+calibrate counts another way: onnxruntime frees each tensor after its last reader and the
+statistics are reduced inside the graph, so what grows with the batch is the working set, the
+most activation bytes alive at once in graph order (``sizing.live_peak_bytes``), times 4.5. That
+held on every model measured without onnxruntime's layout optimizations (peak RSS growth per
+extra sample over that working set: PP-OCRv4 rec 1.8, det 2.6, PP-OCRv6 rec 2.1, det 2.8, PP-LCNet
+4.1, YOLOv8n 3.4, ResNet-50 1.8, VGG16 2.1), where a factor of the sum of all activations ranged
+from 0.06 (rec) to 0.63 (PP-LCNet). The model counts 4 times (``fixed_bytes``), as verify's: a
+VGG16 of 65 MB peaked at 492 MB at batch 1 and 905 MB at the batch of 8 the sum's estimate had
+chosen for --memory 512. The
 batch is the largest, up to a cap beyond which nothing ran faster, whose estimate fits the
 budget; at least 1. The choice
 depends only on the model, the data's shapes and the options, so every run makes the same one:
@@ -44,7 +53,8 @@ CALIBRATE_BATCH_CAP = 8
 # the samples whose tensors verify compares by default, in whole batches spread over the data
 # (the outputs are compared on every sample): a per-tensor figure settles within a few batches
 DEFAULT_LAYERS = 16
-CALIBRATE_FACTOR, EXEC_FACTOR, VERIFY_FACTOR = 0.5, 0.5, 4.0
+EXEC_FACTOR, VERIFY_FACTOR = 0.5, 4.0
+CALIBRATE_FACTOR = 4.5  # of the working set (live_peak_bytes), not of every activation (see above)
 EXEC_FACTOR_WIDE = 1.0  # exec of a model with 16-bit activations (int64 sums, wider temporaries)
 PROCESS_BYTES = 150 << 20  # python, numpy, onnx, onnxruntime and qtool imported
 FLOAT_MODEL_COPIES, INTEGER_MODEL_COPIES = 4, 5

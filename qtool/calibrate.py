@@ -28,12 +28,12 @@ import calibrators
 
 from . import __version__, control, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
-    run_or_one_at_a_time
+    fixed_bytes, run_or_one_at_a_time
 from .data import Dataset, check_sampling, load_dataset
 from .errors import QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
-                    load_model, node_reads, prepare_file)
+                    load_model, node_reads, prepare_file, weight_bytes)
 from .report import progress_bar
 from .sizing import _fix_dims, batch_is_chosen, default_batch, fixed_batch
 from .table import Table, TensorEntry
@@ -385,7 +385,8 @@ def _batching(model, data: Dataset, samples: int, batch_size: int | None, memory
     shape_batch = min(fixed_batch(model) or batch_size or CALIBRATE_BATCH_CAP, samples)
     typed, shapes = _fix_dims(model, data, shape_batch)
     batch_size, note = default_batch(model, data, batch_size, CALIBRATE_FACTOR, memory_mb,
-                                     CALIBRATE_BATCH_CAP, (typed, shape_batch))
+                                     CALIBRATE_BATCH_CAP, (typed, shape_batch), held=fixed_bytes(weight_bytes(model)),
+                                     live=True)
     return typed, shapes, batch_size, note
 
 

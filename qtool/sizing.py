@@ -192,6 +192,28 @@ def sample_bytes(model: onnx.ModelProto, data: Dataset, typed: tuple[onnx.ModelP
     return sum(tensor_sizes(model, data, typed, sizes).values())
 
 
+def live_peak_bytes(model: onnx.ModelProto, sizes: dict[str, int]) -> int:
+    """The most bytes of ``sizes`` (one sample's float activations) alive at once when the nodes
+    run in graph order and each tensor is freed after its last reader (graph outputs kept to the
+    end): the working set a run needs, where ``sample_bytes`` is every activation at once."""
+    last = {}
+    for i, node in enumerate(model.graph.node):
+        for name in node_reads(node):
+            last[name] = i
+    kept = {o.name for o in model.graph.output}
+    alive: dict[str, int] = {}
+    live = peak = 0
+    for i, node in enumerate(model.graph.node):
+        for name in node.output:
+            if name in sizes and name not in alive:
+                alive[name] = sizes[name]
+                live += sizes[name]
+        peak = max(peak, live)
+        for name in [n for n in alive if last.get(n, -1) <= i and n not in kept]:
+            live -= alive.pop(name)
+    return peak
+
+
 def wide_activations(qmodel: onnx.ModelProto) -> bool:
     """The quantized model has 16-bit activations (a 16-bit zero point)."""
     wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
@@ -206,15 +228,18 @@ def batch_is_chosen(model: onnx.ModelProto, requested: int | None) -> bool:
 def default_batch(model: onnx.ModelProto, data: Dataset, requested: int | None, factor: float,
                   memory_mb: int, cap: int, typed: tuple[onnx.ModelProto, int] | None = None,
                   held: int = 0,
-                  sizes: tuple[dict[str, int], list[str]] | None = None) -> tuple[int, str]:
+                  sizes: tuple[dict[str, int], list[str]] | None = None, live: bool = False) -> tuple[int, str]:
     """The batch size a command runs: the model's fixed batch, else ``requested``, else chosen
     from the activations' size and ``memory_mb`` (qtool/batching.py) with ``held`` bytes held
     whatever the batch; and a line for the log when chosen. ``typed``: (``_fix_dims``'s model,
-    its batch) when the caller has one; ``sizes``: see ``sample_bytes``."""
+    its batch) when the caller has one; ``sizes``: see ``sample_bytes``; ``live``: ``factor``
+    applies to ``live_peak_bytes``, not to every activation's."""
     if data.whole_samples:  # frames [T, F] and the like: no batch axis to put samples on
         return 1, ""
     fixed = fixed_batch(model)
     if fixed or requested:
         return fixed or requested, ""
     check_memory(memory_mb)
-    return choose_batch(sample_bytes(model, data, typed, sizes), factor, memory_mb, cap, held)
+    per_sample = (live_peak_bytes(model, tensor_sizes(model, data, typed, sizes)) if live
+                  else sample_bytes(model, data, typed, sizes))
+    return choose_batch(per_sample, factor, memory_mb, cap, held)

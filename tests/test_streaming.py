@@ -195,7 +195,8 @@ def test_memory_budget_must_be_positive(tmp_path, demo_model, demo_q, demo_heldo
 def test_default_batch_is_logged_and_follows_the_budget(tmp_path, demo_model, demo_heldout):
     wide = invoke("calibrate", demo_model, "--data", demo_heldout, "-o", tmp_path / "demo.yaml")
     assert wide.exit_code == 0, wide.output
-    assert re.search(r"batch size 8 \(about [0-9.]+ MB a sample; --memory 512\)", wide.stderr)
+    assert re.search(r"batch size 8 \(about [0-9.]+ MB a sample beside about 1\d\d MB for the process and its "
+                     r"models; --memory 512\)", wide.stderr)
     # 2 MB of activations a sample (input and output of a Relu): a 1 MB budget runs one at a time
     model = _save(tmp_path, _relu_model(("N", 16, 128, 128)))
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(2).normal(size=(6, 16, 128, 128)).astype(np.float32))
@@ -562,3 +563,19 @@ def test_atomic_file_nameless_named_or_unlinkable_replaces_the_target_whole(tmp_
             with fileio.atomic_file(tmp_path / "new" / "sub" / "out.bin"):
                 raise RuntimeError("stopped")
         assert list(tmp_path.iterdir()) == [target]
+
+
+def test_the_working_set_counts_what_is_alive_at_once():
+    # calibrate's batch estimate: a (4) read by b and c; alive together a, b and c (9), then a
+    # freed after its last reader; d is an output and stays
+    from onnx import helper
+
+    from qtool.sizing import live_peak_bytes
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Relu", ["a"], ["c"]), helper.make_node("Add", ["b", "c"], ["d"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph)
+    assert live_peak_bytes(model, {"a": 4, "b": 2, "c": 3, "d": 1}) == 9
+    assert live_peak_bytes(model, {"a": 4, "b": 2, "c": 3, "d": 20}) == 25  # d made beside b and c
