@@ -164,8 +164,8 @@ def placement_summary(pl: dict) -> str:
         return f"none ({fit}; no held-out samples to judge it on)"
     held = (f"held-out {pl['heldout_int8_sqnr_db']} -> {pl['heldout_chosen_sqnr_db']} dB on "
             f"{pl['heldout_samples']} others")
-    if pl["kept"]:
-        return f"{len(pl['int16'])} ops ({chosen}); {fit}; {held}"
+    if pl["kept"]:  # placed: ops between them (head Reshapes, ...) take int16 too, in the int16 line
+        return f"{len(pl['int16'])} ops placed ({chosen}); {fit}; {held}"
     return f"none ({fit}; {held}: not higher)"
 
 
