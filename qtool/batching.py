@@ -144,6 +144,14 @@ def reference_parts(sizes: list[int], batch: int, memory_mb: int, fixed: int = 0
     return starts
 
 
+def split_peak(sizes: list[int], starts: list[int], batch: int, fixed: int = 0) -> int:
+    """verify's estimate for a batch whose float reference runs in the parts ``starts`` gives
+    (``reference_parts``): ``fixed``, the rest of the batch, and the largest part's reference."""
+    ends = [*starts[1:], len(sizes)]
+    largest = max(sum(sizes[a:b]) for a, b in zip(starts, ends)) if sizes else 0
+    return int(fixed + batch * ((VERIFY_FACTOR - REFERENCE_FACTOR) * sum(sizes) + REFERENCE_FACTOR * largest))
+
+
 def check_memory(memory_mb: int) -> None:
     if memory_mb < 1:
         raise QtoolError(f"--memory must be at least 1 MB, got {memory_mb}")

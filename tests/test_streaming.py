@@ -405,6 +405,10 @@ def test_verify_in_segments_compares_what_the_whole_reference_does(tmp_path, dem
                         "--layers", "all")  # the same samples compared, whatever the batch size
         assert result.exit_code == 0, result.output
         assert ("segments" in result.stderr) == (memory == 1), result.stderr
+        # at 1 MB even one sample in segments passes the budget (the process alone does): said, with the figure
+        assert ("; one sample still takes about " in result.stderr) == (memory == 1), result.stderr
+        assert re.search(r"one sample still takes about \d+ MB with them: raise --memory, or expect a larger peak",
+                         result.stderr) or memory == 4096
         report = json.loads(result.stdout)
         figures[memory] = {t["name"]: t for t in report["tensors"]}
     assert figures[1].keys() == figures[4096].keys() and len(figures[1]) > 5

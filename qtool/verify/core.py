@@ -21,7 +21,7 @@ from ..data import check_sampling, load_dataset
 from ..errors import QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
-    reference_parts, release_freed, run_or_one_at_a_time
+    reference_parts, release_freed, run_or_one_at_a_time, split_peak
 from ..ops import blas, compiled, parallel
 from ..model import FloatRunner, first_line, graph_inputs, load_model, prepare, weight_bytes, without_weight_bytes
 from ..pixels import feeds_for, pixel_inputs
@@ -336,6 +336,10 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     if isinstance(runner, FloatSegments):
         split = (f"the float model in {len(runner.segments)} segments, run one after another, so that "
                  f"a compared batch's float tensors are not all alive at once (--memory {memory_mb})")
+        peak = split_peak([per_tensor.get(c.name, 0) for c in tensors], starts, batch_size, held)
+        if batch_size == 1 and peak > memory_mb << 20:  # nothing left to make smaller
+            split += (f"; one sample still takes about {peak >> 20} MB with them: raise --memory, or expect a "
+                      f"larger peak")
         note = f"{note}; {split}" if note else split
     model = without_weight_bytes(model)  # onnxruntime has the weights; from here on verify reads the graph
     release_freed()
