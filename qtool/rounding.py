@@ -90,6 +90,12 @@ class Rounded:
     values: np.ndarray  # int8, the weight's shape
 
 
+class SharedWeight(NamedTuple):
+    """The sum key of a weight several dense layers read: one Gram summed over all of them."""
+
+    weight: str
+
+
 class Layer(NamedTuple):
     """A layer whose weight rounding is fitted: its input, its weight and how it reads the input."""
 
@@ -109,7 +115,7 @@ class Layer(NamedTuple):
     def sum_key(self, shared: frozenset = frozenset()):
         """Where its Gram is summed: its ``gram_key``'s, or for a weight several dense layers read
         (``shared``: an unrolled recurrence's steps) one sum over all of their inputs' rows."""
-        return ("weight", self.weight) if self.weight in shared else self.gram_key
+        return SharedWeight(self.weight) if self.weight in shared else self.gram_key
 
 
 FITTED_AUTO_PAD = (b"NOTSET", b"VALID", b"", "NOTSET", "VALID")  # a Conv's own pads, or none (VALID)
@@ -232,7 +238,7 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches, shared
     readers: dict = {}  # sum key -> the layers whose rows it adds: one a gram key, each of a shared weight's
     for layer in found.values():
         key = layer.sum_key(shared)
-        if key not in readers or key[0] == "weight":
+        if key not in readers or isinstance(key, SharedWeight):
             readers.setdefault(key, []).append(layer)
     # without the blocked convs, whose sums differ between CPUs: the integers go into the model
     runner = FloatRunner(float_model, sorted({layer.x for layer in found.values()}), layouts=False)

@@ -465,7 +465,7 @@ def test_a_weight_several_layers_read_is_fitted_on_the_sum_of_their_grams(tmp_pa
     found = layers(onnx.load(shared))
     kept, weights, wide, apart = rounding._fittable(onnx.load(shared), found, inits)
     assert (kept, weights, wide, apart) == (found, frozenset({"w"}), 0, 0)
-    assert found["step0"].sum_key(weights) == found["step1"].sum_key(weights) == ("weight", "w")
+    assert found["step0"].sum_key(weights) == found["step1"].sum_key(weights) == rounding.SharedWeight("w")
     assert [list(g) for g in rounding._gram_groups(found, inits, weights)] == [["step0", "step1"]]
 
 
