@@ -104,13 +104,15 @@ class Layer(NamedTuple):
     transposed: bool = False  # a Gemm's transB: the weight is [N, K]
     depthwise: tuple | None = None  # a depthwise Conv's (pads, strides, dilations); weight [C, 1, kh, kw]
     conv: tuple | None = None  # a Conv of group 1: (pads, strides, dilations); weight [N, C, kh, kw]
+    kernel: tuple = ()  # a Conv's (kh, kw): its windows' size
 
     @property
     def gram_key(self):
-        """Layers of one key read the same rows: one Gram matrix serves them."""
+        """Layers of one key read the same rows: one Gram matrix serves them (two Convs reading one
+        input with the same pads and strides but other kernels do not: oskut's 1x1 and 1x2)."""
         if self.conv is not None:
-            return (self.x, "conv", self.conv)
-        return self.x if self.depthwise is None else (self.x, self.depthwise)
+            return (self.x, "conv", self.conv, self.kernel)
+        return self.x if self.depthwise is None else (self.x, self.depthwise, self.kernel)
 
     def sum_key(self, shared: frozenset = frozenset()):
         """Where its Gram is summed: its ``gram_key``'s, or for a weight several dense layers read
@@ -141,9 +143,9 @@ def layers(model: onnx.ModelProto) -> dict[str, Layer]:
             geometry = (tuple(attrs.get("pads", (0, 0, 0, 0))), tuple(attrs.get("strides", (1, 1))),
                         tuple(attrs.get("dilations", (1, 1))))
             if attrs.get("group", 1) == 1:
-                found[node.name] = Layer(node.input[0], node.input[1], conv=geometry)
+                found[node.name] = Layer(node.input[0], node.input[1], conv=geometry, kernel=tuple(dims[2:]))
             elif dims[1] == 1:
-                found[node.name] = Layer(node.input[0], node.input[1], depthwise=geometry)
+                found[node.name] = Layer(node.input[0], node.input[1], depthwise=geometry, kernel=tuple(dims[2:]))
             continue
         if len(dims) != 2 or attrs.get("transA", 0):
             continue

@@ -500,3 +500,30 @@ def test_layers_too_wide_or_sharing_a_weight_with_other_ops_keep_nearest(tmp_pat
     model.graph.node.append(helper.make_node("Add", ["w", "w"], ["w2"], name="not_a_layer"))
     kept, weights, wide, apart = rounding._fittable(model, layers(model), {i.name: i for i in model.graph.initializer})
     assert kept == {} and apart == 2
+
+
+def test_convs_reading_one_input_with_other_kernels_get_their_own_grams(tmp_path, monkeypatch):
+    # a 1x1 and a 1x3 Conv on the same input, the same pads and strides: one Gram key had served
+    # both (sweep 5's oskut-scads at int16 --data: "cannot reshape array of size 6400 into shape
+    # (200,32,1,2)"); each is fitted on its own windows
+    def keep(pick, before_db, after_db):
+        pick.before_db, pick.after_db, pick.kept = before_db, after_db, True
+        return True
+
+    monkeypatch.setattr(rounding.RoundingPick, "judge", keep)
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+             for name, shape in (("w1", (6, CHANNELS, 1, 1)), ("w3", (6, CHANNELS, 1, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="narrow"),
+             helper.make_node("Conv", ["x", "w3"], ["b"], name="wide"),
+             helper.make_node("ReduceMean", ["a"], ["ma"], name="mean_a", axes=[3], keepdims=0),
+             helper.make_node("ReduceMean", ["b"], ["mb"], name="mean_b", axes=[3], keepdims=0),
+             helper.make_node("Add", ["ma", "mb"], ["y"], name="sum")]
+    model = _saved(tmp_path / "m.onnx", "kernels", nodes, inits, [6, 16])
+    found = layers(onnx.load(model))
+    assert found["narrow"].gram_key != found["wide"].gram_key
+    data = lines(tmp_path / "data.npz", 32, 1)
+    table = calibrate(model, data, progress=False)
+    rounded, pick = fit(model, table, QuantizeOptions(activation_type="int16"), "t", data, progress=False)
+    assert pick.convs == 2 and set(rounded) == {"w1", "w3"}
+    assert rounded["w3"].values.shape == (6, CHANNELS, 1, 3)
