@@ -182,7 +182,8 @@ def rounding_summary(rp: dict) -> str:
     what = f"{' and '.join(kinds)} weights fitted to their inputs on {rp['fit_samples']} samples (GPTQ)"
     apart = [f"{count} {text}" for count, text in (
         (rp.get("too_wide", 0), f"of more than {rp.get('max_inputs')} inputs"),
-        (rp.get("shared_apart", 0), "whose weight other nodes read in other ways")) if count]
+        (rp.get("shared_apart", 0), "whose weight other nodes read in other ways"),
+        (rp.get("few_rows", 0), "with fewer rows on the fit samples than inputs")) if count]
     if apart:
         what += f" ({' and '.join(apart)} left nearest)"
     if rp.get("shared_weights"):

@@ -269,6 +269,7 @@ def grams(float_model: onnx.ModelProto, found: dict[str, Layer], batches, shared
             if layer.depthwise is None:
                 rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
                 sums[key] = sums.get(key, 0.0) + rows.T @ rows
+                sums[("rows", key)] = sums.get(("rows", key), 0) + rows.shape[0]
                 continue
             kernel = tuple(inits[layer.weight].dims[2:])
             k = kernel[0] * kernel[1]
@@ -385,6 +386,7 @@ class RoundingPick(JudgedStep):
     convs_nearest: bool = False
     too_wide: int = 0  # layers of more than MAX_INPUTS inputs, left nearest
     shared_apart: int = 0  # layers whose weight other nodes read too, in other ways: left nearest
+    few_rows: int = 0  # dense layers with fewer rows on the fit samples than inputs, left nearest
     shared_weights: int = 0  # weights several dense layers read, fitted on the sum of their Grams
     shared_layers: int = 0  # the layers that read them
 
@@ -400,6 +402,7 @@ class RoundingPick(JudgedStep):
                 "heldout_without_convs_sqnr_db": None if self.without_convs_db is None else finite(
                     self.without_convs_db), "convs_left_nearest": self.convs_nearest,
                 "too_wide": self.too_wide, "max_inputs": MAX_INPUTS, "shared_apart": self.shared_apart,
+                "few_rows": self.few_rows,
                 "shared_weights": self.shared_weights, "shared_layers": self.shared_layers,
                 **self.judged_dict()}
 
@@ -447,10 +450,14 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
                 by_weight.setdefault(layer.weight, []).append(layer)
             for weight, readers in by_weight.items():
                 layer, key = readers[0], readers[0].sum_key(shared)
-                # a Conv whose rows do not outnumber its inputs K = C kh kw keeps nearest rounding
-                # (an SE block's 1 x 1 convs see one row a sample: fitted on 16, PP-OCRv4 rec's lost
-                # 25 dB of their output on other lines)
-                if layer.conv is not None and sums[("rows", key)] < _inputs(layer, inits):
+                # a Conv or dense layer whose rows do not outnumber its inputs K (C kh kw) keeps
+                # nearest rounding: its Gram is singular, and the fit moves the error where the fit
+                # samples do not look (an SE block's 1 x 1 convs see one row a sample: fitted on 16,
+                # PP-OCRv4 rec's lost 25 dB of their output on other lines; a classifier's head or
+                # a dense layer applied to one vector a step, oskut's 200-input Dense read by 16
+                # steps of 8 samples: 37.5 -> 21.1 dB held out)
+                if layer.depthwise is None and sums[("rows", key)] < _inputs(layer, inits):
+                    pick.few_rows += len(readers) if layer.conv is None else 0
                     bar.update(len(readers))
                     continue
                 pick.convs += len(readers) if layer.conv is not None else 0
@@ -468,7 +475,7 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
                 bar.update(len(readers))
             del sums
     if not rounded:
-        pick.reason = "no Conv with more rows on the fit samples than inputs, no MatMul or Gemm" + (
+        pick.reason = "no Conv, MatMul or Gemm with more rows on the fit samples than inputs" + (
             f"; {_left_nearest(pick)}" if pick.too_wide or pick.shared_apart else "")
         pick.seconds = time.perf_counter() - start
         return None, pick

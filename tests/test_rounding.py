@@ -312,7 +312,7 @@ def test_quantize_data_fits_int16_convs_whose_rows_outnumber_their_inputs(tmp_pa
                    "--precision-table", tmp_path / "q16.txt")
     assert alone.exit_code == 0, alone.output
     report = json.loads(alone.stdout)["weight_rounding"]
-    assert report["reason"].startswith("no Conv with more rows on the fit samples than inputs")
+    assert report["reason"].startswith("no Conv, MatMul or Gemm with more rows on the fit samples than inputs")
     assert not report["kept"] and report["heldout_samples"] == 0
 
 
@@ -527,3 +527,22 @@ def test_convs_reading_one_input_with_other_kernels_get_their_own_grams(tmp_path
     rounded, pick = fit(model, table, QuantizeOptions(activation_type="int16"), "t", data, progress=False)
     assert pick.convs == 2 and set(rounded) == {"w1", "w3"}
     assert rounded["w3"].values.shape == (6, CHANNELS, 1, 3)
+
+
+def test_a_dense_layer_with_fewer_rows_than_inputs_keeps_nearest(tmp_path):
+    # a classifier head reads one vector a sample: on 16 fit samples its 64-input Gram is singular
+    # and the fit moves the error where those samples do not look (sweep 5's oskut-scads: 37.5 ->
+    # 21.1 dB held out); it keeps nearest, as an SE block's 1x1 Convs do, and the report says so
+    rng = np.random.default_rng(9)
+    w = numpy_helper.from_array(rng.normal(0, 0.3, (64, 5)).astype(np.float32), "head")
+    model = saved_model(tmp_path / "head.onnx", "head", [helper.make_node("MatMul", ["x", "head"], ["y"], name="head")],
+                        [w], {"x": ["N", 64]}, {"y": ["N", 5]})
+    data = tmp_path / "d.npz"
+    np.savez(data, x=(rng.normal(0, 1, (32, 8)) @ rng.normal(0, 1, (8, 64))).astype(np.float32))
+    rounded, pick = fit(model, calibrate(model, data, progress=False), QuantizeOptions(), "t", data, progress=False)
+    assert rounded is None and pick.few_rows == 1 and pick.reason.startswith("no Conv, MatMul or Gemm with more rows")
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "--data", data, "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", "--data", data)
+    assert result.exit_code == 0, result.output
+    assert "weights: nearest (no Conv, MatMul or Gemm with more rows on the fit samples than inputs)" in result.output
