@@ -511,12 +511,14 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     many = getattr(type(prototype), "update_reduced_many", None)
 
     def update_reduced(outputs):
-        batch = stats_graph.unpack(outputs, layout)
+        batch = stats_graph.unpack(outputs, layout)  # a tensor with no elements gives nothing
         if many is not None:  # one vectorised update for every tensor (histogram binning)
-            many(ordered, [batch[n] for n in names_in_order])
+            present = [i for i, n in enumerate(names_in_order) if n in batch]
+            many([ordered[i] for i in present], [batch[names_in_order[i]] for i in present])
         else:
             for name, calibrator in calibrators_by_name.items():
-                calibrator.update_reduced(batch[name])
+                if name in batch:
+                    calibrator.update_reduced(batch[name])
         update_bodies(outputs)
 
     return _Updates(runner.run, update_reduced)

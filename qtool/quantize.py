@@ -729,12 +729,17 @@ class _Rewriter:
                 reason = KEPT_FLOAT if {node.op_type, node.name} & asked else TABLE_FLOAT
             elif node.name in self.masks.arithmetic:
                 reason = masks.REASON
+            elif any(n in self.masks.tensors for n in node.input):  # never calibrated: not a Softmax's join
+                held = next(n for n in node.input if n in self.masks.tensors)
+                reason = (f"reads '{held}', a mask tensor (a huge negative constant, kept float and never "
+                          f"calibrated)")
             elif any(n in doubles and n not in self.inits for n in (*node.input, *node.output)):
                 wide = next(n for n in (*node.input, *node.output) if n in doubles)
                 reason = f"'{wide}' is float64, which QuantizeLinear does not take"
             elif any(n in unbounded for n in (*node.input, *node.output)):
                 held = next(n for n in (*node.input, *node.output) if n in unbounded)
-                reason = f"'{held}' held inf or NaN on the calibration data (no range to quantize it to)"
+                reason = (f"'{held}' held inf or NaN on the calibration data, or no element at all (no range "
+                          f"to quantize it to)")
             elif node.name in layernorm:
                 reason = "inside a LayerNormalization (float by default)"
             elif node.name in front_ends:

@@ -205,9 +205,14 @@ def _step(shape, samples_per_tensor: int, batch_dim=None) -> int | None:
 
 
 def unpack(values: dict[str, np.ndarray], layout: dict[str, dict[str, str]]) -> dict[str, BatchStats]:
+    """Each tensor's statistics of the batch; none for a tensor with no elements in it (a
+    ConstantOfShape of a zero size: brainmaze's spindle detector makes [N, 0, 1])."""
     stats = {}
     for tensor, names in layout.items():
         lo, hi = values[names["min"]], values[names["max"]]
+        if lo.size == 0 or hi.size == 0 or (not lo.ndim and not np.isfinite(lo) and not np.isfinite(hi)
+                                             and float(lo) > float(hi)):
+            continue
         s = BatchStats(float(lo.min() if lo.ndim else lo), float(hi.max() if hi.ndim else hi))
         if "count" in names:
             s.count, s.total = int(values[names["count"]]), float(values[names["total"]])

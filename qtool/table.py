@@ -51,7 +51,8 @@ class Table:
     # that a table --table-out wrote quantizes its int16 ops as quantize --data did
     int16_ranges: dict = field(default_factory=dict)
     # tensors that held inf or NaN on the calibration data (the model's computing: a constant -inf
-    # padding, a log of 0): no range, and the ops that read or write them stay float
+    # padding, a log of 0), or no element at all (a size of 0): no range, and the ops that read or
+    # write them stay float
     unbounded: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
