@@ -704,7 +704,10 @@ class IntegerExecutor:
                 raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
             except masks.MaskError as e:
                 raise QtoolError(f"{e} at Softmax node '{step.node.name}'") from None
-            return list(out) if isinstance(out, (list, tuple)) else [out]
+            # a 0-d result of numpy arithmetic is a numpy scalar (a Loop counter's Add, chars2vec):
+            # an array again, for onnxruntime's float steps and the executor's own
+            out = list(out) if isinstance(out, (list, tuple)) else [out]
+            return [np.asarray(o) if isinstance(o, np.generic) else o for o in out]
         if step.kind == "quantize":
             return [self._quantize(values[0], step.qparams[0])]
         if step.kind == "dequantize":
