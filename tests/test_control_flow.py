@@ -438,7 +438,8 @@ def test_a_loop_counter_added_in_integer_feeds_a_float_cast(tmp_path):
     qmodel = onnx.load(str(q))
     dq = next(n for n in qmodel.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "h_end_dequantized")
     step = float(next(numpy_helper.to_array(i) for i in qmodel.graph.initializer if i.name == dq.input[1]))
-    # within one step of the carried state: onnxruntime requantizes in float, the executor in integers
-    assert np.abs(got - want).max() <= step * 1.001 and np.mean(got == want) > 0.8
+    # within a step of the carried state a trip (3): onnxruntime requantizes in float, the executor
+    # in integers, and a step's difference is carried on
+    assert np.abs(got - want).max() <= 3 * step * 1.001 and np.mean(got == want) > 0.8
     result = invoke("exec", q, "--input", data, "-o", tmp_path / "y.npz", "-q")
     assert result.exit_code == 0, result.output
