@@ -1105,6 +1105,8 @@ def run(
         raise _fail(e)
     typer.echo(json.dumps([o.to_dict() for o in outcomes], indent=1) if as_json
                else format_summary(outcomes))
+    if any(o.internal for o in outcomes):  # a bug in qtool, as a single command would exit
+        raise typer.Exit(EXIT_INTERNAL_ERROR)
     if any(o.status == "error" for o in outcomes):
         raise typer.Exit(EXIT_USER_ERROR)
     if any(o.status == "failed" for o in outcomes):

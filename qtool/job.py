@@ -27,7 +27,7 @@ from .data import CHANNEL_ORDERS, FITS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
 from .fileio import atomic_write, check_writable, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
-from .model import file_digest, load_model, prepare
+from .model import file_digest, first_line, load_model, prepare
 from .params import drop_params
 from .pixels import PixelInput
 from .precision import Precisions, read_precision_table
@@ -590,10 +590,12 @@ class JobOutcome:
     outputs: dict = field(default_factory=dict)  # table, qmodel, report
     figures: dict = field(default_factory=dict)  # first output's cosine and SQNR, top-1 accuracy
     message: str = ""
+    internal: bool = False  # an "error" that was a bug in qtool, not the job's (exit code 3)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "status": self.status, "seconds": self.seconds,
-                "outputs": self.outputs, "figures": self.figures, "message": self.message}
+                "outputs": self.outputs, "figures": self.figures, "message": self.message,
+                **({"internal": True} if self.internal else {})}
 
 
 def _outcome(plan: JobPlan, summary: dict, status: str, seconds: dict | None = None) -> JobOutcome:
@@ -616,7 +618,8 @@ def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
     except QtoolError as e:
         return JobOutcome(plan.name, "error", message=str(e))
     except Exception as e:  # a bug in one job must not stop the batch; the summary names it
-        return JobOutcome(plan.name, "error", message=f"internal error: {type(e).__name__}: {e}")
+        return JobOutcome(plan.name, "error", message=f"internal error: {type(e).__name__}: {first_line(e)}",
+                          internal=True)
     summary = json.loads(plan.report.read_text())
     return _outcome(plan, summary, "failed" if result.failures else "ok", result.seconds)
 

@@ -121,6 +121,29 @@ def test_a_job_s_input_pixels_error_names_the_job_keys_not_the_flags(tmp_path, i
     assert "--" not in lines[2]
 
 
+def test_a_job_that_hits_a_bug_exits_3_as_the_command_would(tmp_path, inputs, monkeypatch):
+    """A job stopped by an internal error (sweep 5: weight rounding's ValueError) is no user error:
+    the batch exits 3, as a single quantize would; the other job still runs."""
+    import qtool.job
+
+    real = qtool.job.quantize_with_data
+
+    def broken(model, *args, **kwargs):
+        if "asym" in str(args[2]):  # the table's path names the job
+            raise ValueError("cannot reshape array of size 6400 into shape (200,32,1,2)")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(qtool.job, "quantize_with_data", broken)
+    result = invoke("run", write(tmp_path, batch(inputs)), "-q", "--json")
+    assert_no_crash(result)
+    assert result.exit_code == 3, result.output
+    outcomes = {o["name"]: o for o in json.loads(result.stdout)}
+    assert outcomes["asym"]["status"] == "error" and outcomes["asym"]["internal"] is True
+    assert outcomes["asym"]["message"] == ("internal error: ValueError: cannot reshape array of size 6400 into "
+                                           "shape (200,32,1,2)")
+    assert outcomes["sym8"]["status"] == "ok" and "internal" not in outcomes["sym8"]
+
+
 def test_a_failed_verification_exits_1_and_runs_again_next_time(tmp_path, inputs):
     spec = batch(inputs, j1={"verify": {"max_accuracy_drop": -100.0}})  # impossible to meet
     path = write(tmp_path, spec)
