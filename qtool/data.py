@@ -575,6 +575,7 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     dtypes = {vi.name: _check_array(_file_array(path), vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
     if not stacked:
         check_named_dims(f"data file '{path}'", inputs, chosen, axes)
+    check_indices(f"data file '{path}'", model, chosen)
     dataset = ArrayDataset(path, chosen, extra, list(arrays), dtypes)
     dataset.axes = axes
     if stacked:
@@ -776,6 +777,30 @@ def check_named_dims(source: str, inputs, arrays: dict[str, np.ndarray], axes: d
                                  f"'{dim}' ({had} and {size}); the model names that size in both, so "
                                  f"they must agree")
             seen.setdefault(dim, (vi.name, size))
+
+
+def check_indices(source: str, model: onnx.ModelProto, arrays: dict[str, np.ndarray]) -> None:
+    """Integer inputs that a Gather reads as indices into a constant table (token ids into an
+    embedding) hold indices the table has, or a one-line error naming the input, the file and the
+    table's size: onnxruntime's own names only the Gather node."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in inits:
+            continue
+        name = node.input[1]
+        a = arrays.get(name)
+        if a is None or a.dtype.kind not in "iu" or a.size == 0:
+            continue
+        axis = next((attr.i for attr in node.attribute if attr.name == "axis"), 0)
+        dims = list(inits[node.input[0]].dims)
+        if not dims:
+            continue
+        rows = int(dims[axis % len(dims)])
+        lo, hi = int(np.min(a)), int(np.max(a))
+        if lo < -rows or hi >= rows:
+            bad = hi if hi >= rows else lo
+            raise QtoolError(f"{source} array for input '{name}' holds {bad}, outside the {rows} rows of the "
+                             f"table Gather '{node.name}' reads it into (indices from {-rows} to {rows - 1})")
 
 
 def _file_array(path: Path) -> str:

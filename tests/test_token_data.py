@@ -84,3 +84,17 @@ def test_placeholder_names_are_no_shared_size():
     check_named_dims("f", [image, other, square], arrays, {"x": 0, "y": 0, "z": 0})  # nothing to refuse
     named = helper.make_tensor_value_info("w", TensorProto.FLOAT, ["N", "side"])
     check_named_dims("f", [square, named], {"z": arrays["z"], "w": np.zeros((2, 9))}, {"z": 0, "w": 0})
+
+
+def test_ids_beyond_the_embedding_table_are_named_with_the_file(tmp_path):
+    model = _token_model(tmp_path / "m.onnx")  # its table has 50 rows
+    data = _data(tmp_path / "d.npz")
+    arrays = dict(np.load(data))
+    arrays["ids"][3, 5] = 60
+    np.savez(data, **arrays)
+    assert_user_error(invoke("calibrate", model, "-d", data, "-o", tmp_path / "t.yaml"),
+                      f"data file '{data}' array for input 'ids' holds 60, outside the 50 rows of the table "
+                      f"Gather 'embed' reads it into (indices from -50 to 49)")
+    arrays["ids"][3, 5] = -51
+    np.savez(data, **arrays)
+    assert_user_error(invoke("calibrate", model, "-d", data, "-o", tmp_path / "t.yaml"), "holds -51, outside")
