@@ -736,19 +736,34 @@ def _integer_type(elem: int) -> np.dtype | None:
     return dtype if dtype.kind in "biu" else None
 
 
-def _check_fits(source: str, name: str, a: np.ndarray, wanted: np.dtype) -> None:
+def _value_range(a) -> tuple[int, int] | None:
+    """(min, max) of an integer array or of a ``RowFile`` (read in chunks of rows); None if empty."""
+    if int(np.prod(a.shape, dtype=np.int64)) == 0:
+        return None
+    if isinstance(a, np.ndarray) or not a.shape:
+        return int(np.min(a)), int(np.max(a))
+    rows = max(1, LAZY_BYTES // max(1, a[:1].nbytes))
+    lo = hi = None
+    for start in range(0, len(a), rows):
+        chunk = a[start:start + rows]
+        lo = int(chunk.min()) if lo is None else min(lo, int(chunk.min()))
+        hi = int(chunk.max()) if hi is None else max(hi, int(chunk.max()))
+    return lo, hi
+
+
+def _check_fits(source: str, name: str, a, wanted: np.dtype) -> None:
     """Integers of ``a`` that ``wanted`` (the model input's integer type) holds too, or a one-line
     error: converted, they would wrap."""
+    found = None if a.dtype.kind == "b" else _value_range(a)
     if wanted.kind == "b":
-        ok = a.size == 0 or bool(np.isin(np.unique(np.asarray(a)), (0, 1)).all())
-        if not ok:
+        if found is not None and (found[0] < 0 or found[1] > 1):
             raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype} with values other "
                              f"than 0 and 1; model expects bool")
         return
-    if a.dtype.kind == "b" or np.can_cast(a.dtype, wanted, "safe") or a.size == 0:
+    if found is None or np.can_cast(a.dtype, wanted, "safe"):
         return
     info = np.iinfo(wanted)
-    lo, hi = int(np.min(a)), int(np.max(a))
+    lo, hi = found
     if lo < info.min or hi > info.max:
         raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype} with values in [{lo}, {hi}]; "
                          f"model expects {wanted}, which holds [{info.min}, {info.max}]")
@@ -789,14 +804,15 @@ def check_indices(source: str, model: onnx.ModelProto, arrays: dict[str, np.ndar
             continue
         name = node.input[1]
         a = arrays.get(name)
-        if a is None or a.dtype.kind not in "iu" or a.size == 0:
+        if a is None or a.dtype.kind not in "iu":
             continue
         axis = next((attr.i for attr in node.attribute if attr.name == "axis"), 0)
         dims = list(inits[node.input[0]].dims)
-        if not dims:
+        found = _value_range(a)
+        if not dims or found is None:
             continue
         rows = int(dims[axis % len(dims)])
-        lo, hi = int(np.min(a)), int(np.max(a))
+        lo, hi = found
         if lo < -rows or hi >= rows:
             bad = hi if hi >= rows else lo
             raise QtoolError(f"{source} array for input '{name}' holds {bad}, outside the {rows} rows of the "

@@ -98,3 +98,19 @@ def test_ids_beyond_the_embedding_table_are_named_with_the_file(tmp_path):
     arrays["ids"][3, 5] = -51
     np.savez(data, **arrays)
     assert_user_error(invoke("calibrate", model, "-d", data, "-o", tmp_path / "t.yaml"), "holds -51, outside")
+
+
+def test_the_checks_read_a_large_file_a_chunk_at_a_time(tmp_path, monkeypatch):
+    # arrays over LAZY_BYTES are read in rows (RowFile): the ranges come chunk by chunk
+    import qtool.data
+
+    monkeypatch.setattr(qtool.data, "LAZY_BYTES", 64)
+    model = _token_model(tmp_path / "m.onnx")
+    narrow = _data(tmp_path / "narrow.npz", np.int32, np.int32)
+    result = invoke("calibrate", model, "-d", narrow, "-o", tmp_path / "t.yaml", "-q")
+    assert result.exit_code == 0, result.output
+    arrays = dict(np.load(narrow))
+    arrays["ids"][7, 11] = 50
+    np.savez(tmp_path / "bad.npz", **arrays)
+    assert_user_error(invoke("calibrate", model, "-d", tmp_path / "bad.npz", "-o", tmp_path / "b.yaml"),
+                      "array for input 'ids' holds 50, outside the 50 rows")
