@@ -263,7 +263,7 @@ def calibrate(
     input_name: Optional[str] = typer.Option(None, "--input", "--image-input", help="Images: the "
                                              "model input they feed."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary (tensors, samples, method, "
-                                                       "outputs) as JSON on stdout."),
+                                                       "output) as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or log."),
     cluster: Optional[str] = _cluster_option(),
 ):
@@ -447,7 +447,8 @@ def quantize(
     keep_float: List[str] = typer.Option([], help="Op type or node name to leave float (repeatable)."),
     precision_table: Optional[Path] = typer.Option(None, "--precision-table", help="Per-op types, one "
                                                    "'NODE TYPE' a line (TPU-MLIR's qtable): INT16 gives "
-                                                   "the op int16 activations, F32 keeps it float."),
+                                                   "the op int16 activations, INT8 8-bit ones; F32, F16 "
+                                                   "or BF16 keeps it float."),
     strict: bool = typer.Option(False, "--strict", help="Fail (exit 2), listing every op that "
                                 "cannot run integer-only, unless named by --keep-float."),
     target: str = typer.Option("portable", "--target", help="What the model is written for: portable "
@@ -737,8 +738,9 @@ def quantize(
 @app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def analyze(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
-    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name: the samples "
-                                                        "every variant is scored on." + DATA_AXES),
+    data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a folder of "
+                                                        ".npy/.npz files or images: the samples every "
+                                                        "variant is scored on." + DATA_AXES),
     table: Optional[Path] = typer.Option(None, "--table", "-t", help="Calibration table (any format "
                                          "quantize reads); default: calibrate on DATA with --method."),
     method: str = typer.Option("minmax", help="Calibration method when there is no --table."),
@@ -749,7 +751,7 @@ def analyze(
     num_samples: Optional[int] = typer.Option(16, help="Samples to score on (each op costs two runs "
                                                        "over them)."),
     batch_size: int = typer.Option(8, help="Samples per onnxruntime run."),
-    top: int = typer.Option(20, help="Ops to list (0: all)."),
+    top: int = typer.Option(20, help="Ops to list in the text (0: all; --json lists every op)."),
     all_ops: bool = typer.Option(False, "--all-ops", help="Score every op one by one. By default a "
                                  "model of more than 64 ops is first scored in groups of consecutive ops, "
                                  "and only the ops of the groups that gain most are scored one by one."),
@@ -1049,8 +1051,11 @@ def run(
     settings are unchanged since its last passing run, with its outputs intact, is skipped unless
     --force. A failing job does not stop the others; a summary table lists every job.
 
+    A file of one job prints that job's verify report when it runs (the table when it is up to
+    date, or with --json).
+
     Exit codes: 0 every job passed (or was up to date), 1 a verification or accuracy check
-    failed, 2 a job could not run (or the file is invalid).
+    failed, 2 a job could not run (or the file is invalid), 3 a job stopped on an internal error.
 
     \b
     Examples:
