@@ -70,6 +70,17 @@ def verify(model, qmodel, data, tolerance: tuple[float, float | None] = (0.99, 2
     ``kwargs``: ``qtool.verify.verify``'s (``labels``, ``num_samples``, ``run_ort``...)."""
     from .verify import verify as run
 
+    labels = kwargs.get("labels")
+    if labels is not None and not isinstance(data, (str, Path)):
+        # the labels array is read from the data's own file: one .npz, not a folder of samples
+        if not isinstance(data, Mapping) or labels not in data:
+            raise QtoolError(f"labels '{labels}': give data as an .npz path or as one dict of arrays that "
+                             f"holds '{labels}' beside the inputs")
+        with tempfile.TemporaryDirectory(prefix="qtool-api-") as folder, \
+                _model_path(model, "model") as model_path, _model_path(qmodel, "qmodel") as qmodel_path:
+            data_path = Path(folder) / "data.npz"
+            np.savez(data_path, **{k: np.asarray(v) for k, v in data.items()})
+            return run(model_path, qmodel_path, data_path, tolerance, progress=progress, **kwargs)
     with _paths(model, data) as (model_path, data_path), _model_path(qmodel, "qmodel") as qmodel_path:
         return run(model_path, qmodel_path, data_path, tolerance, progress=progress, **kwargs)
 
