@@ -120,7 +120,7 @@ def atomic_file(path: str | Path):
             with os.fdopen(fd, "w+b") as f:
                 yield f
                 f.flush()
-                os.fchmod(f.fileno(), 0o644)
+                os.fchmod(f.fileno(), mode_for(target))
                 if not named:
                     tmp = _linked(f, target, folder)
             os.replace(tmp, target)
@@ -132,6 +132,17 @@ def atomic_file(path: str | Path):
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def mode_for(target: Path) -> int:
+    """The permissions a new ``target`` gets: those of the file it replaces (a 0600 table stays
+    private), else what the umask leaves of 0666, as a plain ``open`` would give."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 @contextlib.contextmanager
@@ -187,7 +198,7 @@ def _linked(f, target: Path, folder: Path) -> str:
         with os.fdopen(fd, "wb") as copy:
             f.seek(0)
             shutil.copyfileobj(f, copy, 1 << 20)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode_for(target))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -25,7 +25,7 @@ from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, FITS, LAYOUTS, Preprocess, read_npz
 from .errors import QtoolError
-from .fileio import atomic_write, check_writable, replaced
+from .fileio import atomic_write, check_not_reading, check_writable, mode_for, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest, first_line, load_model, prepare
 from .params import drop_params
@@ -431,6 +431,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             check_writable(target)
             if target.exists() and not replaced(target).is_file():
                 raise QtoolError(f"'{target}' exists and is not a regular file; a job replaces its outputs")
+            # a job named after its own model, with its outputs beside it, replaced the model
+            check_not_reading(target, model, files["calibrate.data"], files["verify.data"], precision_table)
         except QtoolError as e:
             raise fail("output_dir", str(e)) from None
     return plan
@@ -468,7 +470,8 @@ def staged(path: Path) -> Path:
     """Where a job builds the output ``path`` before it takes its place: a hidden file beside the
     file it replaces (a symlink's target: the link stays), so that the rename is atomic."""
     target = replaced(path)
-    return target.with_name(f".{target.stem}.partial{target.suffix}")
+    # the process's own: two runs of one job at once do not take each other's staged files
+    return target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
 
 
 def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
@@ -485,6 +488,7 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
     try:
         result = _run(plan, progress, log, written)
         for final in plan.outputs():
+            os.chmod(staged(final), mode_for(replaced(final)))  # a private table stays private
             os.replace(staged(final), replaced(final))
         return result
     except BaseException:

@@ -315,3 +315,44 @@ def test_every_broken_job_of_a_batch_is_named_in_one_error(tmp_path, inputs):
                                 "jobs[1].model", "missing.onnx", "jobs[2].model", "gone.onnx")
     assert "jobs[0]" not in message
     assert snapshot(tmp_path) == before
+
+
+def test_a_job_never_writes_over_what_it_reads(tmp_path, inputs):
+    """The files sweep: a job named after its own model with its outputs beside it replaced the
+    float model with the quantized one, and a data file named like the report was replaced by
+    the report; the single commands refused the same."""
+    out = tmp_path / "out" / "asym"
+    out.mkdir(parents=True)
+    model = out / "asym.q.onnx"
+    shutil.copy(inputs / "digits_cnn.onnx", model)
+    spec = batch(inputs)
+    spec["jobs"] = [{"name": "asym", "model": str(model)}]
+    before = model.read_bytes()
+    assert_user_error(invoke("run", write(tmp_path, spec)), "jobs[0].output_dir: cannot write",
+                      "asym.q.onnx", "which this command reads")
+    assert model.read_bytes() == before
+    data = out / "asym.verify.json"
+    shutil.copy(inputs / "digits_heldout.npz", data)
+    spec["jobs"] = [{"name": "asym", "verify": {"data": str(data), "labels": "label"}}]
+    assert_user_error(invoke("run", write(tmp_path, spec)), "asym.verify.json", "which this command reads")
+
+
+def test_replaced_outputs_keep_their_permissions(tmp_path, inputs):
+    import os
+    import stat
+
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    path = write(tmp_path, spec)
+    assert invoke("run", path, "-q").exit_code == 0
+    table = tmp_path / "out" / "asym" / "asym.table.yaml"
+    os.chmod(table, 0o600)
+    assert invoke("run", path, "-q", "--force").exit_code == 0
+    assert stat.S_IMODE(os.stat(table).st_mode) == 0o600
+    single = tmp_path / "single.yaml"
+    single.write_text("old")
+    os.chmod(single, 0o640)
+    assert invoke("calibrate", inputs / "digits_cnn.onnx", "-d", inputs / "digits_calib.npz", "-o", single,
+                  "-q").exit_code == 0
+    assert stat.S_IMODE(os.stat(single).st_mode) == 0o640 and single.read_text() != "old"
+    assert not [p for p in (tmp_path / "out" / "asym").iterdir() if ".partial" in p.name]
