@@ -1125,13 +1125,17 @@ def version():
 
 
 class Interrupted(BaseException):
-    """Ctrl-C: raised by qtool's SIGINT handler instead of KeyboardInterrupt, which click turns
-    into a blank line. A BaseException, so that every cleanup (temporary outputs, a job's staged
-    files) runs as it unwinds."""
+    """Ctrl-C or SIGTERM: raised by qtool's handlers instead of KeyboardInterrupt, which click
+    turns into a blank line, or instead of dying at once. A BaseException, so that every cleanup
+    (temporary outputs, a job's staged files, ``run``'s workers) runs as it unwinds."""
+
+    def __init__(self, signum: int = 2):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _interrupt(signum, frame) -> None:
-    raise Interrupted()
+    raise Interrupted(signum)
 
 
 def main() -> None:
@@ -1143,6 +1147,8 @@ def main() -> None:
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (a background job)
         signal.signal(signal.SIGINT, _interrupt)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # kill's default: clean up, then exit 143
+        signal.signal(signal.SIGTERM, _interrupt)
     command = typer.main.get_command(app)
     try:
         code = command.main(args=sys.argv[1:], prog_name="qtool", standalone_mode=False)
@@ -1156,9 +1162,10 @@ def main() -> None:
         where = getattr(getattr(e, "ctx", None), "command_path", None) or "qtool"
         typer.echo(f"error: {message} (see {where} --help)", err=True)
         raise SystemExit(e.exit_code) from None
-    except (KeyboardInterrupt, Interrupted):
-        typer.echo("error: interrupted", err=True)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, Interrupted) as e:
+        terminated = getattr(e, "signum", 2) == signal.SIGTERM
+        typer.echo("error: terminated" if terminated else "error: interrupted", err=True)
+        raise SystemExit(143 if terminated else 130) from None
     raise SystemExit(code if isinstance(code, int) else 0)
 
 

@@ -657,15 +657,70 @@ def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progr
 
     # spawn, not fork: onnxruntime's thread pools do not survive a fork
     context = multiprocessing.get_context("spawn")
+    own = pool is None
     with (contextlib.nullcontext(pool) if pool is not None else
-          concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context)) as pool:
-        futures = {pool.submit(execute, plans[i]): i for i in pending}
-        for future in concurrent.futures.as_completed(futures):
-            i = futures[future]
-            outcomes[i] = future.result()
-            if on_done:
-                on_done(outcomes[i])
+          concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
+                                                 initializer=_worker_start)) as pool:
+        futures = {pool.submit(execute if not own else _worker_execute, plans[i]): i for i in pending}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                outcomes[i] = future.result()
+                if on_done:
+                    on_done(outcomes[i])
+        except BaseException:  # Ctrl-C or SIGTERM on this process alone: its workers stop too
+            if own:
+                _interrupt_workers(pool)
+            raise
     return outcomes
+
+
+_WORKER = {"stopping": False, "running": False}
+
+
+def _worker_start() -> None:
+    """A run's worker process: Ctrl-C (from the terminal, or passed on by an interrupted ``run``)
+    stops the job it runs, which removes its staged files as it unwinds, and every job after it;
+    the worker itself lives on until the pool shuts down. Killed at once, or killed by the pool
+    once another worker died of it, a worker left its staged files behind."""
+    import signal
+
+    def stop(signum, frame):
+        first = not _WORKER["stopping"]
+        _WORKER["stopping"] = True
+        if first and _WORKER["running"]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+
+
+def _worker_execute(plan: JobPlan) -> JobOutcome:
+    """``execute`` in a worker (``_worker_start``): an interrupted job, or one that comes after
+    the interrupt, is an outcome, not the worker's death."""
+    if _WORKER["stopping"]:
+        return JobOutcome(plan.name, "error", message="interrupted")
+    _WORKER["running"] = True
+    try:
+        return execute(plan)
+    except KeyboardInterrupt:
+        return JobOutcome(plan.name, "error", message="interrupted")
+    finally:
+        _WORKER["running"] = False
+
+
+def _interrupt_workers(pool) -> None:
+    """Ctrl-C to each worker of ``pool`` (a job there removes its staged files as it unwinds) and no
+    new job: a SIGTERM sent to ``qtool run`` alone left its workers running for minutes, holding
+    its output streams open."""
+    import signal
+
+    for future in getattr(pool, "_pending_work_items", {}).values():
+        future.future.cancel()
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            os.kill(process.pid, signal.SIGINT)
+        except (OSError, AttributeError):
+            pass
 
 
 def describe_plan(plan: JobPlan, skip: bool) -> list[str]:

@@ -296,3 +296,64 @@ def test_dev_stdout_redirected_to_a_file_is_written_through(tmp_path, demo_model
     assert done.returncode == 0
     assert os.stat(target).st_ino == inode  # the shell's file, written into, not replaced
     assert target.read_text().startswith("qtool_table: 1")
+
+
+_SLOW_JOBS = """
+import sys, time
+import qtool.job as job
+
+def slow(*args, **kwargs):
+    print("working", file=sys.stderr, flush=True)
+    time.sleep(60)
+
+job.quantize_with_data = slow  # also in run's spawned workers, which import this file as __mp_main__
+if __name__ == "__main__":
+    from qtool.cli import main
+    sys.argv = ["qtool"] + sys.argv[1:]
+    main()
+"""
+
+
+def test_sigterm_on_a_run_stops_its_workers_and_leaves_nothing(tmp_path, demo_model, demo_calib, demo_heldout):
+    """SIGTERM sent to `qtool run --jobs 2` alone (not its process group, as `kill PID` does):
+    the files sweep found its workers still running minutes later, holding its output streams
+    open, and staged files left beside the outputs. Now the workers are stopped, each removes its
+    staged files, and run exits 143 with one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    job = tmp_path / "jobs.yaml"
+    job.write_text(f"defaults:\n  model: {demo_model}\n  output_dir: {tmp_path / 'out'}/{{name}}\n"
+                   f"  calibrate: {{data: {demo_calib}, batch_size: 64}}\n"
+                   f"  verify: {{data: {demo_heldout}, num_samples: 64}}\n"
+                   f"jobs:\n  - {{name: a}}\n  - {{name: b}}\n  - {{name: c}}\n")
+    script = tmp_path / "slow_jobs.py"
+    script.write_text(_SLOW_JOBS)
+    proc = subprocess.Popen([sys.executable, str(script), "run", str(job), "--jobs", "2", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    group = proc.pid  # its own session: every process it starts stays in this group
+    try:
+        assert proc.stderr.readline() == "working\n"  # a worker is inside its job
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 143, rest
+        assert rest.strip().splitlines()[-1] == "error: terminated", rest
+        for _ in range(50):  # the workers are gone with it (and the pool's resource tracker)
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            import time
+            time.sleep(0.1)
+        else:
+            raise AssertionError("processes of the run are still alive")
+        left = [str(p) for p in (tmp_path / "out").rglob("*")] if (tmp_path / "out").exists() else []
+        assert not [p for p in left if ".partial" in p], left
+    finally:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
