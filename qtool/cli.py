@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from . import __version__
-from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, QtoolError
+from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, STOP, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
 from .fileio import STDOUT, atomic_write, check_not_reading, check_writable, write_all
 from .report import bias_summary, channels_summary, float_node_lines, int16_summary, methods_summary, \
@@ -1135,7 +1135,17 @@ class Interrupted(BaseException):
 
 
 def _interrupt(signum, frame) -> None:
+    STOP.append(signum)
     raise Interrupted(signum)
+
+
+def _stopped(signum: int) -> None:
+    """The one line and exit code of a Ctrl-C (130) or a SIGTERM (143)."""
+    import signal
+
+    terminated = signum == signal.SIGTERM
+    typer.echo("error: terminated" if terminated else "error: interrupted", err=True)
+    raise SystemExit(143 if terminated else 130)
 
 
 def main() -> None:
@@ -1145,14 +1155,21 @@ def main() -> None:
     import signal
     import sys
 
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (a background job)
+    from . import entry
+
+    noting = signal.getsignal(signal.SIGINT) is entry._note, signal.getsignal(signal.SIGTERM) is entry._note
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, entry._note):  # not ignored (a background job)
         signal.signal(signal.SIGINT, _interrupt)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # kill's default: clean up, then exit 143
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, entry._note):  # kill's default: clean up, then exit 143
         signal.signal(signal.SIGTERM, _interrupt)
-    command = typer.main.get_command(app)
+    if entry.NOTED and any(noting):  # Ctrl-C or SIGTERM while the console script imported this
+        _stopped(entry.NOTED[0])
     try:
+        command = typer.main.get_command(app)
         code = command.main(args=sys.argv[1:], prog_name="qtool", standalone_mode=False)
     except Exception as e:  # click's exception classes are private to typer: match by behaviour
+        if STOP:  # a signal inside an import or a callback came back as another error
+            _stopped(STOP[0])
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
             _internal_error(e)
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `qtool CMD`: show that command's help
@@ -1163,9 +1180,9 @@ def main() -> None:
         typer.echo(f"error: {message} (see {where} --help)", err=True)
         raise SystemExit(e.exit_code) from None
     except (KeyboardInterrupt, Interrupted) as e:
-        terminated = getattr(e, "signum", 2) == signal.SIGTERM
-        typer.echo("error: terminated" if terminated else "error: interrupted", err=True)
-        raise SystemExit(143 if terminated else 130) from None
+        _stopped(STOP[0] if STOP else getattr(e, "signum", signal.SIGINT))
+    if STOP:  # swallowed on the way (numba's compiler calls back into Python): still stopped
+        _stopped(STOP[0])
     raise SystemExit(code if isinstance(code, int) else 0)
 
 

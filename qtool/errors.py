@@ -9,6 +9,10 @@ EXIT_VERIFY_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 3
 
+# the signals (Ctrl-C, SIGTERM) the command line received: an output is not put in place once one
+# came, even where the exception it raised was swallowed on the way (numba's compiler callbacks)
+STOP: list[int] = []
+
 
 class QtoolError(Exception):
     """A problem the user can fix: bad file, bad key, unsupported op..."""

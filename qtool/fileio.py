@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import QtoolError
+from .errors import STOP, QtoolError
 
 STDOUT = "-"
 
@@ -123,6 +123,8 @@ def atomic_file(path: str | Path):
                 os.fchmod(f.fileno(), mode_for(target))
                 if not named:
                     tmp = _linked(f, target, folder)
+            if STOP:  # a Ctrl-C swallowed on the way: the previous output stays
+                raise KeyboardInterrupt
             os.replace(tmp, target)
         except OSError as e:
             if tmp is not None:

@@ -357,3 +357,40 @@ def test_sigterm_on_a_run_stops_its_workers_and_leaves_nothing(tmp_path, demo_mo
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("name, code, line", [("SIGINT", 130, "error: interrupted"), ("SIGTERM", 143, "error: terminated")])
+def test_a_signal_while_the_console_script_imports_stops_with_one_line(tmp_path, name, code, line):
+    """Ctrl-C in the first quarter second (the imports) printed a KeyboardInterrupt traceback or
+    'internal error, ImportError: initialization failed' (the files sweep). qtool.entry only notes
+    a signal then; main stops with its line before any work."""
+    import subprocess
+    import sys
+
+    script = (f"import os, signal, sys\nimport qtool.entry as entry\n"
+              f"signal.signal(signal.{name}, entry._note)\nos.kill(os.getpid(), signal.{name})\n"
+              f"sys.argv = ['qtool', 'version']\nfrom qtool.cli import main\nmain()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stderr, done.stdout) == (code, line + "\n", ""), done
+
+
+def test_a_swallowed_ctrl_c_still_leaves_the_previous_output(tmp_path, demo_model, demo_calib):
+    """The files sweep: Ctrl-C while numba compiled was swallowed in its callback ('Exception
+    ignored'); exec went on, exited 0 and replaced its output. A signal once received, no output
+    is put in place and the command exits 130."""
+    import subprocess
+    import sys
+
+    script = ("import signal, sys\nimport qtool.errors as errors\nimport qtool.calibrate as calibrate\n"
+              "real = calibrate.collect\n"
+              "def collect(*args, **kwargs):\n"
+              "    errors.STOP.append(signal.SIGINT)  # as the handler does, its exception lost on the way\n"
+              "    return real(*args, **kwargs)\n"
+              "calibrate.collect = collect\n"
+              "from qtool.cli import main\nsys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    table = tmp_path / "t.yaml"
+    table.write_text("previous\n")
+    done = subprocess.run([sys.executable, "-c", script, "calibrate", str(demo_model), "-d", str(demo_calib),
+                           "-o", str(table), "-q"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stderr) == (130, "error: interrupted\n"), done
+    assert table.read_text() == "previous\n" and _leftovers(tmp_path) == []
