@@ -16,7 +16,7 @@ import typer
 from . import __version__
 from .errors import EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, EXIT_VERIFY_FAILED, STOP, QtoolError
 from .fixedpoint import DEFAULT_ROUNDING, quantize_multiplier
-from .fileio import STDOUT, atomic_write, check_not_reading, check_writable, write_all
+from .fileio import STDOUT, atomic_write, check_distinct, check_not_reading, check_writable, write_all
 from .report import bias_summary, channels_summary, float_node_lines, int16_summary, methods_summary, \
     pick_summary, placement_summary, rounding_summary, search_summary
 from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, VERIFY_BATCH_CAP
@@ -294,6 +294,7 @@ def calibrate(
             check_table_target(output)
         if stats_out is not None:
             check_writable(stats_out)
+        check_distinct(**{"-o": output, "--stats-out": stats_out})
         for written in (output, stats_out):
             check_not_reading(written, model, data)
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, input_name)
@@ -645,6 +646,7 @@ def quantize(
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
+        check_distinct(**{"-o": output, "--params-out": params_out, "--table-out": table_out})
         for written in (output, params_out, table_out):  # (--table-out may replace TABLE: read whole first)
             check_not_reading(written, model, data, precision_table, *([table] if written != table_out else []))
         loaded = read_table(table, table_format)

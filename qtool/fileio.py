@@ -68,6 +68,19 @@ def check_writable(path: str | Path) -> None:
         raise QtoolError(f"cannot write '{path}': '{folder}' is not writable")
 
 
+def check_distinct(**outputs) -> None:
+    """Fail when two of a command's outputs (option name: path, None where not given) are one file:
+    one of them would be lost (``calibrate -o x.yaml --stats-out x.yaml``)."""
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if path is None or str(path) == STDOUT:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise QtoolError(f"{seen[key]} and {option} both name '{path}'; give each its own file")
+        seen[key] = option
+
+
 def check_not_reading(output: str | Path | None, *inputs: str | Path | None) -> None:
     """Fail when ``output`` is one of the files the command reads (``inputs``), or lies in a
     folder of data it reads: writing it would replace the model, table or data that the command

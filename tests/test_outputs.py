@@ -394,3 +394,20 @@ def test_a_swallowed_ctrl_c_still_leaves_the_previous_output(tmp_path, demo_mode
                            "-o", str(table), "-q"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (done.returncode, done.stderr) == (130, "error: interrupted\n"), done
     assert table.read_text() == "previous\n" and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["calibrate", "quantize-params", "quantize-table"])
+def test_two_outputs_at_one_path_are_refused(tmp_path, demo_model, demo_calib, demo_table, command):
+    # one of them was silently lost (the files sweep): calibrate -o x --stats-out x, quantize -o q
+    # --params-out q or --table-out q
+    from test_cli import assert_user_error
+
+    same = tmp_path / "same.out"
+    args, second = {"calibrate": (["calibrate", demo_model, "-d", demo_calib, "-o", same, "--stats-out", same],
+                                  "--stats-out"),
+                    "quantize-params": (["quantize", demo_model, "-t", demo_table, "-o", same, "--params-out", same],
+                                        "--params-out"),
+                    "quantize-table": (["quantize", demo_model, "-t", demo_table, "-o", same, "--data", demo_calib,
+                                        "--table-out", same], "--table-out")}[command]
+    assert_user_error(invoke(*args), f"-o and {second} both name '{same}'; give each its own file")
+    assert not same.exists()
