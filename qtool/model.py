@@ -78,6 +78,25 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     return model
 
 
+def stored_bytes(path: str | Path) -> int:
+    """The bytes a model takes on disk: its file and the external data files its tensors name
+    (each once; a ResNet-18 of a 91 KB graph and a 45 MB weights file reported 91179 bytes)."""
+    path = Path(path)
+    total = path.stat().st_size
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return total
+    locations = {next((e.value for e in t.external_data if e.key == "location"), "")
+                 for t in _all_tensors(model.graph) if t.data_location == TensorProto.EXTERNAL}
+    for location in sorted(locations - {""}):
+        try:
+            total += (path.parent / location).stat().st_size
+        except OSError:
+            pass
+    return total
+
+
 def _check_external_data(model: onnx.ModelProto, path: Path) -> bool:
     """Refuse external data outside the model's folder before reading any: a model file must not
     make qtool read (and embed in its outputs) other files of the machine. True when some tensor

@@ -26,7 +26,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
-from .model import (default_opset, file_digest, file_opset, float_tensors, graph_inputs, initializers,
+from .model import (default_opset, file_digest, stored_bytes, file_opset, float_tensors, graph_inputs, initializers,
                     names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .ops.flat import SATURATING, readers_cut, saturation_window
@@ -351,7 +351,7 @@ def quantize(model_path: str | Path, table: Table, options: QuantizeOptions = Qu
 def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: str, bias_corrections,
               rounded_weights, channel_ranges, scored_only: bool) -> tuple[onnx.ModelProto, QuantizeReport]:
     model = prepare_file(model_path)  # the file read, checked and prepared (kept when repeated)
-    report = QuantizeReport(size_before=Path(model_path).stat().st_size)
+    report = QuantizeReport(size_before=stored_bytes(model_path))
     digest = file_digest(model_path)
     if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
         report.warnings.append(f"{table_name} carries no model digest: it cannot be matched to "
