@@ -210,8 +210,7 @@ def unpack(values: dict[str, np.ndarray], layout: dict[str, dict[str, str]]) -> 
     stats = {}
     for tensor, names in layout.items():
         lo, hi = values[names["min"]], values[names["max"]]
-        if lo.size == 0 or hi.size == 0 or (not lo.ndim and not np.isfinite(lo) and not np.isfinite(hi)
-                                             and float(lo) > float(hi)):
+        if lo.size == 0 or np.any(lo > hi):  # nothing reduced: no channel, or min +inf above max -inf
             continue
         s = BatchStats(float(lo.min() if lo.ndim else lo), float(hi.max() if hi.ndim else hi))
         if "count" in names:
