@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import signal
 from pathlib import Path
 from typing import List, Optional
 
@@ -110,6 +111,14 @@ def _key_value(option: str, entry: str) -> tuple[str, str]:
 
 def _log(message: str) -> None:
     typer.echo(message, err=True)
+
+
+def _output_path(value: str) -> Path:
+    """An output option's path as typed: one ending in a slash names a folder, where a file of
+    that name would otherwise be written (pathlib drops the slash)."""
+    if value != STDOUT and value.endswith(("/", os.sep)):
+        raise typer.BadParameter(f"'{value}' names a folder; give a file path")
+    return Path(value)
 
 
 def _new_folders(*paths) -> list[Path]:
@@ -231,7 +240,7 @@ def calibrate(
     model: Path = typer.Argument(..., metavar="MODEL", help="Float ONNX model."),
     data: Path = typer.Option(..., "--data", "-d", help=".npz keyed by model input name, or a "
                                                         "folder of .npy/.npz or images." + DATA_AXES),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Calibration table (.yaml, "
+    output: Optional[Path] = typer.Option(None, "--output", "-o", parser=_output_path, help="Calibration table (.yaml, "
                                                                        ".json; see --format); - for "
                                                                        "standard output."),
     table_format: Optional[str] = typer.Option(None, "--format", help="Table format: yaml, json, "
@@ -248,7 +257,7 @@ def calibrate(
                                              f"{CALIBRATE_BATCH_CAP}), and logged."),
     memory: int = typer.Option(DEFAULT_MEMORY_MB, "--memory", metavar="MB",
                                help="Peak memory the default batch size aims to stay under."),
-    stats_out: Optional[Path] = typer.Option(None, help="Also save the raw statistics (.npz) for "
+    stats_out: Optional[Path] = typer.Option(None, parser=_output_path, help="Also save the raw statistics (.npz) for "
                                                         "qtool merge."),
     histogram_samples: int = typer.Option(4096, help="Histogram methods: values binned per sample "
                                                      "and tensor (every k-th); 0 bins them all."),
@@ -338,7 +347,7 @@ def calibrate(
 @app.command(epilog=EXIT_CODES, cls=_GroupedCommand)
 def merge(
     stats: List[Path] = typer.Argument(..., metavar="STATS", help="Statistics files from calibrate --stats-out."),
-    output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.yaml, .json, "
+    output: Path = typer.Option(..., "--output", "-o", parser=_output_path, help="Calibration table (.yaml, .json, "
                                 "*cali_table, .cache); - for standard output (YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON on stdout."),
 ):
@@ -374,7 +383,7 @@ def merge(
 def convert_table(
     table: Path = typer.Argument(..., metavar="TABLE", help="Calibration table in any format qtool reads; - for "
                                             "standard input."),
-    output: Path = typer.Option(..., "--output", "-o", help="The converted table; - for standard "
+    output: Path = typer.Option(..., "--output", "-o", parser=_output_path, help="The converted table; - for standard "
                                                             "output."),
     to: Optional[str] = typer.Option(None, "--to", help="yaml, json, cali_table (TPU-MLIR) or trt "
                                      "(TensorRT cache). Default from the -o name: .json, .cache, "
@@ -424,7 +433,7 @@ def quantize(
     table_format: Optional[str] = typer.Option(None, "--table-format", help="Format of TABLE: yaml, "
                                                "json, cali_table, trt or ort (detected when "
                                                "omitted)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model; - for standard "
+    output: Path = typer.Option(..., "--output", "-o", parser=_output_path, help="Quantized ONNX model; - for standard "
                                 "output (the report then goes to standard error)."),
     format: str = typer.Option("qdq", "--format", help="qdq (QuantizeLinear/DequantizeLinear around "
                                "float ops) or qoperator (QLinearConv, QLinearMatMul, com.microsoft "
@@ -457,7 +466,7 @@ def quantize(
                                "on every x86-64 and arm64 CPU), x86-vnni (int8: onnxruntime's u8 x s8 "
                                "kernels, exact only with VNNI) or exact (int8, for an integer device "
                                "with int32 accumulation). The same integers either way."),
-    params_out: Optional[Path] = typer.Option(None, "--params-out", help="Also write the integer "
+    params_out: Optional[Path] = typer.Option(None, "--params-out", parser=_output_path, help="Also write the integer "
                                               "parameters per op as JSON."),
     params_metadata: bool = typer.Option(True, "--params-metadata/--no-params-metadata", help="Keep the "
                                          "integer parameters per op in the model's metadata "
@@ -521,7 +530,7 @@ def quantize(
                                               "try per tensor against TABLE's, e.g. percentile,mse,kl "
                                               "(calibrated on DATA); each tensor keeps the one with the "
                                               "best output SQNR (needs --data)."),
-    table_out: Optional[Path] = typer.Option(None, "--table-out", help="With --try-methods or the "
+    table_out: Optional[Path] = typer.Option(None, "--table-out", parser=_output_path, help="With --try-methods or the "
                                              "method choice, also write the table chosen."),
     num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) that bias "
                                              "correction and the searches fit on."),
@@ -841,7 +850,7 @@ def verify(
     memory: int = typer.Option(DEFAULT_MEMORY_MB, "--memory", metavar="MB",
                                help="Peak memory the default batch size aims to stay under."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
-    report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as "
+    report_path: Optional[Path] = typer.Option(None, "--report", parser=_output_path, help="Also write the report as "
                                                "one self-contained HTML page (with an SQNR plot "
                                                "when matplotlib is installed)."),
     run_ort: bool = typer.Option(False, "--ort", help="Also run onnxruntime on QMODEL: its outputs "
@@ -906,7 +915,7 @@ def verify(
                      progress=not quiet, preprocess=pre, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
                      arithmetic=target, ort_config=config, memory_mb=memory,
-                     log=_log, layers=_layers(layers))
+                     log=None if quiet else _log, layers=_layers(layers))
         if report_path is not None:
             folders = _new_folders(report_path)
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())
@@ -933,7 +942,7 @@ def exec_(
     channels: Optional[str] = _CHANNELS,
     layout: Optional[str] = _LAYOUT,
     image_input: Optional[str] = _IMAGE_INPUT,
-    output: Path = typer.Option(..., "--output", "-o", help=".npz of the model outputs; - for standard "
+    output: Path = typer.Option(..., "--output", "-o", parser=_output_path, help=".npz of the model outputs; - for standard "
                                 "output."),
     as_json: bool = typer.Option(False, "--json", help="Print the report (steps, float nodes, "
                                                        "outputs) as JSON on stdout."),
@@ -1131,7 +1140,7 @@ class Interrupted(BaseException):
     turns into a blank line, or instead of dying at once. A BaseException, so that every cleanup
     (temporary outputs, a job's staged files, ``run``'s workers) runs as it unwinds."""
 
-    def __init__(self, signum: int = 2):
+    def __init__(self, signum: int = int(signal.SIGINT)):
         super().__init__(signum)
         self.signum = signum
 
@@ -1143,8 +1152,6 @@ def _interrupt(signum, frame) -> None:
 
 def _stopped(signum: int) -> None:
     """The one line and exit code of a Ctrl-C (130) or a SIGTERM (143)."""
-    import signal
-
     terminated = signum == signal.SIGTERM
     typer.echo("error: terminated" if terminated else "error: interrupted", err=True)
     raise SystemExit(143 if terminated else 130)
@@ -1154,7 +1161,6 @@ def main() -> None:
     """The console script: like ``app()``, but click's own usage errors (an unknown option, a
     value of the wrong type) are one ``error:`` line too, with exit code 2; Ctrl-C prints
     ``error: interrupted`` and exits 130."""
-    import signal
     import sys
 
     from . import entry

@@ -419,6 +419,9 @@ def read_npz(path: str | Path, lazy: bool = False) -> dict[str, np.ndarray]:
     """
     path = Path(path)
     if not path.is_file():
+        if path.exists() and not path.is_dir():
+            raise QtoolError(f"data file '{path}' is not a regular file (a pipe or a device); an .npz "
+                             f"is read out of order, so save it to a file first")
         raise QtoolError(f"data file '{path}' not found")
     try:
         if lazy:

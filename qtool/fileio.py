@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import stat
@@ -45,8 +46,16 @@ def _streamed(path: Path) -> bool:
 
 
 def replaced(path: Path) -> Path:
-    """The regular file a rename must replace for ``path``: the symlink's final target."""
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
+    """The regular file a rename must replace for ``path``: the symlink's final target. A loop of
+    symlinks is refused: renaming over it would replace a link, not a file."""
+    if not path.is_symlink():
+        return path
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise QtoolError(f"cannot write '{path}': it is a loop of symlinks") from None
+    return Path(os.path.realpath(path))
 
 
 def check_writable(path: str | Path) -> None:
@@ -56,10 +65,11 @@ def check_writable(path: str | Path) -> None:
         if str(path) != STDOUT and not os.access(path, os.W_OK):
             raise QtoolError(f"cannot write '{path}': permission denied")
         return
-    path = replaced(path)
-    if path.is_dir():
-        raise QtoolError(f"cannot write '{path}': it is a directory")
-    folder = path.parent
+    target = replaced(path)
+    if target.is_dir():
+        what = "a link to a directory" if target != path else "a directory"
+        raise QtoolError(f"cannot write '{path}': it is {what}")
+    folder = target.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
@@ -81,7 +91,7 @@ def check_distinct(**outputs) -> None:
         seen[key] = option
 
 
-def check_not_reading(output: str | Path | None, *inputs: str | Path | None) -> None:
+def check_not_reading(output: str | Path | None, *inputs: str | Path | None, reader: str = "command") -> None:
     """Fail when ``output`` is one of the files the command reads (``inputs``), or lies in a
     folder of data it reads: writing it would replace the model, table or data that the command
     still reads (`quantize m.onnx -o m.onnx` replaced the float model), or add a sample to the
@@ -95,7 +105,7 @@ def check_not_reading(output: str | Path | None, *inputs: str | Path | None) -> 
             raise QtoolError(f"cannot write '{output}': it is inside '{given}', a folder of data this command "
                              f"reads; choose another output path")
         if Path(output).exists() and os.path.samefile(output, given):
-            raise QtoolError(f"cannot write '{output}': it is '{given}', which this command reads; "
+            raise QtoolError(f"cannot write '{output}': it is '{given}', which this {reader} reads; "
                              f"choose another output path")
 
 

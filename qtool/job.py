@@ -432,7 +432,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
             if target.exists() and not replaced(target).is_file():
                 raise QtoolError(f"'{target}' exists and is not a regular file; a job replaces its outputs")
             # a job named after its own model, with its outputs beside it, replaced the model
-            check_not_reading(target, model, files["calibrate.data"], files["verify.data"], precision_table)
+            check_not_reading(target, model, files["calibrate.data"], files["verify.data"], precision_table,
+                              reader="job")
         except QtoolError as e:
             raise fail("output_dir", str(e)) from None
     return plan

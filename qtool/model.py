@@ -56,6 +56,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     if path.is_dir():
         raise QtoolError(f"model file '{path}' is a directory, not an ONNX file")
     if not path.is_file():
+        if path.exists():
+            raise QtoolError(f"model file '{path}' is not a regular file (a pipe or a device); save the "
+                             f"model to a file first")
         raise QtoolError(f"model file '{path}' not found")
     try:
         model = onnx.load(str(path), load_external_data=False)

@@ -111,7 +111,9 @@ def load_table(path: str | Path, fmt: str | None = None) -> tuple[Table, str]:
     if str(path) == STDIO:
         return _parse(Path("<stdin>"), sys.stdin.read(), fmt)
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise QtoolError(f"table file '{path}' is a directory")
+    if not path.exists():  # a pipe is read as it is (quantize -t <(qtool calibrate ... -o -))
         raise QtoolError(f"table file '{path}' not found")
     try:
         text = path.read_text(encoding="utf-8")

@@ -329,12 +329,12 @@ def test_a_job_never_writes_over_what_it_reads(tmp_path, inputs):
     spec["jobs"] = [{"name": "asym", "model": str(model)}]
     before = model.read_bytes()
     assert_user_error(invoke("run", write(tmp_path, spec)), "jobs[0].output_dir: cannot write",
-                      "asym.q.onnx", "which this command reads")
+                      "asym.q.onnx", "which this job reads")
     assert model.read_bytes() == before
     data = out / "asym.verify.json"
     shutil.copy(inputs / "digits_heldout.npz", data)
     spec["jobs"] = [{"name": "asym", "verify": {"data": str(data), "labels": "label"}}]
-    assert_user_error(invoke("run", write(tmp_path, spec)), "asym.verify.json", "which this command reads")
+    assert_user_error(invoke("run", write(tmp_path, spec)), "asym.verify.json", "which this job reads")
 
 
 def test_replaced_outputs_keep_their_permissions(tmp_path, inputs):

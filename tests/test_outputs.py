@@ -429,3 +429,75 @@ def test_the_size_line_counts_a_model_s_external_data(tmp_path, demo_model, demo
     result = invoke("quantize", tmp_path / "m.onnx", "-t", demo_table, "-o", tmp_path / "q.onnx")
     assert result.exit_code == 0, result.output
     assert f"size:    {on_disk} -> " in result.output and (tmp_path / "m.weights").stat().st_size > 10000
+
+
+def _console(*args, timeout=120):
+    """``qtool ARGS`` as the console script runs it (usage errors are one line only there)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "from qtool.cli import main; main()", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("option", ["-o", "--stats-out"])
+def test_an_output_path_ending_in_a_slash_is_refused(tmp_path, demo_model, demo_calib, option):
+    # the files sweep: pathlib drops the slash, and '-o newdir/' wrote a file named 'newdir'
+    folder = f"{tmp_path / 'newdir'}/"
+    args = ["calibrate", demo_model, "-d", demo_calib, "-q", option, folder]
+    if option != "-o":
+        args += ["-o", tmp_path / "t.yaml"]
+    done = _console(*args)
+    assert done.returncode == 2 and done.stdout == "", done
+    named = "'--output' / '-o'" if option == "-o" else f"'{option}'"
+    assert done.stderr == (f"error: Invalid value for {named}: '{folder}' names a folder; give a file path "
+                           f"(see qtool calibrate --help)\n"), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_loop_of_symlinks_is_refused_not_replaced(tmp_path, demo_model, demo_calib):
+    # the files sweep: the loop was replaced by a regular file, and exit 0
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.symlink_to(second.name)
+    second.symlink_to(first.name)
+    assert_user_error(invoke("calibrate", demo_model, "-d", demo_calib, "-o", first, "-q"),
+                      f"cannot write '{first}': it is a loop of symlinks")
+    assert first.is_symlink() and os.readlink(first) == "b.yaml"
+    with pytest.raises(QtoolError, match="loop of symlinks"):
+        atomic_write(second, b"x")
+    assert second.is_symlink() and os.readlink(second) == "a.yaml"
+
+
+def test_a_link_to_a_folder_is_named_as_given(tmp_path, demo_model, demo_calib):
+    (tmp_path / "folder").mkdir()
+    link = tmp_path / "out.yaml"
+    link.symlink_to("folder")
+    assert_user_error(invoke("calibrate", demo_model, "-d", demo_calib, "-o", link, "-q"),
+                      f"cannot write '{link}': it is a link to a directory")
+
+
+def test_a_table_through_a_pipe_is_read_and_a_model_or_data_refused(tmp_path, demo_model, demo_calib, demo_table):
+    # `quantize -t <(qtool calibrate ... -o -)` said "table file '/dev/fd/63' not found"
+    from qtool.table_formats import write_table
+
+    write_table(demo_table, tmp_path / "t.yaml")
+    fifo = tmp_path / "pipe"
+    for given, expected in ((tmp_path / "t.yaml", 0), (fifo, 0)):
+        if given == fifo:
+            os.mkfifo(fifo)
+            writer = threading.Thread(target=lambda: fifo.write_bytes((tmp_path / "t.yaml").read_bytes()))
+            writer.start()
+        done = invoke("quantize", demo_model, "-t", given, "-o", tmp_path / f"{given.name}.onnx", "-q")
+        assert done.exit_code == expected, done.output
+    writer.join(10)
+    assert (tmp_path / "pipe.onnx").read_bytes() == (tmp_path / "t.yaml.onnx").read_bytes()
+    assert_user_error(invoke("calibrate", fifo, "-d", demo_calib, "-o", tmp_path / "x.yaml"),
+                      f"model file '{fifo}' is not a regular file (a pipe or a device)")
+    assert_user_error(invoke("calibrate", demo_model, "-d", fifo, "-o", tmp_path / "x.yaml"),
+                      f"data file '{fifo}' is not a regular file (a pipe or a device)")
+
+
+def test_verify_quiet_prints_the_report_alone(demo_model, qmodel, demo_heldout):
+    done = invoke("verify", demo_model, qmodel, "-d", demo_heldout, "-q")
+    assert done.exit_code == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("verify: ")
