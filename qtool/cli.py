@@ -915,7 +915,7 @@ def verify(
                      progress=not quiet, preprocess=pre, run_ort=run_ort, run_analyze=run_analyze,
                      analyze_samples=16 if analyze_samples is None else analyze_samples,
                      arithmetic=target, ort_config=config, memory_mb=memory,
-                     log=None if quiet else _log, layers=_layers(layers))
+                     log=_log, layers=_layers(layers))
         if report_path is not None:
             folders = _new_folders(report_path)
             atomic_write(report_path, render_html(report, model.name, qmodel.name).encode())

@@ -495,9 +495,3 @@ def test_a_table_through_a_pipe_is_read_and_a_model_or_data_refused(tmp_path, de
                       f"model file '{fifo}' is not a regular file (a pipe or a device)")
     assert_user_error(invoke("calibrate", demo_model, "-d", fifo, "-o", tmp_path / "x.yaml"),
                       f"data file '{fifo}' is not a regular file (a pipe or a device)")
-
-
-def test_verify_quiet_prints_the_report_alone(demo_model, qmodel, demo_heldout):
-    done = invoke("verify", demo_model, qmodel, "-d", demo_heldout, "-q")
-    assert done.exit_code == 0 and done.stderr == "", done.stderr
-    assert done.stdout.startswith("verify: ")
