@@ -435,7 +435,7 @@ class Evaluator:
                 self.pieces.append((i, [None] * len(runs)))
             else:
                 self.pieces += [(i, [np.flatnonzero(labels == p) for labels in placed])
-                                for p in range(len(join.inputs))]
+                                for p in range(len(join.parts()))]
         # entries of no real value (an output the model pads with -inf) are no part of a piece, as
         # verify leaves them out: found once here, on the float reference
         self.pieces = [(i, [self._real(i, where, b) for b, where in enumerate(wheres)]) for i, wheres in self.pieces]

@@ -784,21 +784,23 @@ class _Rewriter:
 
     def _keep_mixed_joins(self, integer: dict) -> None:
         """A graph output that concatenates parts of very different ranges (qtool/joins.py) keeps
-        its Concat and the ops after it float: each part is dequantized with its own scale."""
+        its Concats (a nested join's too) and the ops between them and the output float: each
+        part is dequantized with its own scale."""
         for join in find_joins(self.model).values():
-            if join.node not in integer or any(n not in self.table.tensors for n in join.inputs):
+            parts = join.parts()
+            if join.node not in integer or any(n not in self.table.tensors for n in parts):
                 continue
-            ranges = [(self.table.tensors[n].min, self.table.tensors[n].max) for n in join.inputs]
+            ranges = [(self.table.tensors[n].min, self.table.tensors[n].max) for n in parts]
             widths = [hi - lo for lo, hi in ranges]
             if min(widths) <= 0 or max(widths) / min(widths) <= JOIN_RATIO:
                 continue
-            shown = ", ".join(f"'{n}' [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in zip(join.inputs, ranges))
+            shown = ", ".join(f"'{n}' [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in zip(parts, ranges))
             reason = (f"joins ranges {max(widths) / min(widths):.0f}x apart into output '{join.output}' "
                       f"({shown}): float, so each part keeps its own scale")
-            for name, op_type in [(join.node, "Concat")] + [(n.name, n.op_type) for n, _ in join.chain]:
+            for name, op_type in join.nodes():
                 if integer.pop(name, None) is not None:
                     self.report.kept_float.append((op_type, name, reason if name == join.node else
-                                                   f"after Concat '{join.node}', which joins ranges "
+                                                   f"part of the join at Concat '{join.node}', which joins ranges "
                                                    f"{max(widths) / min(widths):.0f}x apart"))
 
     def _log_front_ends(self) -> dict[str, str]:

@@ -530,7 +530,7 @@ def judge(report: VerifyReport, batches: int) -> None:
             continue
         # the tolerance holds for every part: a destroyed part of a join fails the output
         for part in joined.parts:
-            where = f"output '{c.name}' part '{part.name}' (input of Concat '{joined.join.node}')"
+            where = f"output '{c.name}' part '{part.name}' (input of Concat '{joined.join.concat_of(part.name)}')"
             if part.cosine < min_cos:
                 report.failures.append(f"{where} cosine {part.cosine:.6f} < {min_cos}")
             if min_sqnr is not None and part.sqnr < min_sqnr:

@@ -4,7 +4,8 @@ A detector's output often concatenates values of very different ranges: YOLOv8's
 box coordinates in pixels (0-640) beside 80 class probabilities (0-1). Its whole-tensor cosine is
 the boxes' (0.9993 with every class score destroyed), so verify compares each part as well.
 
-Each input of the Concat an output joins (qtool/joins.py) is a part. Where the values of a part end
+Each input of the Concat an output joins (qtool/joins.py) is a part, or the parts of a join
+that makes that input (YOLOX's levels, each boxes, objectness and class scores). Where the values of a part end
 up in the output is found per batch shape by moving a map of part numbers through the same ops
 (their shapes taken from the float model's run), so parts are exact whatever the transposes and
 reshapes between the join and the output.
@@ -25,7 +26,7 @@ class PartComparisons:
 
     def __init__(self, join: Join):
         self.join = join
-        self.parts = [Comparison(name) for name in join.inputs]
+        self.parts = [Comparison(name) for name in join.parts()]
         self.unplaced = False  # the parts could not be placed in the output (then no figures)
         self._cache: dict[tuple, list[np.ndarray]] = {}
 
