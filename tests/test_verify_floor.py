@@ -106,6 +106,19 @@ def test_the_loss_starts_at_the_first_sharp_drop_in_graph_order():
     assert "drops most" not in format_report(gentle)
 
 
+def test_a_move_of_the_input_sets_no_level_to_drop_from():
+    # sweep 6's NHWC siamese VGG: the Transpose of its input, at the input's 57.9 dB, made the first
+    # Conv "where the loss starts" (17 dB below it); the real drop was the float |a - b| further on
+    tensors = [_comparison("input", 57.9, "input"), Comparison("nchw", "Transpose", "integer", ref_sq=1.0,
+                                                                 err_sq=10 ** -5.79, dot=1.0, got_sq=1.0),
+               _comparison("conv1", 40.8), _comparison("conv2", 36.0), _comparison("abs", 21.1, "float"),
+               _comparison("dense", 22.9)]
+    report = VerifyReport(4, (0.99, 20.0), [], tensors, [])
+    start, drop = report.loss_start()
+    assert start.name == "abs" and abs(drop - 14.9) < 1e-9
+    assert report.largest_drop()[0] is start
+
+
 def test_a_float_op_that_drops_most_is_named_as_run_in_float():
     """A float Log of a quantized power spectrum (sweep 2's DNSMOS SBO) falls far more than the
     Conv where the loss starts; the report and the next steps name it, run in float."""

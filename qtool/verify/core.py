@@ -141,7 +141,7 @@ class VerifyReport:
         """The sharp drops in graph order: (tensor, dB below the lowest tensor before it)."""
         floor, out = math.inf, []
         for c in self.tensors:
-            if c.ran == "input" or not math.isfinite(c.sqnr):
+            if c.ran == "input" or not math.isfinite(c.sqnr) or c.op_type in MOVES_VALUES:
                 continue
             if math.isfinite(floor) and c.sqnr <= floor - LOSS_STEP_DB:
                 out.append((c, floor - c.sqnr))
@@ -184,6 +184,12 @@ ANALYSIS_TOP = 10
 DEFAULT_TOLERANCE = (0.99, 20.0)
 # "where the loss starts": the first tensor, in graph order, this far below every tensor before it
 LOSS_STEP_DB = 6.0
+# ops that only move or select their one input's values on its own scale: they lose nothing, so
+# they neither set the level a later drop is measured from nor count as one (an NHWC model's
+# Transpose of its input, at the input's 57.9 dB, made its first Conv "where the loss starts", 17 dB
+# below it). Not Concat (its inputs can be requantized to one scale) nor Gather (a quantized table)
+MOVES_VALUES = {"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "Split",
+                "Expand", "Tile", "SpaceToDepth", "DepthToSpace"}
 
 
 def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
