@@ -802,15 +802,19 @@ def check_indices(source: str, model: onnx.ModelProto, arrays: dict[str, np.ndar
     embedding) hold indices the table has, or a one-line error naming the input, the file and the
     table's size: onnxruntime's own names only the Gather node."""
     inits = {t.name: t for t in model.graph.initializer}
+    # a quantized model's table: the DequantizeLinear of a constant
+    tables = {n.output[0]: inits[n.input[0]] for n in model.graph.node
+              if n.op_type == "DequantizeLinear" and n.input and n.input[0] in inits}
+    tables.update(inits)
     for node in model.graph.node:
-        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in inits:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in tables:
             continue
         name = node.input[1]
         a = arrays.get(name)
         if a is None or a.dtype.kind not in "iu":
             continue
         axis = next((attr.i for attr in node.attribute if attr.name == "axis"), 0)
-        dims = list(inits[node.input[0]].dims)
+        dims = list(tables[node.input[0]].dims)
         found = _value_range(a)
         if not dims or found is None:
             continue

@@ -20,6 +20,11 @@ class QtoolError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+class IndexOutOfRange(QtoolError):
+    """An index the data holds that a table does not have (a token id beyond an embedding's rows):
+    raised by a kernel, named with its node by the executor."""
+
+
 class VerificationFailed(QtoolError):
     """The quantized model ran but missed a tolerance."""
 

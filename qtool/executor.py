@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 
 from . import boundary, control, masks
-from .errors import QtoolError
+from .errors import IndexOutOfRange, QtoolError
 from .model import (batch_hint, first_line, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs,
                     without_weight_bytes)
 from .pixels import feeds_for, pixel_inputs
@@ -704,6 +704,9 @@ class IntegerExecutor:
                 raise QtoolError(f"{what} in {step.node.op_type} node '{step.node.name}'") from None
             except masks.MaskError as e:
                 raise QtoolError(f"{e} at Softmax node '{step.node.name}'") from None
+            except IndexOutOfRange as e:
+                raise QtoolError(f"{step.node.op_type} node '{step.node.name}' reads {e}: the data holds "
+                                 f"ids the model has no entry for") from None
             # a 0-d result of numpy arithmetic is a numpy scalar (a Loop counter's Add, chars2vec):
             # an array again, for onnxruntime's float steps and the executor's own
             out = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -787,7 +790,7 @@ class IntegerExecutor:
             for step in chain.steps:
                 values = self._run_step(step, [values if name not in self.constants else self.constants[name]
                                                for name in step.inputs])[0]
-        except (QtoolError, OverflowError, IndexError, ValueError):
+        except (QtoolError, OverflowError, ValueError):
             return None  # a value the data may never hold: run the steps themselves
         return values if values.shape == (count,) else None
 

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibrate import calibrate
+from qtool.errors import IndexOutOfRange
 from qtool.executor import IntegerExecutor
 from qtool.fixedpoint import Requant
 from qtool.ops import REGISTRY, NodeView, Operand, Unsupported
@@ -127,7 +128,7 @@ def test_by_hand():
     assert y.tolist() == [[[-3, 11], [13, -17]], [[53, 67], [-3, 11]]]
     same = EmbeddingParams(table, None, 0, "half_up", "int8")
     assert op.run(same, np.array([1], np.int32)).tolist() == [[100, 127]]
-    with pytest.raises(IndexError, match="outside"):
+    with pytest.raises(IndexOutOfRange, match="outside"):
         op.run(p, np.array([3]))
     half = EmbeddingParams(table, Requant(np.int64(2**30), np.int64(31)), 0, "half_up", "int8")
     assert op.run(half, np.array([0])).tolist() == [[5, -10]]

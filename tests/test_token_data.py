@@ -114,3 +114,42 @@ def test_the_checks_read_a_large_file_a_chunk_at_a_time(tmp_path, monkeypatch):
     np.savez(tmp_path / "bad.npz", **arrays)
     assert_user_error(invoke("calibrate", model, "-d", tmp_path / "bad.npz", "-o", tmp_path / "b.yaml"),
                       "array for input 'ids' holds 50, outside the 50 rows")
+
+
+def test_ids_beyond_the_table_of_a_quantized_model_are_named_too(tmp_path):
+    # exec and verify read the quantized model, whose table is a DequantizeLinear of int8 rows
+    model = _token_model(tmp_path / "m.onnx")
+    good, bad = _data(tmp_path / "d.npz"), tmp_path / "bad.npz"
+    arrays = dict(np.load(good))
+    arrays["ids"][2, 1] = 77
+    np.savez(bad, **arrays)
+    qmodel = tmp_path / "q.onnx"
+    assert invoke("calibrate", model, "-d", good, "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    assert invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", qmodel, "-q").exit_code == 0
+    assert_user_error(invoke("exec", qmodel, "--input", bad, "-o", tmp_path / "y.npz"),
+                      f"data file '{bad}' array for input 'ids' holds 77, outside the 50 rows of the table "
+                      f"Gather 'embed' reads it into")
+    assert_user_error(invoke("verify", model, qmodel, "--data", bad), "holds 77, outside the 50 rows")
+
+
+def test_ids_that_reach_the_table_through_other_ops_are_named_by_the_executor(tmp_path):
+    # sweep 7's name romanizer: the last token is picked by a Gather of a constant index before the
+    # embedding; the executor's table lookup raised IndexError (exit 3, naming nothing)
+    table = numpy_helper.from_array(np.random.default_rng(0).normal(0, 1, (50, 4)).astype(np.float32), "table")
+    last = numpy_helper.from_array(np.array(-1, np.int64), "last")
+    nodes = [helper.make_node("Gather", ["ids", "last"], ["token"], name="pick", axis=1),
+             helper.make_node("Gather", ["table", "token"], ["y"], name="embed")]
+    graph = helper.make_graph(nodes, "pick", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], [table, last])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    rng = np.random.default_rng(2)
+    np.savez(tmp_path / "d.npz", ids=rng.integers(0, 50, (8, 6)))
+    ids = rng.integers(0, 50, (8, 6))
+    ids[4, -1] = 99
+    np.savez(tmp_path / "bad.npz", ids=ids)
+    qmodel = tmp_path / "q.onnx"
+    assert invoke("calibrate", model, "-d", tmp_path / "d.npz", "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    assert invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", qmodel, "-q").exit_code == 0
+    assert_user_error(invoke("exec", qmodel, "--input", tmp_path / "bad.npz", "-o", tmp_path / "y.npz"),
+                      "Gather node 'embed' reads index 99, outside the 50 rows of its table (from -50 to 49)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import IndexOutOfRange
 from ..fixedpoint import Requant, quantize_multipliers, requantize, saturate
 from . import IntegerOp, NodeView, Raw, Unsupported, Weight, check_integer, per_tensor, register
 
@@ -59,7 +60,8 @@ class Gather(IntegerOp):
         check_integer(index, p.weight)
         rows = p.weight.shape[0]
         if index.size and (index.min() < -rows or index.max() >= rows):
-            raise IndexError(f"Gather index outside [-{rows}, {rows - 1}]")
+            bad = int(index.max()) if index.max() >= rows else int(index.min())
+            raise IndexOutOfRange(f"index {bad}, outside the {rows} rows of its table (from {-rows} to {rows - 1})")
         index = np.where(index < 0, index + rows, index).astype(np.int64)
         q = p.weight[index]
         if p.requant is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import IndexOutOfRange
 from ..fixedpoint import int_range
 from . import IntegerOp, NodeView, Unsupported, check_integer
 
@@ -46,7 +47,8 @@ class GatherTable(IntegerOp):
         axis = p.axis + p.values.ndim if p.axis < 0 else p.axis
         size = p.values.shape[axis]
         if index.size and (index.min() < -size or index.max() >= size):
-            raise IndexError(f"Gather index outside [-{size}, {size - 1}]")
+            bad = int(index.max()) if index.max() >= size else int(index.min())
+            raise IndexOutOfRange(f"index {bad}, outside the {size} entries of its table (from {-size} to {size - 1})")
         return np.take(p.values, index.astype(np.int64), axis=axis)  # negative indices count back
 
 
