@@ -44,9 +44,9 @@ from .verify import DEFAULT_TOLERANCE, VerifyReport, parse_tolerance, verify
 
 _NUMBER = (int, float)
 SCHEMA = {
-    "name": (str, False),  # names the outputs and the summary row; default: the model's stem
+    "name": ("file name", False),  # names the outputs and the summary row; default: the model's stem
     "model": (str, True),
-    "output_dir": (str, False),  # relative to the file; "{name}" stands for the job's name
+    "output_dir": ("output folder", False),  # relative to the file; "{name}" stands for the job's name
     "calibrate": ({
         "data": (str, True),
         "method": ("choice:calibrators", False),
@@ -144,6 +144,16 @@ def _check(value, schema: dict, path: str, required: bool = True) -> None:
             _type(v, int, where)
             if v < 0:
                 raise QtoolError(f"{where}: must be >= 0, got {v}")
+        elif kind == "file name":  # a job's outputs are NAME.table.yaml, ... in output_dir
+            _type(v, str, where)
+            if not v or v.startswith(".") or "/" in v or "\\" in v:
+                raise QtoolError(f"{where}: {v!r} cannot name the job's files: give a name with no '/' "
+                                 f"that does not start with '.'")
+        elif kind == "output folder":
+            _type(v, str, where)
+            if "{" in v.replace("{name}", "") or "}" in v.replace("{name}", ""):
+                raise QtoolError(f"{where}: {v!r} has a placeholder other than {{name}} (the job's name), "
+                                 f"the only one")
         else:
             _type(v, kind, where)
 

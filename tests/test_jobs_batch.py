@@ -220,9 +220,18 @@ def test_pkg_paths_name_files_inside_installed_packages(tmp_path, inputs):
      ["jobs[0].quantize: quantize.block_size must be 0 (per channel) or at least 2, got 1"]),
     (lambda s: s["jobs"][0].update(quantize={"weight_type": "int16"}),
      ["jobs[0].quantize: quantize.weight_type int16 goes with quantize.activation_type int16"]),
+    # sweep 8: a name with '/' or '..' wrote outside output_dir, an empty one hidden files
+    (lambda s: s["jobs"][1].update(name="../../escaped"),
+     ["jobs[1].name: '../../escaped' cannot name the job's files: give a name with no '/'"]),
+    (lambda s: s["jobs"][0].update(name=""), ["jobs[0].name: '' cannot name the job's files"]),
+    (lambda s: s["jobs"][0].update(name=".hidden"), ["jobs[0].name: '.hidden' cannot name"]),
+    # and a misspelled placeholder made a folder named '{nme}'
+    (lambda s: s["defaults"].update(output_dir=s["defaults"]["output_dir"].replace("{name}", "{nme}")),
+     ["defaults.output_dir: '", "{nme}' has a placeholder other than {name} (the job's name), the only one"]),
 ], ids=["method", "defaults-key", "top-key", "jobs-type", "job-type", "same-name",
         "pkg", "type", "format", "max-float", "target", "try-methods", "quantize-target", "holdout", "pixels",
-        "method-choice", "weight-type", "block-size", "block-size-1", "weight-type-int16"])
+        "method-choice", "weight-type", "block-size", "block-size-1", "weight-type-int16", "name-escapes",
+        "name-empty", "name-hidden", "placeholder"])
 def test_batch_file_errors_name_the_yaml_path_before_any_work(tmp_path, inputs, edit, fragments):
     spec = batch(inputs)
     edit(spec)
