@@ -1151,10 +1151,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def _stopped(signum: int) -> None:
-    """The one line and exit code of a Ctrl-C (130) or a SIGTERM (143)."""
-    terminated = signum == signal.SIGTERM
-    typer.echo("error: terminated" if terminated else "error: interrupted", err=True)
-    raise SystemExit(143 if terminated else 130)
+    """The one line and exit code of a Ctrl-C (130), a SIGTERM (143) or a SIGHUP (129: the
+    terminal closed)."""
+    words = {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}.get(signum, "interrupted")
+    typer.echo(f"error: {words}", err=True)
+    raise SystemExit(128 + int(signum) if signum in (signal.SIGTERM, signal.SIGHUP) else 130)
 
 
 def main() -> None:
@@ -1170,6 +1171,8 @@ def main() -> None:
         signal.signal(signal.SIGINT, _interrupt)
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, entry._note):  # kill's default: clean up, then exit 143
         signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # not nohup's: clean up as for SIGTERM, exit 129
+        signal.signal(signal.SIGHUP, _interrupt)
     if entry.NOTED and any(noting):  # Ctrl-C or SIGTERM while the console script imported this
         _stopped(entry.NOTED[0])
     try:

@@ -29,6 +29,7 @@ import contextlib
 import importlib
 import math
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -38,7 +39,9 @@ from .model import first_line
 from .report import progress_bar
 
 CONNECT_TIMEOUT = 5  # seconds to reach a scheduler, and for it to have a worker
-RETRIES = 1  # a task whose worker raised is run once more (a lost worker's tasks are rescheduled anyway)
+# a task that raised is not run again: its error (a NaN in a shard's data) is the data's, and the retry
+# printed it twice; a lost worker's tasks are rescheduled by dask anyway
+RETRIES = 0
 INSTALL = "pip install 'qtool[dask]'"
 
 
@@ -61,20 +64,17 @@ def connect(address: str):
 
         # without the glibc trim threshold dask sets in its workers' environment (None unsets it):
         # with it, every large array is a fresh mmap (verify on PP-OCR cls 7.3 s instead of 3.3 s)
-        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}), \
-                distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
-                distributed.Client(cluster) as client:
-            yield client
+        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+            cluster = _started_ignoring_ctrl_c(lambda: distributed.LocalCluster(
+                n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                silence_logs=logging.CRITICAL))
+            with cluster, distributed.Client(cluster) as client:
+                yield client
         return
     if "://" not in address:
         raise QtoolError(f"--cluster takes local, local:N or a scheduler address such as "
                          f"tcp://HOST:8786, got '{address}'")
-    distributed = _distributed()
-    try:
-        client = distributed.Client(address, timeout=CONNECT_TIMEOUT)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise QtoolError(f"cannot reach the dask scheduler at '{address}': {first_line(e)}") from None
+    client = _client(_distributed(), address)
     with client:
         try:
             client.wait_for_workers(1, timeout=CONNECT_TIMEOUT)
@@ -82,6 +82,52 @@ def connect(address: str):
             raise QtoolError(f"the dask scheduler at '{address}' has no workers; start some with "
                              f"'dask worker {address}'") from None
         yield client
+
+
+def _started_ignoring_ctrl_c(start):
+    """``start()`` (a LocalCluster) with SIGINT ignored while its workers start, so that they
+    ignore it (a process started with SIGINT ignored keeps ignoring it, Python included): a
+    terminal's Ctrl-C goes to the whole process group, and each worker printed its
+    KeyboardInterrupt traceback (68 lines before 'error: interrupted'); the client stops them.
+    The client's own handler is back as soon as they run."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        return start()
+    try:
+        return start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _client(distributed, address: str):
+    """A Client on a running scheduler, or one line within ``CONNECT_TIMEOUT`` seconds and a few:
+    something that accepts the connection but is no scheduler never answers dask's handshake (the
+    Client waited for ever), and one that answers another protocol has its bytes read as a frame
+    length (an HTTP server: "MemoryError: Unable to allocate 3.07 EiB", exit 3)."""
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            made["client"] = distributed.Client(address, timeout=CONNECT_TIMEOUT)
+        except Exception as e:  # whatever the bytes made dask raise
+            made["error"] = e
+
+    thread = threading.Thread(target=make, name="qtool-connect", daemon=True)
+    thread.start()
+    thread.join(CONNECT_TIMEOUT + 2)
+    if thread.is_alive():
+        raise QtoolError(f"cannot reach the dask scheduler at '{address}': no answer in {CONNECT_TIMEOUT} s "
+                         f"(is a dask scheduler listening there?)")
+    error = made.get("error")
+    if isinstance(error, (OSError, TimeoutError, ValueError)):
+        raise QtoolError(f"cannot reach the dask scheduler at '{address}': {first_line(error)}")
+    if error is not None:
+        raise QtoolError(f"cannot reach the dask scheduler at '{address}': its answer is not dask's "
+                         f"({type(error).__name__}: {first_line(error)})")
+    return made["client"]
 
 
 def _local_workers(address: str) -> int:
@@ -121,6 +167,12 @@ def _run_shards(client, task, shards: list[tuple[int, int]], what: str, progress
     return [f.result() for f in futures]
 
 
+def _shared(path: str | Path) -> str:
+    """A path as the workers must read it: absolute (a worker started in another folder read the
+    client's relative paths from its own)."""
+    return os.path.abspath(str(path))
+
+
 def _workers(client) -> int:
     return max(1, sum(client.nthreads().values()))
 
@@ -149,8 +201,8 @@ def collect(address: str, model_path: str | Path, data_path: str | Path, method:
         shards = _shards(total, batch_size, _workers(client))
         if log is not None:
             log(f"cluster: {len(shards)} shards of {total} samples on {_workers(client)} workers")
-        parts = _run_shards(client, _calibrate_shard, shards, "calibrate", progress, str(model_path),
-                            str(data_path), method, params, batch_size, preprocess, histogram_samples,
+        parts = _run_shards(client, _calibrate_shard, shards, "calibrate", progress, _shared(model_path),
+                            _shared(data_path), method, params, batch_size, preprocess, histogram_samples,
                             memory_mb)
     stats = parts[0]
     for i, part in enumerate(parts[1:], 1):
@@ -199,8 +251,8 @@ def verify(address: str, float_path: str | Path, qmodel_path: str | Path, data_p
         shards = _shards(total, batch_size, _workers(client))
         if log is not None:
             log(f"cluster: {len(shards)} shards of {total} samples on {_workers(client)} workers")
-        parts = _run_shards(client, _verify_shard, shards, "verify", progress, str(float_path),
-                            str(qmodel_path), str(data_path), tolerance, labels, batch_size,
+        parts = _run_shards(client, _verify_shard, shards, "verify", progress, _shared(float_path),
+                            _shared(qmodel_path), _shared(data_path), tolerance, labels, batch_size,
                             preprocess, arithmetic, memory_mb, layer_batches(total, batch_size, layers))
     report, batches = parts[0][0], [batch for _, shard_batches in parts for batch in shard_batches]
     outputs, tensors, joined, _, _ = batches[0]
@@ -252,7 +304,8 @@ def run_batch(address: str, plans: list, workers: int = 0, force: bool = False, 
 
     with connect(address) as client:
         pool = client.get_executor(retries=RETRIES, pure=False)
-        return run(plans, _workers(client), force, progress=False, log=log, on_done=on_done, pool=pool)
+        return run([plan.absolute() for plan in plans], _workers(client), force, progress=False, log=log,
+                   on_done=on_done, pool=pool)
 
 
 def run_job(address: str, plan, progress: bool = False, log=None):
@@ -261,7 +314,7 @@ def run_job(address: str, plan, progress: bool = False, log=None):
     from .job import run_job as run
 
     with connect(address) as client:
-        return client.submit(run, plan, False, _quiet, key=f"qtool-job-{uuid.uuid4().hex[:8]}",
+        return client.submit(run, plan.absolute(), False, _quiet, key=f"qtool-job-{uuid.uuid4().hex[:8]}",
                              retries=RETRIES, pure=False).result()
 
 

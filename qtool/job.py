@@ -6,13 +6,14 @@ values. Paths in the file are relative to the file's folder.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -234,9 +235,11 @@ def load_jobs(path: str | Path) -> list[tuple[str, dict]]:
         raise QtoolError(f"job file '{path}': {e}") from None
 
 
-def _each_job(items: list, check):
+def _each_job(items: list, check, what: str = "in their settings (the files of every job are checked "
+                                                 "once these are right)"):
     """``check`` of every job's item; where jobs fail, one error that gives each failing job's
-    first problem (a batch file with three broken jobs is fixed in one pass, not three)."""
+    first problem (a batch file with three broken jobs is fixed in one pass, not three); ``what``
+    says which problems those are."""
     results, failed = [], []
     for item in items:
         try:
@@ -246,7 +249,7 @@ def _each_job(items: list, check):
     if len(failed) == 1:
         raise QtoolError(failed[0])
     if failed:
-        raise QtoolError(f"{len(failed)} of {len(items)} jobs have errors: " + "; ".join(failed))
+        raise QtoolError(f"{len(failed)} of {len(items)} jobs have errors {what}: " + "; ".join(failed))
     return results
 
 
@@ -290,12 +293,20 @@ class JobPlan:
         """What the job writes, in the order the files take their places: the report last."""
         return [self.table, self.qmodel] + ([self.html] if self.html else []) + [self.report]
 
+    def absolute(self) -> "JobPlan":
+        """The plan with every path absolute: for workers that do not share the client's folder."""
+        paths = ("model", "calibrate_data", "verify_data", "table", "qmodel", "report", "precision_table")
+        return replace(self, **{f: Path(os.path.abspath(getattr(self, f))) for f in paths
+                                if getattr(self, f) is not None})
+
     def digest(self) -> str:
         """What the outputs depend on: qtool's version, the settings and the input files' bytes."""
-        files = [self.model, self.calibrate_data, self.verify_data] + [self.precision_table] * bool(
-            self.precision_table)
+        # by role, not by path: the same job run from another folder, or named by its absolute path,
+        # is the same job (a path as given made every such run start again)
+        files = {"model": self.model, "calibrate.data": self.calibrate_data, "verify.data": self.verify_data,
+                 "precision_table": self.precision_table}
         inputs = {"qtool": __version__, "settings": self.settings,
-                  "files": {str(p): _digest(p) for p in files}}
+                  "files": {role: _digest(p) for role, p in files.items() if p is not None}}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -453,7 +464,20 @@ def plan_jobs(path: str | Path) -> list[JobPlan]:
     """Every job of the file, checked whole before any work. Outputs are named after the job, so
     two jobs may share an output_dir but not a name."""
     path = Path(path)
-    plans = _each_job(load_jobs(path), lambda spec: plan_job(path, *spec))
+    jobs = load_jobs(path)
+    prefix = f"job file '{path}': "
+
+    def check(spec) -> JobPlan:
+        try:
+            return plan_job(path, *spec)
+        except QtoolError as e:  # the file named once, before every job's problem
+            text = str(e)
+            raise QtoolError(text[len(prefix):] if text.startswith(prefix) else text) from None
+
+    try:
+        plans = _each_job(jobs, check, "in their files")
+    except QtoolError as e:
+        raise QtoolError(f"{prefix}{e}") from None
     names = {}
     for plan in plans:
         if plan.name in names:
@@ -470,7 +494,8 @@ def up_to_date(plan: JobPlan) -> dict | None:
         recorded = summary["job"]
         if summary["job_failures"] or recorded["digest"] != plan.digest():  # failures run again
             return None
-        if any(file_digest(Path(p)) != d for p, d in recorded["outputs"].items()):
+        # the outputs sit beside the report (recorded by name; by the path as given before)
+        if any(file_digest(plan.report.parent / Path(p).name) != d for p, d in recorded["outputs"].items()):
             return None
         return summary
     except (OSError, ValueError, KeyError, TypeError):
@@ -485,11 +510,34 @@ def staged(path: Path) -> Path:
     return target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
 
 
+def _left_by_the_dead(path: Path) -> list[Path]:
+    """The staged files of ``path`` that a process no longer running here left (killed: SIGKILL,
+    or a cluster's worker stopped under its job), for the next run to remove."""
+    target = replaced(path)
+    found = []
+    pattern = re.compile(rf"\.{re.escape(target.stem)}\.partial-(\d+){re.escape(target.suffix)}")
+    for candidate in target.parent.glob(f".{glob.escape(target.stem)}.partial-*{glob.escape(target.suffix)}"):
+        match = pattern.fullmatch(candidate.name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            found.append(candidate)
+        except OSError:  # alive, another user's
+            continue
+    return found
+
+
 def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
     """Run a job. Its table, model and report are built aside (``staged``) and take their places
     together when the job completes, the report last (a later run trusts the report's digests of
     the others); when a stage fails or the run is interrupted, the staged files are removed and
-    the previous outputs stay as they were, as do the folders (those made for it are removed)."""
+    the previous outputs stay as they were, as do the folders (those made for it are removed).
+    Staged files that a killed process left beside the outputs are removed first."""
+    for final in plan.outputs():
+        for left in _left_by_the_dead(final):
+            left.unlink(missing_ok=True)
     folders = []  # the output folders that do not exist yet, deepest first
     folder = plan.table.parent
     while not folder.exists():
@@ -584,7 +632,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         written.append(staged(plan.html))
         atomic_write(staged(plan.html), render_html(report, plan.model.name, plan.qmodel.name).encode())
     job = {"name": plan.name, "digest": plan.digest(),
-           "outputs": {str(p): file_digest(staged(p)) for p in plan.outputs()[:-1]}}
+           "outputs": {p.name: file_digest(staged(p)) for p in plan.outputs()[:-1]}}
     # no timings in the file: the same job gives the same bytes (they are in run's summary)
     summary = report.to_dict() | {"job_failures": failures, "job": job}
     written.append(report_path)
@@ -671,7 +719,7 @@ def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progr
     own = pool is None
     with (contextlib.nullcontext(pool) if pool is not None else
           concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
-                                                 initializer=_worker_start)) as pool:
+                                                 initializer=_worker_start, initargs=(os.getpid(),))) as pool:
         futures = {pool.submit(execute if not own else _worker_execute, plans[i]): i for i in pending}
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -689,12 +737,16 @@ def run_batch(plans: list[JobPlan], workers: int = 1, force: bool = False, progr
 _WORKER = {"stopping": False, "running": False}
 
 
-def _worker_start() -> None:
+def _worker_start(parent: int) -> None:
     """A run's worker process: Ctrl-C (from the terminal, or passed on by an interrupted ``run``)
     stops the job it runs, which removes its staged files as it unwinds, and every job after it;
     the worker itself lives on until the pool shuts down. Killed at once, or killed by the pool
-    once another worker died of it, a worker left its staged files behind."""
+    once another worker died of it, a worker left its staged files behind (the next run removes
+    them). A worker whose ``run`` died without a word (SIGKILL, the OOM killer) stops its job the
+    same way and exits: the workers had finished their jobs, replaced the outputs after ``run``
+    was gone, and waited for work for ever."""
     import signal
+    import threading
 
     def stop(signum, frame):
         first = not _WORKER["stopping"]
@@ -703,6 +755,24 @@ def _worker_start() -> None:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, stop)  # a closed terminal: as Ctrl-C, ``run`` says what it was
+    # ``parent``: the pid of ``run``, given by it (a worker still starting when run died has
+    # another parent already)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        if _WORKER["running"]:
+            os.kill(os.getpid(), signal.SIGINT)  # ``stop``: the job unwinds, removing its staged files
+            deadline = time.monotonic() + ORPHAN_GRACE
+            while _WORKER["running"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="qtool-parent-watch", daemon=True).start()
+
+
+ORPHAN_GRACE = 30  # seconds an orphaned worker's job has to unwind before the worker exits
 
 
 def _worker_execute(plan: JobPlan) -> JobOutcome:

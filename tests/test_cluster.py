@@ -212,6 +212,48 @@ def test_unreachable_scheduler_is_one_line(tmp_path, monkeypatch, demo_model, de
     assert snapshot(tmp_path) == []
 
 
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"],
+                         ids=["silent", "http"])
+def test_a_server_that_is_no_scheduler_is_one_line_in_seconds(tmp_path, monkeypatch, demo_model, demo_calib,
+                                                              answer):
+    # sweep 8: a port that accepts and never answers hung for ever; an HTTP server's bytes read as a
+    # frame length gave "internal error, MemoryError: Unable to allocate 3.07 EiB" (exit 3)
+    import threading
+    import time
+
+    monkeypatch.setattr(cluster, "CONNECT_TIMEOUT", 1)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            held.append(connection)
+            if answer is not None:
+                connection.recv(65536)
+                connection.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    start = time.perf_counter()
+    try:
+        result = invoke("calibrate", demo_model, "--data", demo_calib, "-o", tmp_path / "t.yaml", "-q",
+                        "--cluster", address)
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+    assert time.perf_counter() - start < 10
+    line = assert_user_error(result, f"cannot reach the dask scheduler at '{address}'")
+    assert ("no answer in 1 s" if answer is None else "its answer is not dask's") in line
+    assert snapshot(tmp_path) == []
+
+
 @pytest.mark.parametrize("address, message", [
     ("scheduler:8786", "--cluster takes local, local:N or a scheduler address"),
     ("local:0", "--cluster local:N takes a number of workers N >= 1, got 'local:0'"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -313,16 +314,18 @@ def test_every_broken_job_of_a_batch_is_named_in_one_error(tmp_path, inputs):
     spec["jobs"].append({"name": "fine"})
     path = write(tmp_path, spec)
     before = snapshot(tmp_path)
-    assert_user_error(invoke("run", path), f"job file '{path}'", "2 of 3 jobs have errors",
+    assert_user_error(invoke("run", path), f"job file '{path}'",
+                      "2 of 3 jobs have errors in their settings (the files of every job are checked once "
+                      "these are right)",
                       "jobs[0].calibrate.method: unknown 'bogus'", "jobs[1].quantize.format: unknown 'qlinear'")
     spec["jobs"][0]["calibrate"] = {"method": "minmax"}
     spec["jobs"][1]["quantize"] = {}
     spec["jobs"][1]["model"] = str(tmp_path / "missing.onnx")
     spec["jobs"][2]["model"] = str(tmp_path / "gone.onnx")
     path = write(tmp_path, spec)
-    message = assert_user_error(invoke("run", path), f"job file '{path}'", "2 of 3 jobs have errors",
-                                "jobs[1].model", "missing.onnx", "jobs[2].model", "gone.onnx")
-    assert "jobs[0]" not in message
+    message = assert_user_error(invoke("run", path), f"job file '{path}': 2 of 3 jobs have errors in their "
+                                f"files: jobs[1].model", "missing.onnx", "; jobs[2].model", "gone.onnx")
+    assert "jobs[0]" not in message and message.count("job file") == 1  # the file named once
     assert snapshot(tmp_path) == before
 
 
@@ -365,3 +368,56 @@ def test_replaced_outputs_keep_their_permissions(tmp_path, inputs):
                   "-q").exit_code == 0
     assert stat.S_IMODE(os.stat(single).st_mode) == 0o640 and single.read_text() != "old"
     assert not [p for p in (tmp_path / "out" / "asym").iterdir() if ".partial" in p.name]
+
+
+def test_staged_files_a_killed_run_left_are_removed_by_the_next(tmp_path, inputs):
+    # sweep 8: a cluster run stopped under its jobs (and any SIGKILL) left '.NAME.table.partial-PID.yaml'
+    # beside the outputs for good; a live process's staged file is not touched
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = inputs.parent / "out" / "asym"
+    out.mkdir(parents=True)
+    left = [out / f".asym.table.partial-{dead.pid}.yaml", out / f".asym.q.partial-{dead.pid}.onnx"]
+    alive = out / f".asym.table.partial-{os.getppid()}.yaml"
+    for path in left + [alive]:
+        path.write_text("half")
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    result = invoke("run", write(tmp_path, spec), "-q")
+    assert result.exit_code == 0, result.output
+    assert not any(path.exists() for path in left) and alive.read_text() == "half"
+    assert (out / "asym.table.yaml").exists()
+
+
+def test_a_job_is_up_to_date_however_its_file_is_named(tmp_path, inputs, monkeypatch):
+    # sweep 8: the digest keyed the input files by the path as given, so naming the job file by its
+    # absolute path, or running it from its folder, ran every job again
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    path = write(tmp_path, spec)
+    assert statuses(invoke("run", path, "-q", "--json")) == {"asym": "ok"}
+    monkeypatch.chdir(tmp_path)
+    assert statuses(invoke("run", path.name, "-q", "--json")) == {"asym": "skipped"}
+    monkeypatch.chdir(inputs)
+    assert statuses(invoke("run", f"../{path.name}", "-q", "--json")) == {"asym": "skipped"}
+
+
+def test_a_cluster_gets_every_path_absolute(tmp_path, inputs, monkeypatch):
+    # sweep 8: a worker started in another folder read the client's relative paths from its own, and
+    # wrote a job's outputs there while the summary said ok
+    from qtool.job import plan_jobs
+
+    monkeypatch.chdir(tmp_path)
+    spec = batch(inputs)
+    spec["defaults"]["output_dir"] = "out/{name}"
+    spec["defaults"]["model"] = str(Path("in") / "digits_cnn.onnx")
+    write(tmp_path, spec)
+    plans = plan_jobs("jobs.yaml")
+    assert not plans[0].model.is_absolute()
+    shared = plans[0].absolute()
+    assert all(Path(p).is_absolute() for p in (shared.model, shared.calibrate_data, shared.verify_data,
+                                                shared.table, shared.qmodel, shared.report))
+    assert shared.table == tmp_path / "out" / "asym" / "asym.table.yaml" and shared.digest() == plans[0].digest()
