@@ -1098,8 +1098,13 @@ def run(
 
                 run_job = functools.partial(run_on, cluster)
             result = run_job(plans[0], progress=not quiet, log=log)
-        except QtoolError as e:
-            raise _fail(e)
+        except QtoolError as e:  # found while the job ran: the file, and the keys instead of the flags
+            from .job import in_job_words
+
+            text = in_job_words(str(e))
+            worded = QtoolError(text if text.startswith("job file") else f"job file '{job}': {text}")
+            worded.exit_code = e.exit_code
+            raise _fail(worded)
         typer.echo(format_report(result.verify))
         for failure in result.failures[len(result.verify.failures):]:
             typer.echo(f"FAIL: {failure}")

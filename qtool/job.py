@@ -332,7 +332,9 @@ def resolve_path(base: Path, value: str) -> Path:
 # the command-line options the quantize step's messages name, and the job keys that set them
 _JOB_KEYS = {"input-pixels": "quantize.input_pixels", "mean": "calibrate.preprocess.mean",
              "std": "calibrate.preprocess.std", "scale": "calibrate.preprocess.scale",
-             "channels": "calibrate.preprocess.channels"}
+             "channels": "calibrate.preprocess.channels", "layout": "calibrate.preprocess.layout",
+             "resize": "calibrate.preprocess.resize", "fit": "calibrate.preprocess.fit",
+             "pad": "calibrate.preprocess.pad", "image-input": "calibrate.preprocess.input"}
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 
 
@@ -678,8 +680,8 @@ def execute(plan: JobPlan, progress: bool = False, log=None) -> JobOutcome:
     """Run one job of a batch; its errors become its outcome, so the other jobs go on."""
     try:
         result = run_job(plan, progress, log or (lambda message: None))
-    except QtoolError as e:
-        return JobOutcome(plan.name, "error", message=str(e))
+    except QtoolError as e:  # the job keys that set what the message names, not the flags
+        return JobOutcome(plan.name, "error", message=in_job_words(str(e)))
     except Exception as e:  # a bug in one job must not stop the batch; the summary names it
         return JobOutcome(plan.name, "error", message=f"internal error: {type(e).__name__}: {first_line(e)}",
                           internal=True)

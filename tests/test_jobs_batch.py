@@ -421,3 +421,26 @@ def test_a_cluster_gets_every_path_absolute(tmp_path, inputs, monkeypatch):
     assert all(Path(p).is_absolute() for p in (shared.model, shared.calibrate_data, shared.verify_data,
                                                 shared.table, shared.qmodel, shared.report))
     assert shared.table == tmp_path / "out" / "asym" / "asym.table.yaml" and shared.digest() == plans[0].digest()
+
+
+def test_an_error_found_while_a_job_runs_names_the_job_keys(tmp_path, inputs):
+    # sweep 8: an image folder read as RGB for a 1-channel model said "give --channels gray", a flag
+    # the job file has no place for; a one-job file's error named no job file either
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    spec["defaults"]["calibrate"] = {"data": str(images)}
+    spec["defaults"]["verify"] = {"data": str(images)}
+    result = invoke("run", write(tmp_path, spec), "-q", "--json")
+    outcome = json.loads(result.stdout)[0]
+    assert outcome["status"] == "error" and outcome["message"].endswith("give calibrate.preprocess.channels gray")
+    single = {k: v for k, v in spec["defaults"].items() if k != "output_dir"} | {"output_dir": str(tmp_path / "one")}
+    path = write(tmp_path, single)
+    assert_user_error(invoke("run", path, "-q"), f"job file '{path}': input 'input' is [N,1,8,8]",
+                      "give calibrate.preprocess.channels gray")
