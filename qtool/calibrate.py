@@ -12,6 +12,7 @@ float regions (LayerNorm's ReduceMean/Pow/Sqrt, Shape arithmetic) get no statist
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import json
@@ -410,6 +411,7 @@ class _Updates:
     def __init__(self, run, apply, threaded: bool = True):
         self.run, self.apply = run, apply
         self.error: BaseException | None = None
+        self.abandoned = False  # an error or an interrupt is on its way: no more updates wanted
         self.worker = None
         if threaded:
             self.pending: queue.Queue = queue.Queue(maxsize=1)
@@ -421,7 +423,7 @@ class _Updates:
             item = self.pending.get()
             if item is None:
                 return
-            if self.error is None:
+            if self.error is None and not self.abandoned:
                 try:
                     self.apply(item)
                 except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
@@ -436,8 +438,17 @@ class _Updates:
         self.pending.put(outputs)
 
     def close(self, check: bool = True):
-        """Wait for the pending updates; raise what they raised (unless ``check`` is False)."""
+        """Wait for the pending updates; raise what they raised. With ``check`` False (an error
+        or an interrupt is on its way) nothing is waited for: the worker, a daemon, drops what it
+        still gets. Waiting there could hang: a Ctrl-C that came inside the queue's own code
+        left the worker asleep beside a value it was never told of (a run --jobs worker stopped
+        in its calibrate waited for a minute, 1 stop in 20)."""
         if self.worker is not None and self.worker.is_alive():
+            if not check:
+                self.abandoned = True
+                with contextlib.suppress(queue.Full):
+                    self.pending.put_nowait(None)
+                return
             self.pending.put(None)
             self.worker.join()
         if check:

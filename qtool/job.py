@@ -25,7 +25,7 @@ from .batching import DEFAULT_LAYERS
 from .bias_correction import BIAS_SAMPLES
 from .calibrate import collect, make_calibrator
 from .data import CHANNEL_ORDERS, FITS, LAYOUTS, Preprocess, read_npz
-from .errors import QtoolError
+from .errors import STOP, QtoolError
 from .fileio import atomic_write, check_not_reading, check_writable, mode_for, replaced
 from .fixedpoint import MULTIPLIER_BITS, ROUNDING_MODES
 from .model import file_digest, first_line, load_model, prepare
@@ -563,6 +563,14 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
         raise
 
 
+def _stop_if_stopped() -> None:
+    """Between a job's stages: a Ctrl-C or SIGTERM that a stage swallowed (numba's compiler calls
+    back into Python) still stops the job (a run --jobs worker stopped inside its calibrate went
+    on to the next stage and ran it to its end: 1 stop in 20)."""
+    if STOP:
+        raise KeyboardInterrupt
+
+
 def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     """The job's stages, each output written to its ``staged`` path (listed in ``written``)."""
     table_path, qmodel_path, report_path = staged(plan.table), staged(plan.qmodel), staged(plan.report)
@@ -578,6 +586,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
     seconds["calibrate"] = time.perf_counter() - t0
     log(f"calibrate: {table.samples} samples, {len(table.tensors)} tensors -> {plan.table} "
         f"({seconds['calibrate']:.1f} s)")
+    _stop_if_stopped()
 
     t0 = time.perf_counter()
     qz = plan.settings.get("quantize", {})
@@ -615,6 +624,7 @@ def _run(plan: JobPlan, progress: bool, log, written: list[Path]) -> JobResult:
         log(f"bias: {bias_summary(qreport.bias_correction)}")
     if qreport.search is not None:
         log(f"search: {search_summary(qreport.search)}")
+    _stop_if_stopped()
 
     t0 = time.perf_counter()
     report = verify(plan.model, qmodel_path, plan.verify_data, plan.tolerance, ver.get("labels"),
@@ -751,6 +761,7 @@ def _worker_start(parent: int) -> None:
     import threading
 
     def stop(signum, frame):
+        STOP.append(signum)
         first = not _WORKER["stopping"]
         _WORKER["stopping"] = True
         if first and _WORKER["running"]:
@@ -762,6 +773,9 @@ def _worker_start(parent: int) -> None:
     # another parent already)
 
     def watch() -> None:
+        # the signals go to the main thread, where the job runs: one delivered to this thread left
+        # the job asleep until its sleep ended (run waited on it for a minute, 1 run in 10)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGHUP, signal.SIGTERM})
         while os.getppid() == parent:
             time.sleep(0.5)
         if _WORKER["running"]:
@@ -779,11 +793,13 @@ ORPHAN_GRACE = 30  # seconds an orphaned worker's job has to unwind before the w
 
 def _worker_execute(plan: JobPlan) -> JobOutcome:
     """``execute`` in a worker (``_worker_start``): an interrupted job, or one that comes after
-    the interrupt, is an outcome, not the worker's death."""
-    if _WORKER["stopping"]:
-        return JobOutcome(plan.name, "error", message="interrupted")
-    _WORKER["running"] = True
+    the interrupt, is an outcome, not the worker's death. ``stopping`` is read once ``running``
+    is set: a Ctrl-C between the two (a job taken just as the run was interrupted) had set
+    ``stopping`` without stopping anything, and the job ran to its end."""
     try:
+        _WORKER["running"] = True
+        if _WORKER["stopping"]:
+            return JobOutcome(plan.name, "error", message="interrupted")
         return execute(plan)
     except KeyboardInterrupt:
         return JobOutcome(plan.name, "error", message="interrupted")
