@@ -1081,6 +1081,9 @@ def run(
 
     log = (lambda m: None) if quiet else _log
     try:
+        if cluster is not None and jobs != 1:
+            raise QtoolError("--jobs and --cluster both say where jobs run (--cluster runs as many at "
+                             "once as it has workers); give one of them")
         plans = plan_jobs(job)
     except QtoolError as e:
         raise _fail(e)

@@ -173,13 +173,28 @@ def _type(v, kind, where: str) -> None:
         raise QtoolError(f"{where}: expected {expected}, got {v!r}")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (two ``calibrate:`` blocks:
+    the first was dropped without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path):
     if path.is_dir():
         raise QtoolError(f"job file '{path}' is a directory")
     if not path.is_file():
         raise QtoolError(f"job file '{path}' not found")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

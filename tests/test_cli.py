@@ -622,6 +622,18 @@ def test_verify_unknown_labels(tmp_path, demo_model, pipeline, demo_heldout):
                  expect=["labels array 'nosuch'", str(demo_heldout), "input, label"])
 
 
+@pytest.mark.parametrize("bad", [-3, 10])
+def test_verify_labels_outside_the_classes(tmp_path, demo_model, pipeline, demo_heldout, bad):
+    # sweep 8: a label of -3, or 99 for 10 classes, was counted as a miss without a word
+    arrays = dict(np.load(demo_heldout))
+    arrays["label"] = arrays["label"].copy()
+    arrays["label"][7] = bad
+    data = write_npz(tmp_path / "labels.npz", **arrays)
+    verify_error(tmp_path, demo_model, pipeline["qmodel"], data, "--labels", "label",
+                 expect=[f"data file '{data}' labels array 'label' holds {bad}, outside the 10 classes of "
+                         f"output 'logits' (0 to 9)"])
+
+
 @pytest.mark.parametrize("tolerance", ["abc", "2", "0.9,30,1"])
 def test_verify_bad_tolerance(tmp_path, demo_model, pipeline, demo_heldout, tolerance):
     verify_error(tmp_path, demo_model, pipeline["qmodel"], demo_heldout, "--tolerance", tolerance,

@@ -444,3 +444,16 @@ def test_an_error_found_while_a_job_runs_names_the_job_keys(tmp_path, inputs):
     path = write(tmp_path, single)
     assert_user_error(invoke("run", path, "-q"), f"job file '{path}': input 'input' is [N,1,8,8]",
                       "give calibrate.preprocess.channels gray")
+
+
+def test_a_key_given_twice_and_jobs_with_a_cluster_are_refused(tmp_path, inputs):
+    # sweep 8: two `calibrate:` blocks, the first dropped without a word; --jobs 2 --cluster local:2
+    # accepted without saying which applies
+    path = tmp_path / "twice.yaml"
+    path.write_text(f"model: {inputs / 'digits_cnn.onnx'}\ncalibrate: {{data: {inputs / 'digits_calib.npz'}}}\n"
+                    f"calibrate: {{data: x}}\n")
+    assert_user_error(invoke("run", path), f"job file '{path}' is not valid YAML at line 3: key 'calibrate' is "
+                                           f"given twice in one mapping")
+    assert_user_error(invoke("run", write(tmp_path, batch(inputs)), "--jobs", "2", "--cluster", "local:2"),
+                      "--jobs and --cluster both say where jobs run")
+    assert not (inputs.parent / "out").exists()
