@@ -33,7 +33,7 @@ from ..targets.ortview import AGREEMENT, deployed_session, fd2_to, first_parting
 from . import compare
 from .compare import Comparison
 from ..ops.flat import flat_cuts
-from ..joins import find_joins
+from ..joins import MOVES, find_joins
 from .parts import PartComparisons
 
 
@@ -188,8 +188,7 @@ LOSS_STEP_DB = 6.0
 # they neither set the level a later drop is measured from nor count as one (an NHWC model's
 # Transpose of its input, at the input's 57.9 dB, made its first Conv "where the loss starts", 17 dB
 # below it). Not Concat (its inputs can be requantized to one scale) nor Gather (a quantized table)
-MOVES_VALUES = {"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "Split",
-                "Expand", "Tile", "SpaceToDepth", "DepthToSpace"}
+MOVES_VALUES = MOVES | {"Slice", "Split", "Expand", "Tile", "SpaceToDepth", "DepthToSpace"}
 
 
 def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
