@@ -1076,7 +1076,7 @@ def run(
       qtool run configs/ppocr.yaml --force --json > summary.json
       qtool run configs/ppocr.yaml --cluster tcp://scheduler:8786   # each job a task on the cluster
     """
-    from .job import describe_plan, format_summary, plan_jobs, run_batch, up_to_date
+    from .job import describe_plan, format_summary, plan_dict, plan_jobs, run_batch, up_to_date
     from .verify import format_report
 
     log = (lambda m: None) if quiet else _log
@@ -1088,8 +1088,12 @@ def run(
     except QtoolError as e:
         raise _fail(e)
     if dry_run:
-        for plan in plans:
-            typer.echo("\n".join(describe_plan(plan, not force and up_to_date(plan) is not None)))
+        skips = [not force and up_to_date(plan) is not None for plan in plans]
+        if as_json:
+            typer.echo(json.dumps([plan_dict(plan, skip) for plan, skip in zip(plans, skips)], indent=1))
+            return
+        for plan, skip in zip(plans, skips):
+            typer.echo("\n".join(describe_plan(plan, skip)))
         return
     single = len(plans) == 1 and not plans[0].where
     if single and (force or up_to_date(plans[0]) is None) and not as_json:

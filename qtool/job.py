@@ -839,7 +839,35 @@ def _interrupt_workers(pool) -> None:
 
 def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
     """``--dry-run``: what a job would read, do and write."""
-    cal, opt = plan.calibrate, plan.options
+    cal = plan.calibrate
+    return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
+            f"{'up to date, would be skipped' if skip else 'would run'}",
+            f"  model      {plan.model}",
+            f"  calibrate  {plan.calibrate_data}: {cal.get('method', 'minmax')}"
+            f"{', ' + str(cal['num_samples']) + ' samples' if 'num_samples' in cal else ''}",
+            f"  quantize   {_quantize_text(plan)}",
+            f"  verify     {plan.verify_data}: tolerance {plan.tolerance[0]}"
+            f"{', ' + str(plan.tolerance[1]) + ' dB' if plan.tolerance[1] is not None else ''}"
+            f"{', labels ' + plan.verify['labels'] if 'labels' in plan.verify else ''}",
+            f"  outputs    {', '.join(map(str, plan.outputs()))}"]
+
+
+def plan_dict(plan: JobPlan, skip: bool) -> dict:
+    """``--dry-run --json``: ``describe_plan`` as data."""
+    cal = plan.calibrate
+    return {"name": plan.name, "where": plan.where, "status": "skipped" if skip else "run",
+            "model": str(plan.model),
+            "calibrate": {"data": str(plan.calibrate_data), "method": cal.get("method", "minmax"),
+                          "num_samples": cal.get("num_samples")},
+            "quantize": _quantize_text(plan),
+            "verify": {"data": str(plan.verify_data), "tolerance": list(plan.tolerance),
+                       "labels": plan.verify.get("labels")},
+            "outputs": [str(p) for p in plan.outputs()]}
+
+
+def _quantize_text(plan: JobPlan) -> str:
+    """What the quantize stage will do, in words."""
+    opt = plan.options
     quantize = (f"{opt.format}, {'per-channel' if opt.per_channel else 'per-tensor'}, "
                 f"{'symmetric' if opt.symmetric else 'asymmetric'} {opt.activation_type}, "
                 f"{opt.multiplier_bits}-bit multipliers, {opt.rounding}, target {opt.target}")
@@ -874,16 +902,7 @@ def describe_plan(plan: JobPlan, skip: bool) -> list[str]:
                      f"{qz['target_sqnr']:g} dB")
     if "max_float_layers" in qz:
         quantize += f", at most {qz['max_float_layers']} ops {'float' if qz.get('allow_float') else 'int16'}"
-    return [f"job '{plan.name}'{' (' + plan.where + ')' if plan.where else ''}: "
-            f"{'up to date, would be skipped' if skip else 'would run'}",
-            f"  model      {plan.model}",
-            f"  calibrate  {plan.calibrate_data}: {cal.get('method', 'minmax')}"
-            f"{', ' + str(cal['num_samples']) + ' samples' if 'num_samples' in cal else ''}",
-            f"  quantize   {quantize}",
-            f"  verify     {plan.verify_data}: tolerance {plan.tolerance[0]}"
-            f"{', ' + str(plan.tolerance[1]) + ' dB' if plan.tolerance[1] is not None else ''}"
-            f"{', labels ' + plan.verify['labels'] if 'labels' in plan.verify else ''}",
-            f"  outputs    {', '.join(map(str, plan.outputs()))}"]
+    return quantize
 
 
 def format_summary(outcomes: list[JobOutcome]) -> str:

@@ -167,6 +167,19 @@ def test_parallel_jobs_write_the_same_bytes_as_sequential(tmp_path, inputs):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.suffix in (".yaml", ".onnx")} == first
 
 
+def test_dry_run_with_json_prints_the_plan_as_json(tmp_path, inputs):
+    # sweep 8: `run --json --dry-run` printed the text plan
+    path = write(tmp_path, batch(inputs))
+    result = invoke("run", path, "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)
+    assert [(p["name"], p["where"], p["status"]) for p in plans] == [("asym", "jobs[0]", "run"),
+                                                                      ("sym8", "jobs[1]", "run")]
+    assert plans[1]["calibrate"]["method"] == "percentile" and plans[0]["verify"]["labels"] == "label"
+    assert plans[0]["outputs"][-1].endswith("asym.verify.json") and "bias correction" in plans[0]["quantize"]
+    assert not (inputs.parent / "out").exists()
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, inputs):
     path = write(tmp_path, batch(inputs))
     before = snapshot(tmp_path)
