@@ -47,9 +47,13 @@ def _streamed(path: Path) -> bool:
 
 def replaced(path: Path) -> Path:
     """The regular file a rename must replace for ``path``: the symlink's final target. A loop of
-    symlinks is refused: renaming over it would replace a link, not a file."""
-    if not path.is_symlink():
-        return path
+    symlinks is refused: renaming over it would replace a link, not a file. A path the system
+    cannot look up at all (a name too long for it) is refused in one line (it was exit 3)."""
+    try:
+        if not path.is_symlink():
+            return path
+    except OSError as e:
+        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     try:
         os.stat(path)
     except OSError as e:
@@ -66,12 +70,15 @@ def check_writable(path: str | Path) -> None:
             raise QtoolError(f"cannot write '{path}': permission denied")
         return
     target = replaced(path)
-    if target.is_dir():
-        what = "a link to a directory" if target != path else "a directory"
-        raise QtoolError(f"cannot write '{path}': it is {what}")
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    try:
+        if target.is_dir():
+            what = "a link to a directory" if target != path else "a directory"
+            raise QtoolError(f"cannot write '{path}': it is {what}")
+        folder = target.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+    except OSError as e:  # a folder's name too long for the system
+        raise QtoolError(f"cannot write '{path}': {e.strerror or e}") from None
     if not folder.is_dir():
         raise QtoolError(f"cannot write '{path}': '{folder}' is not a directory")
     if not os.access(folder, os.W_OK | os.X_OK):

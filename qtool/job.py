@@ -209,10 +209,15 @@ def _read_yaml(path: Path):
 
 
 def _merged(defaults: dict, job: dict) -> dict:
-    """``job`` over ``defaults``: mappings merge key by key, anything else is replaced."""
+    """``job`` over ``defaults``: mappings merge key by key, anything else is replaced, and a key
+    the job sets to null is unset (``verify: {labels: null}`` for a job whose data has no labels:
+    it was "expected a string, got None")."""
     out = dict(defaults)
     for key, value in job.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+        if value is None:
+            out.pop(key, None)
+            continue
+        out[key] = _merged(out[key] if isinstance(out.get(key), dict) else {}, value) if isinstance(value, dict) \
             else value
     return out
 
@@ -226,6 +231,8 @@ def load_jobs(path: str | Path) -> list[tuple[str, dict]]:
     doc = _read_yaml(path)
     try:
         if not (isinstance(doc, dict) and ("jobs" in doc or "defaults" in doc)):
+            if isinstance(doc, dict):
+                doc = _merged({}, doc)  # a null key is not given
             _check(doc, SCHEMA, "")
             return [("", doc)]
         for key in doc:
@@ -562,6 +569,10 @@ def run_job(plan: JobPlan, progress: bool = True, log=print) -> JobResult:
         folder = folder.parent
     written: list[Path] = []
     try:
+        try:  # the folder first: its error names it, not the first staged file's hidden name
+            plan.table.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise QtoolError(f"cannot make the output folder '{plan.table.parent}': {e.strerror or e}") from None
         result = _run(plan, progress, log, written)
         for final in plan.outputs():
             os.chmod(staged(final), mode_for(replaced(final)))  # a private table stays private

@@ -470,3 +470,42 @@ def test_a_key_given_twice_and_jobs_with_a_cluster_are_refused(tmp_path, inputs)
     assert_user_error(invoke("run", write(tmp_path, batch(inputs)), "--jobs", "2", "--cluster", "local:2"),
                       "--jobs and --cluster both say where jobs run")
     assert not (inputs.parent / "out").exists()
+
+
+def test_a_job_unsets_a_default_with_null(tmp_path, inputs):
+    # sweep 8: `verify: {labels: null}` said "expected a string, got None": a job could not drop a key
+    # that its defaults set
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    spec["jobs"][0]["verify"] = {"labels": None}
+    from qtool.job import plan_jobs
+
+    plans = plan_jobs(write(tmp_path, spec))
+    assert "labels" not in plans[0].verify and plans[0].verify["num_samples"] == 128
+    assert "labels" in plan_jobs(write(tmp_path, batch(inputs)))[0].verify
+
+
+def test_an_output_path_too_long_for_the_system_is_one_line(tmp_path, inputs):
+    # found beside sweep 8: a name longer than the file system takes was exit 3 ("internal error,
+    # OSError: File name too long") in every command and in jobs
+    spec = batch(inputs)
+    folder = tmp_path / ("x" * 300)
+    spec["defaults"]["output_dir"] = str(folder / "{name}")
+    path = write(tmp_path, spec)
+    assert_user_error(invoke("run", path), f"job file '{path}'", "output_dir: cannot write",
+                      "File name too long")
+    assert_user_error(invoke("calibrate", inputs / "digits_cnn.onnx", "-d", inputs / "digits_calib.npz",
+                             "-o", f"{folder}.yaml"), f"cannot write '{folder}.yaml': File name too long")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/proc/self").exists(),
+                    reason="root on Linux: /proc passes the writable check and refuses the folder")
+def test_an_output_folder_that_cannot_be_made_is_named(tmp_path, inputs):
+    # sweep 8: output_dir /proc/nope passed the checks (root may write anywhere) and the error named
+    # the hidden staged file '/proc/nope/.digits_cnn.table.partial-PID.yaml'
+    spec = batch(inputs)
+    spec["jobs"] = spec["jobs"][:1]
+    spec["defaults"]["output_dir"] = "/proc/qtool-no-such/{name}"
+    result = invoke("run", write(tmp_path, spec), "-q", "--json")
+    message = json.loads(result.stdout)[0]["message"]
+    assert message.startswith("cannot make the output folder '/proc/qtool-no-such/asym': "), message
