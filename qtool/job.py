@@ -383,8 +383,8 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
         except QtoolError as e:
             raise fail(key, str(e)) from None
 
-    def fail(key: str, message: str) -> QtoolError:
-        return QtoolError(f"job file '{path}': {prefix}{key}: {message}")
+    def fail(key: str, message: str) -> QtoolError:  # plan_jobs names the file, once
+        return QtoolError(f"{prefix}{key}: {message}")
 
     cal, qz, ver = job["calibrate"], job.get("quantize", {}), job.get("verify", {})
     model = resolve("model", job["model"])
@@ -444,7 +444,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     for i, method in enumerate(qz.get("try_methods", [])):
         if not isinstance(method, str):
             raise fail(f"quantize.try_methods[{i}]", f"expected a method name, got {method!r}")
-        _choice(method, calibrators.names(), f"job file '{path}': {prefix}quantize.try_methods[{i}]")
+        _choice(method, calibrators.names(), f"{prefix}quantize.try_methods[{i}]")
     if qz.get("max_float_layers", 0) < 0:
         raise fail("quantize.max_float_layers", f"must be >= 0, got {qz['max_float_layers']}")
     pixels = None
@@ -489,19 +489,10 @@ def plan_jobs(path: str | Path) -> list[JobPlan]:
     two jobs may share an output_dir but not a name."""
     path = Path(path)
     jobs = load_jobs(path)
-    prefix = f"job file '{path}': "
-
-    def check(spec) -> JobPlan:
-        try:
-            return plan_job(path, *spec)
-        except QtoolError as e:  # the file named once, before every job's problem
-            text = str(e)
-            raise QtoolError(text[len(prefix):] if text.startswith(prefix) else text) from None
-
-    try:
-        plans = _each_job(jobs, check, "in their files")
+    try:  # the file named once, before every job's problem
+        plans = _each_job(jobs, lambda spec: plan_job(path, *spec), "in their files")
     except QtoolError as e:
-        raise QtoolError(f"{prefix}{e}") from None
+        raise QtoolError(f"job file '{path}': {e}") from None
     names = {}
     for plan in plans:
         if plan.name in names:
