@@ -446,8 +446,8 @@ class Evaluator:
                         if node is not None and ops.get(node) == "Sigmoid" else None
                         for i, (_, node, _) in enumerate(self.items)]
 
-    def _run(self, model: onnx.ModelProto, extra: list[str] = (), serialized: bytes | None = None,
-             cut: int | None = None) -> list[list[np.ndarray]]:
+    def _run(self, model: onnx.ModelProto, extra: list[str] = (), cut: int | None = None
+             ) -> list[list[np.ndarray]]:
         names = []
         for _, node_name, out in self.items:
             if node_name is None:
@@ -458,7 +458,6 @@ class Evaluator:
                 raise QtoolError(f"the model variant has no node '{node_name}' to score")
             names.append(node.input[0])
         names += [n for n in extra]
-        given = model
         pixels = pixel_inputs(model)
         if self._prefixes and not pixels:
             if cut is None:
@@ -473,8 +472,7 @@ class Evaluator:
                 return shared
         model = with_outputs(model, names)
         try:
-            session = self.runs.session(serialized if model is given and serialized is not None
-                                        else model.SerializeToString())
+            session = self.runs.session(model)
             return self.runs.run(session, names, [feeds_for(pixels, feeds) for feeds in self.runs.feeds])
         except Exception as e:
             hint = (" (on one sample: these steps run each sample alone, so a model that needs several in "
@@ -506,7 +504,7 @@ class Evaluator:
         serialized = model.SerializeToString()
         key = _digest(serialized)
         if key not in self._scores:
-            self._scores[key] = self._score(model, serialized, cut)
+            self._scores[key] = self._score(model, cut)
             while len(self._scores) > self.KEPT_SCORES:
                 self._scores.popitem(last=False)
         return list(self._scores[key])
@@ -528,9 +526,8 @@ class Evaluator:
         finally:
             self._prefixes = kept
 
-    def _score(self, model: onnx.ModelProto, serialized: bytes | None = None, cut: int | None = None
-               ) -> list[float]:
-        got = self._run(model, serialized=serialized, cut=cut)
+    def _score(self, model: onnx.ModelProto, cut: int | None = None) -> list[float]:
+        got = self._run(model, cut=cut)
         out = []
         for piece in self.pieces:
             i, b_range = piece[0], range(len(got))
