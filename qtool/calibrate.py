@@ -130,6 +130,9 @@ class Statistics:
     preprocess: dict = field(default_factory=dict)  # Preprocess.to_dict() when DATA was images
     # tensors inside If/Loop/Scan bodies: the ones a shard may lack (a branch its data never took)
     body_tensors: set = field(default_factory=set)
+    # per-channel (axis 1) min and max of the tensors ``collect`` was asked for (``channels``), as
+    # float64 vectors, where the pass measured them (not kept with the table)
+    channel_ranges: dict = field(default_factory=dict)
 
     def table(self) -> Table:
         """The table; a tensor that held inf or NaN is listed as ``unbounded`` instead (the data's
@@ -298,16 +301,19 @@ def collect(model_path: str | Path, data_path: str | Path, method: str = "minmax
             params: dict | None = None, num_samples: int | None = None, batch_size: int | None = None,
             progress: bool = True, preprocess=None, log=None,
             histogram_samples: int = stats_graph.DEFAULT_SAMPLES_PER_TENSOR,
-            memory_mb: int = DEFAULT_MEMORY_MB, feeds=None, shard: tuple[int, int] | None = None
-            ) -> Statistics:
+            memory_mb: int = DEFAULT_MEMORY_MB, feeds=None, shard: tuple[int, int] | None = None,
+            channels: list[str] = ()) -> Statistics:
     """``batch_size`` None: chosen from ``memory_mb`` (qtool/batching.py) and told to ``log``;
     when its first batch fails, one sample at a time (``OneAtATime``), told too.
     ``feeds`` (qtool.analyze.Batches): these batches of DATA's samples instead of DATA in order
     (a data-driven step calibrating on its fit samples only). ``shard``: samples [first, stop) of
-    DATA only, in batches from ``first`` (a part of a calibration spread by qtool/cluster.py)."""
+    DATA only, in batches from ``first`` (a part of a calibration spread by qtool/cluster.py).
+    ``channels``: tensors whose per-channel min and max the pass also keeps, where its reductions
+    keep the channels anyway (``Statistics.channel_ranges``: the same numbers as
+    qtool.channels.channel_ranges, without another pass over DATA)."""
     args = (model_path, data_path, method, params, num_samples)
     rest = dict(progress=progress, preprocess=preprocess, log=log, histogram_samples=histogram_samples,
-                memory_mb=memory_mb, feeds=feeds, shard=shard)
+                memory_mb=memory_mb, feeds=feeds, shard=shard, channels=channels)
     return run_or_one_at_a_time(lambda size: _collect(*args, size, **rest), batch_size, log)
 
 
@@ -330,7 +336,7 @@ def collect_methods(model_path: str | Path, data_path: str | Path, methods: list
 
 
 def _collect(model_path, data_path, method, params, num_samples, batch_size, progress, preprocess, log,
-             histogram_samples, memory_mb, feeds, shard) -> Statistics:
+             histogram_samples, memory_mb, feeds, shard, channels) -> Statistics:
     new_calibrator = calibrator_factory(method, params)
     new_calibrator()  # validate before any work
     check_sampling(num_samples, batch_size)
@@ -354,7 +360,8 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
                        0, shapes, {name: new_calibrator() for name in names},
                        data.preprocess.to_dict() if data.preprocess is not None else {})
     bodies = _bodies(model, typed, stats.calibrators, new_calibrator)
-    update = _updater(model, typed, names, {n: stats.calibrators[n] for n in names}, histogram_samples, bodies)
+    update = _updater(model, typed, names, {n: stats.calibrators[n] for n in names}, histogram_samples, bodies,
+                      stats.channel_ranges if channels else None, channels)
     with progress_bar(total - first, "calibrate", progress) as bar:
         try:
             for batch in (data.batches(batch_size, total, first) if feeds is None else feeds):
@@ -474,10 +481,13 @@ def _bodies(model, typed, calibrators_by_name: dict, new_calibrator) -> control.
 
 
 def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogram_samples: int,
-             bodies: control.BodyStats | None = None) -> _Updates:
+             bodies: control.BodyStats | None = None, channel_ranges: dict | None = None,
+             channels: list[str] = ()) -> _Updates:
     """A function feeding one batch to every calibrator: through statistics reduced inside
     onnxruntime when the method declares them, else through the full tensors. ``bodies``: the
-    tensors inside control-flow bodies too (the run then also returns what their nodes read)."""
+    tensors inside control-flow bodies too (the run then also returns what their nodes read).
+    ``channel_ranges``: filled with the per-channel min and max of ``channels`` where the reduced
+    statistics keep a tensor's channels (rank 3 or more, known: ``stats_graph.build``)."""
     prototype = next(iter(calibrators_by_name.values()), None)
     reductions = getattr(prototype, "reductions", None)
     extra = list(bodies.feeds_needed) if bodies is not None else []
@@ -520,8 +530,14 @@ def _updater(model, typed, names: list[str], calibrators_by_name: dict, histogra
     names_in_order = list(calibrators_by_name)
     ordered = [calibrators_by_name[n] for n in names_in_order]
     many = getattr(type(prototype), "update_reduced_many", None)
+    per_channel = {t: layout[t] for t in channels if t in layout and len(shapes.get(t) or ()) >= 3}
 
     def update_reduced(outputs):
+        for t, made in per_channel.items():
+            lo, hi = (np.asarray(outputs[made[k]], np.float64) for k in ("min", "max"))
+            if channel_ranges is not None and lo.ndim == 1 and lo.size:
+                old = channel_ranges.get(t)
+                channel_ranges[t] = (lo, hi) if old is None else (np.minimum(old[0], lo), np.maximum(old[1], hi))
         batch = stats_graph.unpack(outputs, layout)  # a tensor with no elements gives nothing
         if many is not None:  # one vectorised update for every tensor (histogram binning)
             present = [i for i, n in enumerate(names_in_order) if n in batch]

@@ -151,12 +151,20 @@ def not_applicable(options) -> str:
     return ""
 
 
+def wanted(model_path, options) -> list[str]:
+    """The candidates of MODEL where the step applies to ``options``, else none: what an earlier
+    pass over all of DATA can measure for ``fit`` (``measured``)."""
+    return [] if not_applicable(options) else candidates(prepare_file(model_path))
+
+
 def fit(model_path, table: Table, options, table_name: str, data_path, num_samples: int | None = None,
-        batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None
-        ) -> tuple[dict | None, ChannelPick]:
+        batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None,
+        measured: dict | None = None) -> tuple[dict | None, ChannelPick]:
     """Per-channel ranges for the candidates of MODEL (see the module's note), or None where the
     per-channel model does not score ``GAIN_DB`` higher on the held-out samples (or the step does
-    not apply)."""
+    not apply). ``measured``: per-channel ranges over all of DATA that an earlier pass took (the
+    method choice's calibration, ``wanted``): kept, the ranges come from there where it has
+    every tensor, instead of a pass of their own."""
     start = time.perf_counter()
     pick = ChannelPick()
     pick.reason = not_applicable(options)
@@ -184,7 +192,10 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
                             quantize(model_path, table, plain, table_name, channel_ranges=ranges,
                                      scored_only=True)[0]))
     if pick.kept:
-        ranges = _on_all(float_model, list(ranges), data_path, batch_size, preprocess, progress)
+        if measured and fixed_batch(float_model) is None and all(t in measured for t in ranges):
+            ranges = {t: measured[t] for t in ranges}  # the same numbers (tests/test_channels.py)
+        else:
+            ranges = _on_all(float_model, list(ranges), data_path, batch_size, preprocess, progress)
         pick.all_samples = True
     pick.seconds = time.perf_counter() - start
     return (ranges if pick.kept else None), pick

@@ -22,7 +22,7 @@ from .executor import IntegerExecutor
 from .model import FloatRunner, graph_inputs, input_shape, load_model
 from .bias_correction import BIAS_SAMPLES, fit_correction, quantize_corrected
 from .calibrate import batch_plan
-from .channels import fit as fit_channels
+from .channels import fit as fit_channels, wanted as channel_candidates
 from .placement import place
 from .sizing import fixed_batch, wide_activations
 from .quantize import DATA_STEPS_KEY, keeping_candidates, quantize
@@ -81,8 +81,11 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
                                        n, batch, calibrate_batch=steps.calibrate_batch, **common)
         changed = True
     elif steps.method_choice is not False:
+        # a chosen method's calibration over all of DATA measures the per-channel ranges on the way
+        on_the_way = channel_candidates(model_path, options) if steps.channel_scales is not False \
+            and not steps.searching else []
         table, pick = choose_method(model_path, table, options, table_name, data_path, num_samples=n,
-                                    batch_size=batch, **common)
+                                    batch_size=batch, channels=on_the_way, **common)
         changed = pick.changed
     if changed:  # int16 activations (placement, the search) keep the ranges as calibrated
         table = int16_as_calibrated(table, given)
@@ -91,7 +94,8 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     corrections: dict = {}
     if not steps.searching:
         if steps.channel_scales is not False:
-            ranges, channeled = fit_channels(model_path, table, options, table_name, data_path, n, batch, **common)
+            ranges, channeled = fit_channels(model_path, table, options, table_name, data_path, n, batch,
+                                             measured=pick.channel_ranges if pick else None, **common)
         if steps.placement is not False:
             options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
         # fitted on per-channel int8 scales: int4 and blocked weights keep nearest rounding

@@ -542,6 +542,8 @@ class MethodPick:
     seconds: float = 0.0
     ends: int = 0  # tensors past the last layer the clipping methods' tables keep at min-max
     reason: str = ""  # why no other method was tried
+    # per-channel ranges over all of DATA measured with the chosen method's (``channels``); not reported
+    channel_ranges: dict = field(default_factory=dict, repr=False)
 
     @property
     def changed(self) -> bool:
@@ -559,7 +561,7 @@ class MethodPick:
 def choose_method(model_path, table: Table, options, table_name: str, data_path,
                   methods=MODEL_METHODS, num_samples: int | None = BIAS_SAMPLES, batch_size: int = 8,
                   progress: bool = True, preprocess=None,
-                  holdout: int | None = None) -> tuple[Table, MethodPick]:
+                  holdout: int | None = None, channels: list[str] = ()) -> tuple[Table, MethodPick]:
     """The calibration method for the whole model: ``table`` as given and each other of
     ``methods`` calibrated on the fit samples of DATA, scored there (Evaluator: the worst output
     or part); where another method scores best, it is scored on the held-out samples against
@@ -575,7 +577,10 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     and the fit-sample score that preferred them came before bias correction, which undoes most
     of what it measured (zoo and transformer bench, `--activation-type int16 --data`: the only
     two models where another method was chosen lost 7.4 dB (CRNN + BiLSTM, mse) and 3.0 dB
-    (PP-OCRv4 rec, mse) against keeping the minmax table)."""
+    (PP-OCRv4 rec, mse) against keeping the minmax table).
+
+    ``channels``: tensors whose per-channel ranges over all of DATA the calibration of a chosen
+    method measures on the way (``pick.channel_ranges``), for the per-channel scales step."""
     start = time.perf_counter()
     pick = MethodPick(table_method=table.method, chosen=table.method)
     if options.activation_type == "int16":
@@ -614,7 +619,8 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
         pick.seconds = time.perf_counter() - start
         return table, pick
     pick.chosen = best
-    chosen = collect(model_path, data_path, best, batch_size=batch_size, progress=False,
-                     preprocess=preprocess).table_keeping_ends(ends)
+    stats = collect(model_path, data_path, best, batch_size=batch_size, progress=False, preprocess=preprocess,
+                    channels=channels)
+    pick.channel_ranges = stats.channel_ranges
     pick.seconds = time.perf_counter() - start
-    return chosen, pick
+    return stats.table_keeping_ends(ends), pick

@@ -215,3 +215,36 @@ def test_a_model_with_a_fixed_batch_is_measured_again_in_whole_batches(made, tmp
     for t, (lo, hi) in ranges.items():
         np.testing.assert_array_equal(lo, want[t][0], err_msg=t)
         np.testing.assert_array_equal(hi, want[t][1], err_msg=t)
+
+
+def test_a_calibration_measures_the_same_ranges_on_the_way(made, monkeypatch):
+    """quantize --data's method choice calibrates a chosen method on all of DATA; the per-channel
+    ranges its reductions keep anyway are the numbers the step's own pass would measure, and the
+    step then makes no pass of its own: the same model."""
+    from qtool import channels
+    from qtool.calibrate import collect
+    from qtool.channels import channel_ranges, wanted
+
+    _, model, data, _, table = made
+    tensors = wanted(model, QuantizeOptions())
+    assert tensors == ["a", "b", "c", "d"]
+    assert wanted(model, QuantizeOptions(format="qoperator")) == []
+    stats = collect(model, data, "mse", progress=False, batch_size=8, channels=tensors)
+    float_model = prepare(load_model(model), "m")
+    own = channel_ranges(float_model, tensors, [{"x": np.load(data)["x"]}], progress=False)
+    assert set(stats.channel_ranges) == set(tensors)
+    for t in tensors:
+        np.testing.assert_array_equal(stats.channel_ranges[t][0], own[t][0], err_msg=t)
+        np.testing.assert_array_equal(stats.channel_ranges[t][1], own[t][1], err_msg=t)
+    assert collect(model, data, "mse", progress=False, batch_size=8).channel_ranges == {}
+    passes = []
+    monkeypatch.setattr(channels, "_on_all", lambda *a, **k: passes.append(a) or {})
+    ranges, pick = fit(model, table, QuantizeOptions(), "t", data, progress=False, measured=stats.channel_ranges)
+    assert pick.kept and not passes
+    for t, (lo, hi) in ranges.items():
+        np.testing.assert_array_equal(lo, own[t][0], err_msg=t)
+        np.testing.assert_array_equal(hi, own[t][1], err_msg=t)
+    # one tensor missing: the step measures them all itself
+    fit(model, table, QuantizeOptions(), "t", data, progress=False,
+        measured={t: stats.channel_ranges[t] for t in tensors[1:]})
+    assert len(passes) == 1
