@@ -34,7 +34,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from .batching import CORES
-from .model import node_reads, subgraphs
+from .model import node_reads
 
 MAX_WORKERS = 8  # runs in flight at once: each holds one sample's activations
 # float32 bytes of dequantized constants a session holds at most: a VGG16's 553 MB would stay
@@ -46,6 +46,7 @@ FOLDED_TYPES = (np.int8, np.uint8, np.int16, np.uint16, np.int32)
 # the ops that compute the same from a constant as from a value made at run time (checked on
 # PP-OCRv4 rec and det, every tensor: Conv, ConvTranspose, Add, Mul); a MatMul or Gemm packs a
 # constant B ahead and sums it in other blocks, an RNN packs its weights
+_GRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 FOLDED_READERS = frozenset({"Conv", "ConvTranspose", "Add", "Sub", "Mul", "Div", "Max", "Min", "PRelu",
                             "Where", "Concat", "Gather", "Clip", "Reshape", "Transpose", "Squeeze",
                             "Unsqueeze", "Expand", "Slice", "Identity"})
@@ -164,15 +165,19 @@ def dequantized_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     for vi in graph.input:  # an initializer that an input can override is no constant
         inits.pop(vi.name, None)
     outputs = {o.name for o in graph.output}
-    readers: dict[str, set[str]] = {}
+    dequantizing = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output and n.output[0] not in outputs
+                    and n.input and n.input[0] in inits]
+    if not dequantizing:
+        return model
+    readers: dict[str, set[str]] = {n.output[0]: set() for n in dequantizing}
     for node in graph.node:
-        for name in node_reads(node):
-            readers.setdefault(name, set()).add(
-                node.op_type if node.domain in ("", "ai.onnx") and not subgraphs(node) else "")
+        plain = node.domain in ("", "ai.onnx") and not any(a.type in _GRAPHS for a in node.attribute)
+        for name in (node.input if plain else node_reads(node)):
+            if name in readers:
+                readers[name].add(node.op_type if plain else "")
     made, total = {}, 0
-    for node in graph.node:
-        if node.op_type != "DequantizeLinear" or not node.output or node.output[0] in outputs or \
-                not readers.get(node.output[0], {""}) <= FOLDED_READERS:
+    for node in dequantizing:
+        if not readers[node.output[0]] or not readers[node.output[0]] <= FOLDED_READERS:
             continue
         value = _dequantized(node, inits)
         if value is None or total + value.nbytes > FOLD_BYTES:
