@@ -31,7 +31,7 @@ from . import __version__, control, masks, stats_graph
 from .batching import CALIBRATE_BATCH_CAP, CALIBRATE_FACTOR, DEFAULT_MEMORY_MB, OneAtATime, check_memory, \
     fixed_bytes, run_or_one_at_a_time
 from .data import Dataset, check_sampling, load_dataset
-from .errors import QtoolError
+from .errors import DataError, QtoolError
 from .fileio import atomic_write
 from .model import (FloatRunner, file_digest, first_line, float_tensors, graph_inputs, input_shape,
                     load_model, node_reads, prepare_file, weight_bytes)
@@ -368,7 +368,8 @@ def _collect(model_path, data_path, method, params, num_samples, batch_size, pro
                 try:
                     update(batch)
                 except QtoolError as e:
-                    if chosen and batch_size > 1 and stats.samples == 0 and data.samples_in(batch) > 1:
+                    if chosen and batch_size > 1 and stats.samples == 0 and data.samples_in(batch) > 1 \
+                            and not isinstance(e, DataError):
                         raise OneAtATime(batch_size, e) from None
                     raise
                 n = data.samples_in(batch)

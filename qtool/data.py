@@ -17,7 +17,7 @@ import onnx
 
 from .errors import QtoolError
 from .model import graph_inputs, input_shape, open_first, state_inputs
-from .pixels import channel_count, count_misfit, plural
+from .pixels import channel_count, count_misfit, pixel_inputs, plural
 
 _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
              onnx.TensorProto.FLOAT16: np.float16}
@@ -124,6 +124,7 @@ class FileDataset(Dataset):
     def __init__(self, path: Path, files: list[Path], read, model: onnx.ModelProto):
         self.path, self.files, self.read, self.extra = path, files, read, {}
         self.inputs = {vi.name: vi for vi in graph_inputs(model)}
+        self.pixels = set(pixel_inputs(model))  # quantize --input-pixels: float data are converted
         self._first = self.read(files[0])
         missing = [name for name in self.inputs if name not in self._first]
         if missing:
@@ -149,7 +150,8 @@ class FileDataset(Dataset):
                 raise QtoolError(f"data folder '{self.path}': '{self.files[start].name}' holds no whole "
                                  f"inputs where '{self.files[0].name}' does (arrays of the model inputs' own rank)")
             source = _file_array(self.files[start])
-            return {name: np.ascontiguousarray(sample[name], dtype=_check_array(source, vi, sample[name], None))
+            return {name: np.ascontiguousarray(sample[name], dtype=_check_array(source, vi, sample[name], None,
+                                                                               pixels=name in self.pixels))
                     for name, vi in self.inputs.items()}
         samples = [self.read(f) for f in self.files[start:stop]]
         feeds = {}
@@ -159,7 +161,8 @@ class FileDataset(Dataset):
                 raise QtoolError(f"data folder '{self.path}': samples for input '{name}' have "
                                  f"different shapes {sorted(shapes)}; use --batch-size 1")
             stacked = np.stack([s[name] for s in samples])
-            feeds[name] = stacked.astype(_check_array(self._batch_array(start, stop), vi, stacked), copy=False)
+            feeds[name] = stacked.astype(_check_array(self._batch_array(start, stop), vi, stacked,
+                                                      pixels=name in self.pixels), copy=False)
         return feeds
 
     def _batch_array(self, start: int, stop: int) -> str:
@@ -575,7 +578,9 @@ def load_dataset(path: str | Path, model: onnx.ModelProto, preprocess: Preproces
     for name, axis in axes.items():
         if axis not in (None, 0) and isinstance(chosen[name], RowFile):
             chosen[name] = chosen[name][:]  # a state or the like: small, and read across rows
-    dtypes = {vi.name: _check_array(_file_array(path), vi, chosen[vi.name], axes[vi.name], vi.name in stacked) for vi in inputs}
+    pixels = pixel_inputs(model)
+    dtypes = {vi.name: _check_array(_file_array(path), vi, chosen[vi.name], axes[vi.name], vi.name in stacked,
+                                    pixels=vi.name in pixels) for vi in inputs}
     if not stacked:
         check_named_dims(f"data file '{path}'", inputs, chosen, axes)
     check_indices(f"data file '{path}'", model, chosen)
@@ -674,12 +679,14 @@ def _match_inputs(path: Path, arrays: dict[str, np.ndarray], inputs) -> dict[str
 
 
 def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int | None = 0,
-                 stacked: bool = False) -> np.dtype:
+                 stacked: bool = False, pixels: bool = False) -> np.dtype:
     """``a`` (``source`` names it: "data file 'x.npz' array") checked against the model input
     (numbers, shape, finite values: read in chunks, so a large array in a file is not loaded
     whole), its samples along ``axis`` (None: fed whole), or
     whole inputs stacked along its first axis (``stacked``); returns the type to feed it as (the
-    input's float type for floats), for the caller to convert."""
+    input's float type for floats), for the caller to convert. ``pixels``: the uint8 input of a
+    ``quantize --input-pixels`` model, which also takes float data made with the preprocessing it
+    records (fed as float32; the executor turns them back into pixels, qtool/pixels.py)."""
     name = vi.name
     elem = vi.type.tensor_type.elem_type
     if a.dtype.kind not in "biuf":
@@ -689,6 +696,8 @@ def _check_array(source: str, vi: onnx.ValueInfoProto, a: np.ndarray, axis: int 
         raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; "
                          f"model expects {np.dtype(_NP_TYPES[elem])} (convert it with .astype)")
     wanted = _integer_type(elem)
+    if pixels and a.dtype.kind == "f":
+        wanted, elem = None, onnx.TensorProto.FLOAT  # normalized images: converted when fed
     if wanted is not None and a.dtype.kind == "f":  # ids, positions, a mask: no float will do
         raise QtoolError(f"{source} for input '{name}' has dtype {a.dtype}; model expects {wanted} "
                          f"(token ids, positions or a mask: save it as integers)")

@@ -20,6 +20,11 @@ class QtoolError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+class DataError(QtoolError):
+    """What the data hold is wrong for the model, whatever the batch: a command that chose its
+    batch size does not retry one sample at a time on it (it would only fail again, later)."""
+
+
 class IndexOutOfRange(QtoolError):
     """An index the data holds that a table does not have (a token id beyond an embedding's rows):
     raised by a kernel, named with its node by the executor."""

@@ -18,7 +18,7 @@ import numpy as np
 from .batching import DEFAULT_MEMORY_MB, EXEC_BATCH_CAP, EXEC_FACTOR, EXEC_FACTOR_WIDE, OneAtATime, fixed_bytes
 from .sizing import batch_is_chosen, default_batch, wide_activations
 from .data import check_sampling, images_for, load_dataset, output_sample_axes
-from .errors import QtoolError
+from .errors import DataError, QtoolError
 from .executor import IntegerExecutor
 from .fileio import NpzWriter
 from .model import load_model
@@ -94,7 +94,7 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
                 elif not whole:  # an output of no sample axis (a state [25]): one at a time too
                     outputs = per_sample(outputs, n, axes)
             except QtoolError as e:
-                if chosen and done == 0 and batch_size > 1 and n > 1:
+                if chosen and done == 0 and batch_size > 1 and n > 1 and not isinstance(e, DataError):
                     raise OneAtATime(batch_size, e, e.note if isinstance(e, Unsplittable) else "") from None
                 raise
             shapes = {name: list(value.shape) if whole else [len(data), *value.shape[1:]]

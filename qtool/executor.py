@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 
 from . import boundary, control, masks
-from .errors import IndexOutOfRange, QtoolError
+from .errors import DataError, IndexOutOfRange, QtoolError
 from .model import (batch_hint, first_line, graph_inputs, initializers, outer_reads, subgraph_reason, subgraphs,
                     without_weight_bytes)
 from .pixels import feeds_for, pixel_inputs
@@ -705,7 +705,7 @@ class IntegerExecutor:
             except masks.MaskError as e:
                 raise QtoolError(f"{e} at Softmax node '{step.node.name}'") from None
             except IndexOutOfRange as e:
-                raise QtoolError(f"{step.node.op_type} node '{step.node.name}' reads {e}: the data holds "
+                raise DataError(f"{step.node.op_type} node '{step.node.name}' reads {e}: the data holds "
                                  f"ids the model has no entry for") from None
             # a 0-d result of numpy arithmetic is a numpy scalar (a Loop counter's Add, chars2vec):
             # an array again, for onnxruntime's float steps and the executor's own

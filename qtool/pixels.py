@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import QtoolError
+from .errors import DataError, QtoolError
 
 METADATA_KEY = "qtool.input_pixels"
 
@@ -81,9 +81,11 @@ class PixelInput:
         return int(np.clip(np.rint(float(mean.mean()) / self.scale), 0, 255))
 
 
-def fold(model: onnx.ModelProto, spec: PixelInput) -> tuple[str, int]:
+def fold(model: onnx.ModelProto, spec: PixelInput, tensors: dict | None = None) -> tuple[str, int]:
     """Move the normalization of the model's only input into the Conv layers that read it (in
-    place; ``model`` is prepared). Returns the input's name and the pixels' zero point."""
+    place; ``model`` is prepared). Returns the input's name and the pixels' zero point.
+    ``tensors``: the calibration table's entries (``.min``, ``.max``), whose range for the input
+    must be one that pixels 0 to 255 give under ``spec`` (``check_range``)."""
     spec.check()
     inputs = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
     if len(inputs) != 1:
@@ -110,6 +112,9 @@ def fold(model: onnx.ModelProto, spec: PixelInput) -> tuple[str, int]:
     channels = numpy_helper.to_array(inits[readers[0].input[1]]).shape[1]
     mean, std = spec.per_channel(channels)
     zero = spec.zero_point(channels)
+    entry = (tensors or {}).get(name)
+    if entry is not None:
+        check_range(name, spec, channels, entry.min, entry.max)
     for node in readers:
         w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
         if w.shape[1] != channels:
@@ -135,6 +140,32 @@ def fold(model: onnx.ModelProto, spec: PixelInput) -> tuple[str, int]:
     return name, zero
 
 
+def pixel_span(spec: PixelInput, channels: int) -> tuple[float, float]:
+    """The lowest and highest normalized value that pixels -0.5 to 255.5 (0 to 255 and half a
+    grey level of rounding) give under ``spec``, over every channel."""
+    mean, std = spec.per_channel(channels)
+    ends = [(p * spec.scale - mean) / std for p in (-0.5, 255.5)]
+    return float(np.minimum(*ends).min()), float(np.maximum(*ends).max())
+
+
+def _settings(spec: PixelInput) -> str:
+    def values(v) -> str:
+        return ",".join(f"{x:g}" for x in v)
+    return f"--scale {spec.scale:g}, --mean {values(spec.mean)}, --std {values(spec.std)}"
+
+
+def check_range(name: str, spec: PixelInput, channels: int, lo: float, hi: float) -> None:
+    """The calibrated range [lo, hi] of input ``name`` is one that 8-bit pixels give under
+    ``spec``, or a one-line error: the data were made with other preprocessing, and a uint8 input
+    cannot hold what the table measured (at --scale 0.001 for data of range [0, 1]: pixels up to
+    1000, clipped to 255)."""
+    low, high = pixel_span(spec, channels)
+    if lo < low or hi > high:
+        raise QtoolError(f"--input-pixels: the table's range of input '{name}' is [{lo:.4g}, {hi:.4g}], beyond "
+                         f"[{low:.4g}, {high:.4g}], what pixels 0 to 255 give at {_settings(spec)}: the "
+                         f"calibration data were made with other preprocessing; give the one they were made with")
+
+
 def _fresh(base: str, taken: set[str]) -> str:
     name, k = base, 1
     while name in taken:
@@ -154,13 +185,20 @@ def pixel_inputs(model: onnx.ModelProto) -> dict[str, dict]:
     return json.loads(entry) if entry else {}
 
 
-def as_pixels(x: np.ndarray, info: dict) -> np.ndarray:
+def as_pixels(x: np.ndarray, info: dict, name: str = "") -> np.ndarray:
     """Float data normalized as ``info`` says, back to the uint8 pixels they were made from
-    (rounded: data that came from 8-bit pixels come back exactly)."""
+    (rounded: data that came from 8-bit pixels come back exactly). Data that give pixels beyond
+    0 to 255 (by more than half a grey level) were made with other preprocessing: a one-line
+    error naming input ``name``, not pixels clipped without a word."""
     channels = x.shape[1]
-    mean, std = PixelInput(tuple(info["mean"]), tuple(info["std"]), info["scale"]).per_channel(channels)
+    spec = PixelInput(tuple(info["mean"]), tuple(info["std"]), info["scale"])
+    mean, std = spec.per_channel(channels)
     shape = (1, -1) + (1,) * (x.ndim - 2)
     p = (x.astype(np.float64) * std.reshape(shape) + mean.reshape(shape)) / info["scale"]
+    if p.size and not (p.min() >= -0.5 and p.max() <= 255.5):
+        raise DataError(f"input '{name}': the float data give pixels from {p.min():.4g} to {p.max():.4g} under the "
+                         f"preprocessing the model records ({_settings(spec)}), beyond 0 to 255: they were made "
+                         f"with other preprocessing; give data made with it, or its uint8 pixels")
     return np.clip(np.rint(p), 0, 255).astype(np.uint8)
 
 
@@ -168,5 +206,5 @@ def feeds_for(pixels: dict[str, dict], feeds: dict[str, np.ndarray]) -> dict[str
     """``feeds`` with each pixel input given as float turned into its uint8 pixels."""
     if not pixels:
         return feeds
-    return {k: as_pixels(v, pixels[k]) if k in pixels and v.dtype.kind == "f" else v
+    return {k: as_pixels(v, pixels[k], k) if k in pixels and v.dtype.kind == "f" else v
             for k, v in feeds.items()}

@@ -42,8 +42,10 @@ class Precisions:
 def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions:
     """The table at ``path``, every name checked against ``model``'s node names and op types."""
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QtoolError(f"precision table '{path}' is not a text file (byte {e.start} is not UTF-8)") from None
+    except OSError as e:
         raise QtoolError(f"precision table '{path}': {e.strerror or e}") from None
     names = {n.name for n in all_nodes(model.graph)} | {n.op_type for n in all_nodes(model.graph)}  # bodies too
     int16, floats = [], []

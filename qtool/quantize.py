@@ -372,7 +372,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     report.warnings += _not_followed_by_onnxruntime(options)
     pixels = None
     if options.input_pixels is not None:
-        pixels = fold(model, options.input_pixels)  # (input name, zero point)
+        pixels = fold(model, options.input_pixels, table.tensors)  # (input name, zero point)
     corrections = dict(bias_corrections or {})
     _add_zero_biases(model, corrections)
     if options.format != "qdq" or options.target != DEFAULT_TARGET:

@@ -202,6 +202,16 @@ def test_precision_table_errors_name_the_line(tmp_path, text, message, cnn):
     assert not (tmp_path / "q.onnx").exists()
 
 
+def test_a_precision_table_not_in_utf8(demo_model, demo_table, tmp_path):
+    """One Latin-1 byte after a good line: one line, exit 2 (was exit 3, an AttributeError)."""
+    write_table(demo_table, tmp_path / "t.yaml")
+    (tmp_path / "qtable.txt").write_bytes(b"conv1 INT16\n\xff\xfe\n")
+    result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",
+                    "--precision-table", tmp_path / "qtable.txt")
+    assert_user_error(result, f"precision table '{tmp_path / 'qtable.txt'}' is not a text file (byte 12 is not UTF-8)")
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_a_missing_precision_table(demo_model, demo_table, tmp_path):
     write_table(demo_table, tmp_path / "t.yaml")
     result = invoke("quantize", demo_model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx",

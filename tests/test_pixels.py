@@ -203,7 +203,46 @@ def test_input_pixels_given_other_than_recorded_is_said(files, tmp_path):
     same = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "a.onnx", "--input-pixels", "-q")
     assert same.exit_code == 0 and "warning: image preprocessing" not in same.stderr, same.output
     other = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "b.onnx", "--input-pixels",
-                   "--mean", "0.1,0.1,0.1", "-q")
+                   "--mean", "0.45,0.4,0.3", "-q")
     assert other.exit_code == 0, other.output
     assert "warning: image preprocessing: mean" in other.stderr and "given, " in other.stderr \
         and "recorded in table file" in other.stderr and "the given one is used" in other.stderr, other.stderr
+
+
+def test_exec_turns_float_data_into_the_pixels_and_refuses_other_preprocessing(files, tmp_path):
+    """exec reads float data made with the recorded preprocessing as verify does (it refused them:
+    "model expects uint8 (token ids, positions or a mask ...)"): the same outputs as from the
+    pixels. Float data beyond what pixels give (made with other preprocessing) are one line,
+    exit 2, in exec and verify (verify clipped them to 0-255 without a word), and not retried
+    one sample at a time."""
+    paths, p = files
+    table, out = tmp_path / "t.yaml", tmp_path / "q.onnx"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    assert invoke("quantize", paths["model"], "-t", table, "-o", out, "--input-pixels", "--mean", "0.5,0.4,0.3",
+                  "--std", "0.5,0.25,0.2", "-q").exit_code == 0
+    np.savez(tmp_path / "pixels.npz", x=p)
+    for data, name in ((paths["data"], "from_floats.npz"), (tmp_path / "pixels.npz", "from_pixels.npz")):
+        result = invoke("exec", out, "-i", data, "-o", tmp_path / name, "-q")
+        assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(np.load(tmp_path / "from_floats.npz")["y"], np.load(tmp_path / "from_pixels.npz")["y"])
+    np.savez(tmp_path / "other.npz", x=_normalized(p) * 3)  # pixels up to ~3x255
+    result = invoke("exec", out, "-i", tmp_path / "other.npz", "-o", tmp_path / "o.npz", "-q")
+    assert_user_error(result, "input 'x': the float data give pixels from")
+    assert "beyond 0 to 255" in result.stderr and "one sample at a time" not in result.stderr
+    assert not (tmp_path / "o.npz").exists()
+    result = invoke("verify", paths["model"], out, "-d", tmp_path / "other.npz", "-q")
+    assert_user_error(result, "input 'x': the float data give pixels from")
+
+
+def test_a_table_range_no_pixels_give_is_refused(files, tmp_path):
+    """--input-pixels with a scale the calibration data were not made with: the table's input
+    range [-1.6, 3.5] is beyond what pixels 0-255 give, so a uint8 input cannot hold it (quantize
+    wrote the model without a word, and verify failed it at -1 dB)."""
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "q.onnx", "--input-pixels",
+                    "--scale", "0.001")
+    assert_user_error(result, "--input-pixels: the table's range of input 'x' is [")
+    assert "what pixels 0 to 255 give at --scale 0.001, --mean 0, --std 1" in result.stderr
+    assert not (tmp_path / "q.onnx").exists()

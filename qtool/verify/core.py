@@ -18,7 +18,7 @@ from ..analyze import Analysis, analyze, format_analysis
 from ..segments import FloatSegments
 from ..sizing import activation_sizes, batch_is_chosen, default_batch, fixed_batch, tensor_sizes
 from ..data import check_sampling, load_dataset
-from ..errors import QtoolError
+from ..errors import DataError, QtoolError
 from ..executor import IntegerExecutor
 from ..batching import DEFAULT_LAYERS, DEFAULT_MEMORY_MB, VERIFY_BATCH_CAP, VERIFY_FACTOR, OneAtATime, fixed_bytes, \
     reference_parts, release_freed, run_or_one_at_a_time, split_peak
@@ -391,7 +391,8 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
                     finally:
                         reference = float_side.result()
             except QtoolError as e:
-                if chosen and batches == 0 and batch_size > 1 and data.samples_in(feeds) > 1:
+                if chosen and batches == 0 and batch_size > 1 and data.samples_in(feeds) > 1 \
+                        and not isinstance(e, DataError):
                     raise OneAtATime(batch_size, e) from None
                 raise
             for c in outputs:
