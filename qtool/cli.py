@@ -292,7 +292,7 @@ def calibrate(
     """
     from .calibrate import collect, parse_params
     from .data import holds_images
-    from .table_formats import STDIO, check_table_target, output_format, write_table
+    from .table_formats import STDIO, check_table_target, dropped, output_format, write_table
 
     try:
         if output is None and stats_out is None:
@@ -325,6 +325,8 @@ def calibrate(
             stats.save(stats_out)
         if output is not None:
             write_table(table, output, fmt)
+            if dropped(table, fmt):
+                _log(f"warning: {dropped(table, fmt)}")
         _made(folders, quiet)
     except QtoolError as e:
         raise _fail(e)
@@ -362,7 +364,7 @@ def merge(
       qtool merge part1.npz part2.npz -o table.yaml
     """
     from .calibrate import merge as run
-    from .table_formats import check_table_target, write_table
+    from .table_formats import check_table_target, dropped, output_format, write_table
 
     try:
         _one_stdout_writer(as_json, output)
@@ -370,6 +372,8 @@ def merge(
         check_not_reading(output, *stats)
         table = run(stats)
         write_table(table, output)
+        if dropped(table, output_format(output)):
+            _log(f"warning: {dropped(table, output_format(output))}")
     except QtoolError as e:
         raise _fail(e)
     if as_json:
@@ -405,12 +409,14 @@ def convert_table(
       qtool convert-table calibration.json -o table.yaml          # from onnxruntime
       qtool convert-table calib.txt --from cali_table -o t.bin --to trt
     """
-    from .table_formats import FORMAT_NAMES, convert_table as run
+    from .table_formats import FORMAT_NAMES, convert_table as run, dropped
 
     try:
         converted, origin, fmt = run(table, output, to, source)
     except QtoolError as e:
         raise _fail(e)
+    if dropped(converted, fmt):
+        _log(f"warning: {dropped(converted, fmt)}")
     _log(f"converted {len(converted.tensors)} tensors: {FORMAT_NAMES[origin]} -> {FORMAT_NAMES[fmt]} "
          f"-> {output}")
 

@@ -108,14 +108,19 @@ def parse_table(path: Path, text: str) -> Table:
         except (TypeError, ValueError):
             raise QtoolError(f"table file '{path}': header key '{key}' is not {kind.__name__}") from None
     extra = {key: data[key] for key in ("params", "input_shapes", "preprocess") if isinstance(data.get(key), dict)}
-    unbounded = data.get("unbounded") or []
+    return Table(**header, tensors=tensors, int16_ranges=int16_ranges_of(path, data.get("int16_ranges")),
+                 unbounded=unbounded_of(path, data.get("unbounded")), **extra)
+
+
+def unbounded_of(path: Path, names) -> list:
+    """The optional ``unbounded`` list (tensor names) of a table file."""
+    unbounded = names or []
     if not isinstance(unbounded, list) or not all(isinstance(name, str) for name in unbounded):
         raise QtoolError(f"table file '{path}': 'unbounded' must be a list of tensor names")
-    return Table(**header, tensors=tensors, int16_ranges=_int16_ranges(path, data.get("int16_ranges")),
-                 unbounded=unbounded, **extra)
+    return unbounded
 
 
-def _int16_ranges(path: Path, ranges) -> dict:
+def int16_ranges_of(path: Path, ranges) -> dict:
     """The optional ``int16_ranges`` mapping (tensor -> [min, max]) of a table file."""
     if ranges is None:
         return {}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .errors import QtoolError
 from .fileio import atomic_write, check_writable
-from .table import Table, TensorEntry, parse_table
+from .table import Table, TensorEntry, int16_ranges_of, parse_table, unbounded_of
 
 READ_FORMATS = ("yaml", "json", "cali_table", "trt", "ort")
 WRITE_FORMATS = ("yaml", "json", "cali_table", "trt")
@@ -208,15 +208,21 @@ def parse_cali_table(path: Path, text: str) -> Table:
     except ValueError:
         raise QtoolError(f"table file '{path}', line {number}: sample number '{samples}' is not "
                          f"an integer") from None
-    for key, fact in (("params", "qtool params"), ("input_shapes", "qtool input shapes")):
+    for key, fact in (("params", "qtool params"), ("input_shapes", "qtool input shapes"),
+                      ("preprocess", "qtool preprocess"), ("int16_ranges", "qtool int16 ranges"),
+                      ("unbounded", "qtool unbounded")):
         if fact in facts:
             value, number = facts[fact]
             try:
                 header[key] = json.loads(value)
             except ValueError:
                 header[key] = None
-            if not isinstance(header[key], dict):
-                raise QtoolError(f"table file '{path}', line {number}: '{fact}' is not a JSON object")
+            kind = list if key == "unbounded" else dict
+            if not isinstance(header[key], kind):
+                raise QtoolError(f"table file '{path}', line {number}: '{fact}' is not a JSON "
+                                 f"{'list' if kind is list else 'object'}")
+    header["int16_ranges"] = int16_ranges_of(path, header.get("int16_ranges"))
+    header["unbounded"] = unbounded_of(path, header.get("unbounded"))
     return Table(**header, tensors=tensors)
 
 
@@ -332,6 +338,14 @@ def dumps_cali_table(table: Table) -> str:
              "quantization threshold calculation method": table.method,  # TPU-MLIR's wording
              "sample number": table.samples, "qtool params": json.dumps(table.params),
              "qtool input shapes": json.dumps(table.input_shapes)}
+    # what only qtool reads, where the table has it (the others' bytes are as before)
+    if table.preprocess:
+        facts["qtool preprocess"] = json.dumps(table.preprocess, sort_keys=True)
+    if table.unbounded:
+        facts["qtool unbounded"] = json.dumps(list(table.unbounded))
+    if table.int16_ranges:
+        facts["qtool int16 ranges"] = json.dumps({name: [float(lo), float(hi)]
+                                                  for name, (lo, hi) in table.int16_ranges.items()})
     lines = ["# qtool calibration table in TPU-MLIR cali_table format"]
     lines += [f"# {key}: {value}" for key, value in facts.items() if value != ""]  # "" = unknown
     lines += ["###", "# op_name    threshold    min    max"]
@@ -350,6 +364,20 @@ def trt_hex(threshold: float) -> str:
         return struct.pack(">f", threshold / TRT_QMAX).hex()
     except OverflowError:
         raise QtoolError(f"threshold {threshold} does not fit a float32 scale") from None
+
+
+def dropped(table: Table, fmt: str) -> str:
+    """What writing ``table`` as ``fmt`` leaves out, for a warning ('' where nothing): a TensorRT
+    cache holds one scale a tensor and nothing else."""
+    if fmt != "trt":
+        return ""
+    lost = [what for what, held in (("the tensors without a range (unbounded)", table.unbounded),
+                                    ("the int16 ranges", table.int16_ranges),
+                                    ("the image preprocessing", table.preprocess)) if held]
+    if not lost:
+        return ""
+    return (f"a TensorRT cache cannot hold {', '.join(lost)}: they are left out (a YAML, JSON or "
+            f"cali_table keeps them)")
 
 
 def dumps_trt_cache(table: Table) -> str:

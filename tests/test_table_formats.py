@@ -49,6 +49,37 @@ def test_cali_table_round_trip_is_exact(tmp_path, demo_table):
     assert back.input_shapes == {"input": ["N", 1, 8, 8]}
 
 
+def test_cali_table_keeps_what_only_qtool_reads(tmp_path, demo_table):
+    """A table's image preprocessing, unbounded tensors and int16 ranges go into a cali_table as
+    '# qtool ...' lines and come back (they were dropped without a word: a table calibrated on
+    grey images then asked for --channels gray, an unbounded tensor was "not in the table");
+    every row still reads as TPU-MLIR's importer reads one. A TensorRT cache cannot hold them:
+    the CLI says what it leaves out."""
+    from dataclasses import replace
+
+    name = next(iter(demo_table.tensors))
+    full = replace(demo_table, preprocess={"channels": "gray", "mean": [0.5], "std": [0.25], "scale": 1 / 255},
+                   unbounded=["gone"], int16_ranges={name: (-1.25, 3.0000000000000004)})
+    path = tmp_path / "digits_cali_table"
+    write_table(full, path)
+    text = path.read_text()
+    assert "# qtool unbounded: [\"gone\"]" in text and "# qtool preprocess: {" in text
+    rows = [line for line in text.splitlines() if not line.startswith("#")]
+    assert rows and all(TPU_MLIR_ROW.fullmatch(line) for line in rows)
+    assert read_table(path) == full
+    # a table without them writes the bytes it wrote before
+    write_table(demo_table, tmp_path / "plain_cali_table")
+    assert "qtool unbounded" not in (tmp_path / "plain_cali_table").read_text()
+    source = tmp_path / "full.yaml"
+    write_table(full, source)
+    result = invoke("convert-table", source, "-o", tmp_path / "t.cache")
+    assert result.exit_code == 0, result.output
+    assert ("warning: a TensorRT cache cannot hold the tensors without a range (unbounded), the int16 ranges, "
+            "the image preprocessing: they are left out") in result.stderr
+    result = invoke("convert-table", source, "-o", tmp_path / "again_cali_table")
+    assert result.exit_code == 0 and "warning" not in result.stderr, result.output
+
+
 def test_cali_table_text_follows_tpu_mlir(tmp_path):
     table = small_table(input=(0.0, 1.0, 1.0), conv_out=(-3.25, 1e20, 1e20), tiny=(0.0, 1.5e-7, 1.5e-7))
     text = dumps_table(table, "cali_table")
