@@ -11,6 +11,9 @@ of any length is read in bounded memory, as a file would be.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,6 +33,8 @@ def calibrate(model, data, method: str = "minmax", params: dict | None = None, n
     parameters). ``preprocess``: a ``qtool.data.Preprocess`` for a folder of images."""
     from .calibrate import collect
 
+    if params is not None and not isinstance(params, Mapping):
+        raise QtoolError(f"params must be a dict of parameter names and values, not {type(params).__name__}")
     with _paths(model, data) as (model_path, data_path):
         return collect(model_path, data_path, method, params, num_samples, batch_size, progress,
                        preprocess).table()
@@ -45,10 +50,13 @@ def quantize(model, table, data=None, progress: bool = False, steps=None, **opti
     from .recipe import DataSteps, check_runs_on_ranges, quantize_with_data
     from .table_formats import read_table
 
-    try:
-        opts = QuantizeOptions(**options)
-    except TypeError as e:
-        raise QtoolError(f"quantize: {e}") from None
+    from .table import Table
+
+    opts = _options(QuantizeOptions, options)
+    if steps is not None and not isinstance(steps, DataSteps):
+        raise QtoolError(f"steps must be a qtool.recipe.DataSteps, not {type(steps).__name__}")
+    if not isinstance(table, (str, Path, Table)):
+        raise QtoolError(f"table must be a path or a qtool.table.Table, not {type(table).__name__}")
     name = str(table) if isinstance(table, (str, Path)) else "table"
     if isinstance(table, (str, Path)):
         table = read_table(table)
@@ -68,8 +76,15 @@ def verify(model, qmodel, data, tolerance: tuple[float, float | None] = (0.99, 2
     ``data``, output by output and tensor by tensor: a ``VerifyReport`` (``.passed``,
     ``.outputs``, ``.tensors``, ``.to_dict()``; ``qtool.verify.format_report`` prints it).
     ``kwargs``: ``qtool.verify.verify``'s (``labels``, ``num_samples``, ``run_ort``...)."""
-    from .verify import verify as run
+    from .verify import parse_tolerance, verify as run
 
+    _check_keywords(run, kwargs, "verify")
+    # (cosine, SQNR dB or None), a cosine alone, or the command line's "COS,SQNR"
+    if isinstance(tolerance, (list, tuple)) and len(tolerance) == 2 and tolerance[1] is None:
+        tolerance = tolerance[:1]
+    if not isinstance(tolerance, (str, int, float, list, tuple)) or isinstance(tolerance, bool):
+        raise QtoolError(f"tolerance must be (cosine, SQNR dB or None), got {tolerance!r}")
+    tolerance = parse_tolerance(list(tolerance) if isinstance(tolerance, (list, tuple)) else str(tolerance))
     labels = kwargs.get("labels")
     if labels is not None and not isinstance(data, (str, Path)):
         # the labels array is read from the data's own file: one .npz, not a folder of samples
@@ -92,8 +107,47 @@ def execute(qmodel, data, output, progress: bool = False, **kwargs):
     ``target``, ``images``)."""
     from .execute import execute as run
 
+    _check_keywords(run, kwargs, "execute")
     with _model_path(qmodel, "qmodel") as qmodel_path, _data_path(data) as data_path:
         return run(qmodel_path, data_path, output, progress=progress, **kwargs)
+
+
+def _options(kind, options: dict):
+    """``kind`` (a dataclass of options) from keyword arguments, checked as the command line's
+    parsing checks them: a known name, a flag given as a bool, a list of names as a list (one
+    name given as a string is that name, not its letters)."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    for key, value in options.items():
+        if key not in fields:
+            raise QtoolError(f"unknown option '{key}'; the options are {', '.join(fields)}")
+        default = fields[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise QtoolError(f"option {key} is true or false, not {value!r}")
+        if isinstance(default, tuple):
+            options[key] = (value,) if isinstance(value, str) else tuple(value)
+    return kind(**options)
+
+
+def _check_keywords(function, kwargs: dict, name: str) -> None:
+    """Keyword arguments ``function`` takes, or a one-line QtoolError naming the first it does not."""
+    known = inspect.signature(function).parameters
+    for key in kwargs:
+        if key not in known:
+            raise QtoolError(f"{name}: unknown keyword argument '{key}'")
+
+
+# what the data's temporary folder is called in the commands' messages, in the API's words
+_SAMPLE_FILES = re.compile(r"(?:batch of )?files? '(\d{9})\.npz'(?: to '(\d{9})\.npz')?")
+
+
+def _in_api_words(message: str, folder: str) -> str:
+    """A message about the temporary folder the data went to, about the data as given: samples
+    by number, not files the caller never made, and the API's argument for the CLI's flag."""
+    message = message.replace(f"data folder '{folder}'", "data").replace(f"'{folder}/", "'")
+    message = message.replace(f"'{folder}'", "data")
+    message = _SAMPLE_FILES.sub(lambda m: f"samples {int(m.group(1))} to {int(m.group(2))}" if m.group(2)
+                                else f"sample {int(m.group(1))}", message)
+    return message.replace("use --batch-size 1", "give batch_size=1")
 
 
 @contextlib.contextmanager
@@ -121,6 +175,8 @@ def _data_path(data):
         yield None if data is None else Path(data)
         return
     if isinstance(data, Mapping):
+        if not data:
+            raise QtoolError("data: the dict holds no arrays (give one array per model input, keyed by its name)")
         data = [dict(data)]  # one feed dict holding every sample
     elif not isinstance(data, Iterable):
         raise QtoolError(f"data must be a path, a dict of arrays or an iterable of feed dicts, "
@@ -140,4 +196,8 @@ def _data_path(data):
                 count += 1
         if not count:
             raise QtoolError("data holds no samples")
-        yield Path(folder)
+        try:
+            yield Path(folder)
+        except QtoolError as e:
+            e.args = (_in_api_words(str(e), folder), *e.args[1:])
+            raise

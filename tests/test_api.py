@@ -66,8 +66,54 @@ def test_bad_arguments_are_qtool_errors(demo_model, calib):
     with pytest.raises(QtoolError, match="data holds no samples"):
         calibrate(demo_model, [])
     table = calibrate(demo_model, {"input": calib})
-    with pytest.raises(QtoolError, match="quantize: .*unexpected keyword argument 'bits'"):
+    with pytest.raises(QtoolError, match="unknown option 'bits'; the options are per_channel, "):
         quantize(demo_model, table, bits=4)
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message and "qtool-api-" not in message and "--" not in message, message
+    return message
+
+
+def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, calib):
+    """Sweep 9: data errors named the temporary folder the arrays went to and its files
+    ('/tmp/qtool-api-XXXX' batch of files '000000000.npz' to ...) and told the caller to use
+    --batch-size 1; wrong types raised AttributeError, TypeError or ValueError, or were taken
+    (steps="all", per_channel="no", tolerance=(2, 20)); keep_float="Gemm" became 'G', 'e', 'm'."""
+    with pytest.raises(QtoolError) as e:
+        calibrate(demo_model, {"input": calib[:, :, :4]})
+    assert _one_line(e).startswith("data samples 0 to 7 for input 'input' has shape [8, 1, 4, 8]")
+    with pytest.raises(QtoolError) as e:
+        calibrate(demo_model, {"x": calib, "y": calib})
+    assert _one_line(e).startswith("data sample 0 has no array for model input 'input'")
+    with pytest.raises(QtoolError) as e:
+        calibrate(demo_model, iter([{"input": calib[:1]}, {"input": calib[:1, :, :4]}]))
+    assert _one_line(e).endswith("give batch_size=1")
+    with pytest.raises(QtoolError, match="the dict holds no arrays"):
+        calibrate(demo_model, {})
+    with pytest.raises(QtoolError, match="params must be a dict of parameter names and values, not str"):
+        calibrate(demo_model, {"input": calib}, method="kl", params="bins=10")
+    table = calibrate(demo_model, {"input": calib})
+    with pytest.raises(QtoolError, match="table must be a path or a qtool.table.Table, not dict"):
+        quantize(demo_model, {"tensors": {}})
+    with pytest.raises(QtoolError, match="steps must be a qtool.recipe.DataSteps, not str"):
+        quantize(demo_model, table, {"input": calib}, steps="all")
+    with pytest.raises(QtoolError, match="option per_channel is true or false, not 'no'"):
+        quantize(demo_model, table, per_channel="no")
+    _, report = quantize(demo_model, table, keep_float="Gemm")
+    assert [(op, node) for op, node, _ in report.kept_float] == [("Gemm", "fc")]
+    qmodel, _ = quantize(demo_model, table)
+    held = {"input": np.load(demo_heldout)["input"][:32]}
+    with pytest.raises(QtoolError, match=r"COS in \[-1, 1\], got '\[2, 20\]'"):
+        verify(demo_model, qmodel, held, tolerance=(2, 20))
+    assert verify(demo_model, qmodel, held, tolerance=0.5).tolerance == (0.5, None)
+    assert verify(demo_model, qmodel, held, tolerance="0.5,10").tolerance == (0.5, 10.0)
+    assert verify(demo_model, qmodel, held, tolerance=(0.5, None)).tolerance == (0.5, None)
+    with pytest.raises(QtoolError, match="verify: unknown keyword argument 'bogus'"):
+        verify(demo_model, qmodel, held, bogus=1)
+    with pytest.raises(QtoolError, match="execute: unknown keyword argument 'bogus'"):
+        execute(qmodel, held, "/nonexistent/out.npz", bogus=1)
 
 
 def test_verify_takes_labels_beside_the_arrays(demo_model, demo_heldout, calib):
