@@ -183,6 +183,8 @@ class Statistics:
     def load(cls, path: str | Path) -> "Statistics":
         from .data import read_npz
 
+        if not Path(path).exists():
+            raise QtoolError(f"statistics file '{path}' not found")
         arrays = read_npz(path)
         try:
             header = json.loads(str(arrays["header"]))

@@ -26,6 +26,7 @@ from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EX
 DATA_AXES = (" Samples lie on each array's first axis, except: a scalar input takes a 0-d array, fed "
              "whole to every run; an input whose first size is fixed above 1 and another open (a state "
              "[2,N,128]) takes them on that open axis.")
+DATA_SAMPLES = 16  # quantize --num-samples: the judged steps' fit samples
 EXIT_CODES = ("Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option), "
               "3 internal error (a model or case qtool does not handle).")
 
@@ -538,7 +539,7 @@ def quantize(
                                               "best output SQNR (needs --data)."),
     table_out: Optional[Path] = typer.Option(None, "--table-out", parser=_output_path, help="With --try-methods or the "
                                              "method choice, also write the table chosen."),
-    num_samples: int = typer.Option(16, help="Samples of DATA (spread evenly over it) that bias "
+    num_samples: int = typer.Option(DATA_SAMPLES, help="Samples of DATA (spread evenly over it) that bias "
                                              "correction and the searches fit on."),
     holdout: Optional[int] = typer.Option(None, "--holdout", help="Other samples of DATA (spread "
                                           "over it, disjoint from those) that judge each fitted "
@@ -651,13 +652,19 @@ def quantize(
             raise QtoolError("--allow-float is for the search: add --target-sqnr or --max-float-layers")
         if max_float_layers is not None and max_float_layers < 0:
             raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
-        if target_sqnr is not None and not math.isfinite(target_sqnr):
-            raise QtoolError(f"--target-sqnr must be a finite number of dB, got {target_sqnr}")
-        if num_samples < 1 or (batch_size is not None and batch_size < 1):
-            raise QtoolError(f"--num-samples and --batch-size must be at least 1, got {num_samples} "
-                             f"and {batch_size}")
+        if target_sqnr is not None and not (math.isfinite(target_sqnr) and target_sqnr > 0):
+            raise QtoolError(f"--target-sqnr must be a finite number of dB above 0, got {target_sqnr}")
+        if num_samples < 1:
+            raise QtoolError(f"--num-samples must be at least 1, got {num_samples}")
+        if batch_size is not None and batch_size < 1:
+            raise QtoolError(f"--batch-size must be at least 1, got {batch_size}")
         if holdout is not None and holdout < 0:
             raise QtoolError(f"--holdout must be >= 0, got {holdout}")
+        unused = [flag for flag, given in (("--num-samples", num_samples != DATA_SAMPLES),
+                                           ("--holdout", holdout is not None),
+                                           ("--batch-size", batch_size is not None)) if given]
+        if unused and data is None:
+            raise QtoolError(f"{unused[0]} sets how --data's samples are used: add --data DATA, or drop it")
         check_writable(output)
         if params_out is not None:
             check_writable(params_out)
@@ -805,6 +812,8 @@ def analyze(
     options = QuantizeOptions(per_channel, symmetric, activation_type, keep_float=tuple(keep_float))
     try:
         check_sampling(num_samples, batch_size)
+        if top < 0:
+            raise QtoolError(f"--top must be >= 0 (0: every op), got {top}")
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input)
         if given and not holds_images(data):
             raise QtoolError(f"the image options describe a folder of images; '{data}' is not one")

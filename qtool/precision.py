@@ -49,6 +49,7 @@ def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions
         raise QtoolError(f"precision table '{path}': {e.strerror or e}") from None
     names = {n.name for n in all_nodes(model.graph)} | {n.op_type for n in all_nodes(model.graph)}  # bodies too
     int16, floats = [], []
+    given: dict[str, tuple[int, str, str]] = {}  # name -> (line, type, as written)
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
         if not fields:
@@ -62,6 +63,10 @@ def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions
                              f"{', '.join(t.upper() for t in TYPES if t != 'float')}")
         if name not in names:
             raise QtoolError(f"{where}: the model has no node or op type '{name}'")
+        if name in given and given[name][1] != kind:
+            raise QtoolError(f"{where}: '{name}' is {fields[1]} here and {given[name][2]} on line {given[name][0]}: "
+                             f"give one type")
+        given.setdefault(name, (number, kind, fields[1]))
         if kind == "int16":
             int16.append(name)
         elif kind == "float":

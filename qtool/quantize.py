@@ -148,7 +148,7 @@ class QuantizeOptions:
             raise QtoolError(f"int4 and blocked weights are written as QDQ (DequantizeLinear with "
                              f"block_size, opset {BLOCKED_OPSET}) for the {DEFAULT_TARGET} target; drop {what}")
         if self.multiplier_bits not in MULTIPLIER_BITS:
-            raise QtoolError(f"multiplier bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, "
+            raise QtoolError(f"--multiplier-bits must be one of {', '.join(map(str, MULTIPLIER_BITS))}, "
                              f"got {self.multiplier_bits}")
         if self.rounding not in ROUNDING_MODES:
             raise QtoolError(f"unknown rounding mode '{self.rounding}'; "
@@ -354,7 +354,8 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     report = QuantizeReport(size_before=stored_bytes(model_path))
     digest = file_digest(model_path)
     if not table.model_sha256:  # TPU-MLIR, TensorRT and onnxruntime tables do not record one
-        report.warnings.append(f"{table_name} carries no model digest: it cannot be matched to "
+        report.warnings.append(f"{'the table on standard input' if table_name == '-' else table_name} carries "
+                               f"no model digest: it cannot be matched to "
                                f"model '{Path(model_path).name}' (make sure it was made for it)")
     made_for = None  # another model's, when the table records it
     if table.model_sha256 and table.model_sha256 != digest:
@@ -370,6 +371,9 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
         why = " (int4 and blocked weights need it)" if report.opset == BLOCKED_OPSET and options.blocked_weights else ""
         report.warnings.append(f"opset upgraded from {written} to {report.opset}{why}")
     report.warnings += _not_followed_by_onnxruntime(options)
+    if options.block_size and not options.per_channel:
+        report.warnings.append(f"--per-tensor applies to the other ops' weights: MatMul/Gemm weights keep "
+                               f"a scale per block of {options.block_size} (--block-size)")
     pixels = None
     if options.input_pixels is not None:
         pixels = fold(model, options.input_pixels, table.tensors)  # (input name, zero point)

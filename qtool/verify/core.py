@@ -281,6 +281,9 @@ def _verify(float_path, qmodel_path, data_path, tolerance, labels, num_samples, 
     _check_same_interface(model, qmodel, executor.output_names, float_path, qmodel_path)
     data = load_dataset(data_path, model, preprocess)
     input_names = {vi.name for vi in graph_inputs(model)}
+    if labels is not None and labels in input_names:
+        raise QtoolError(f"--labels '{labels}' names the model's input in data file '{data_path}', not an "
+                         f"array of labels beside it")
     if labels is not None and labels not in data.extra:
         raise QtoolError(f"data file '{data_path}' has no labels array '{labels}' "
                          f"(arrays: {', '.join(data.keys) or 'none'})")
