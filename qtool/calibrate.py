@@ -95,6 +95,15 @@ def typed_params(method: str, params: dict | None) -> dict:
     return kwargs
 
 
+def _with_defaults(method: str, params: dict) -> dict:
+    """``params`` of ``method`` with every parameter it leaves out at its default."""
+    try:
+        signature = inspect.signature(_calibrator_class(method).__init__)
+    except QtoolError:
+        return dict(params)
+    return {**{n: p.default for n, p in signature.parameters.items() if n != "self"}, **params}
+
+
 def _number(text: str):
     """``text`` as an int or a float where it reads as one, else as it is."""
     for kind in (int, float):
@@ -228,6 +237,9 @@ class Statistics:
 
     def merge(self, other: "Statistics", other_name: str = "shard") -> None:
         for key in ("model_sha256", "method", "params", "preprocess"):
+            if key == "params" and self.method == other.method and \
+                    _with_defaults(self.method, self.params) == _with_defaults(other.method, other.params):
+                continue  # one spelled out a default the other left out: the same calibration
             if getattr(self, key) != getattr(other, key):
                 raise QtoolError(f"cannot merge {other_name}: its {key} {getattr(other, key)!r} "
                                  f"differs from {getattr(self, key)!r}")

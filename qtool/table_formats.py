@@ -135,7 +135,10 @@ def _parse(path: Path, text: str, fmt: str | None) -> tuple[Table, str]:
         _json(path, text)  # JSON's own error, with the line; YAML would accept some broken JSON
     parse = {"yaml": parse_table, "json": parse_table, "cali_table": parse_cali_table,
              "trt": parse_trt_cache, "ort": parse_ort_json}[fmt]
-    return parse(path, text), fmt
+    table = parse(path, text)
+    if not table.tensors and not table.unbounded:
+        raise QtoolError(f"table file '{path}' ({FORMAT_NAMES[fmt]}) holds no tensor")
+    return table, fmt
 
 
 def _is_ort_cache(text: str) -> bool:

@@ -66,6 +66,23 @@ def test_merge_refuses_other_methods(tmp_path, demo_model, demo_calib):
         merge([tmp_path / "kl.npz", tmp_path / "mm.npz"])
 
 
+def test_merge_takes_a_default_spelled_out(tmp_path, demo_model, demo_calib):
+    """Sweep 9: percentile=99.99 given in one shard and left at its default in the other are the
+    same calibration (refused as 'params differs'); another value is still refused."""
+    x = np.load(demo_calib)["input"]
+    np.savez(tmp_path / "a.npz", input=x[:100])
+    np.savez(tmp_path / "b.npz", input=x[100:])
+    collect(demo_model, tmp_path / "a.npz", "percentile", progress=False).save(tmp_path / "a.stats.npz")
+    collect(demo_model, tmp_path / "b.npz", "percentile", {"percentile": 99.99},
+            progress=False).save(tmp_path / "b.stats.npz")
+    collect(demo_model, tmp_path / "b.npz", "percentile", {"percentile": 99.9},
+            progress=False).save(tmp_path / "c.stats.npz")
+    merged = merge([tmp_path / "a.stats.npz", tmp_path / "b.stats.npz"])
+    assert merged.tensors == calibrate(demo_model, demo_calib, "percentile", progress=False, batch_size=100).tensors
+    with pytest.raises(QtoolError, match="params .*99.9.* differs from"):
+        merge([tmp_path / "a.stats.npz", tmp_path / "c.stats.npz"])
+
+
 def test_cli_stats_out_and_merge(tmp_path, demo_model, demo_calib):
     result = invoke("calibrate", demo_model, "-d", demo_calib, "--stats-out", tmp_path / "s.npz",
                     "--method", "percentile", "--param", "percentile=99.9", "-q")

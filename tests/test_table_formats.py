@@ -424,3 +424,16 @@ def test_libyaml_writes_and_reads_what_pure_python_yaml_does(names, values, mode
     assert fast == plain
     assert yaml.load(fast, Loader=yaml.CSafeLoader) == yaml.safe_load(plain)
     assert parse_table(Path("t.yaml"), fast) == table
+
+
+@pytest.mark.parametrize("name, text, kind", [
+    ("empty.cache", "TRT-8601-MinMaxCalibration\n", "TensorRT calibration cache"),
+    ("empty_cali_table", "# qtool calibration table in TPU-MLIR cali_table format\n###\n", "TPU-MLIR cali_table"),
+    ("empty.json", "{}\n", "onnxruntime calibration.json"),
+])
+def test_a_table_of_no_tensor_is_refused(tmp_path, name, text, kind):
+    """Sweep 9: these converted with exit 0 ('converted 0 tensors'); quantize failed on them later."""
+    result = invoke("convert-table", write(tmp_path / name, text), "-o", tmp_path / "t.yaml")
+    said = f"table file '{tmp_path / name}' ({kind}) holds no tensor"
+    assert result.exit_code == 2 and said in result.stderr, result.output
+    assert not (tmp_path / "t.yaml").exists()
