@@ -159,12 +159,13 @@ def wanted(model_path, options) -> list[str]:
 
 def fit(model_path, table: Table, options, table_name: str, data_path, num_samples: int | None = None,
         batch_size: int = 8, progress: bool = True, preprocess=None, holdout: int | None = None,
-        measured: dict | None = None) -> tuple[dict | None, ChannelPick]:
+        measured: dict | None = None, measured_fit: dict | None = None) -> tuple[dict | None, ChannelPick]:
     """Per-channel ranges for the candidates of MODEL (see the module's note), or None where the
     per-channel model does not score ``GAIN_DB`` higher on the held-out samples (or the step does
     not apply). ``measured``: per-channel ranges over all of DATA that an earlier pass took (the
     method choice's calibration, ``wanted``): kept, the ranges come from there where it has
-    every tensor, instead of a pass of their own."""
+    every tensor, instead of a pass of their own; ``measured_fit`` likewise, over the fit samples
+    (the same split: ``JudgedStep.split``)."""
     start = time.perf_counter()
     pick = ChannelPick()
     pick.reason = not_applicable(options)
@@ -180,7 +181,10 @@ def fit(model_path, table: Table, options, table_name: str, data_path, num_sampl
     if held is None:
         return None, pick
     try:
-        ranges = channel_ranges(float_model, found, fit_batches, progress)
+        if measured_fit and all(t in measured_fit for t in found):
+            ranges = {t: measured_fit[t] for t in found}
+        else:
+            ranges = channel_ranges(float_model, found, fit_batches, progress)
     except QtoolError:
         raise
     except Exception as e:  # onnxruntime on the model with the reductions added

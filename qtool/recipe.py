@@ -95,7 +95,8 @@ def _quantize_with_data(model_path, table: Table, options, table_name: str, data
     if not steps.searching:
         if steps.channel_scales is not False:
             ranges, channeled = fit_channels(model_path, table, options, table_name, data_path, n, batch,
-                                             measured=pick.channel_ranges if pick else None, **common)
+                                             measured=pick.channel_ranges if pick else None,
+                                             measured_fit=pick.fit_channel_ranges if pick else None, **common)
         if steps.placement is not False:
             options, placed = place(model_path, table, options, table_name, data_path, n, batch, **common)
         # fitted on per-channel int8 scales: int4 and blocked weights keep nearest rounding

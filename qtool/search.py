@@ -542,8 +542,10 @@ class MethodPick:
     seconds: float = 0.0
     ends: int = 0  # tensors past the last layer the clipping methods' tables keep at min-max
     reason: str = ""  # why no other method was tried
-    # per-channel ranges over all of DATA measured with the chosen method's (``channels``); not reported
+    # per-channel ranges of ``channels`` over all of DATA measured with the chosen method's
+    # calibration, and over the fit samples with the candidates' (not reported)
     channel_ranges: dict = field(default_factory=dict, repr=False)
+    fit_channel_ranges: dict = field(default_factory=dict, repr=False)
 
     @property
     def changed(self) -> bool:
@@ -579,8 +581,9 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     two models where another method was chosen lost 7.4 dB (CRNN + BiLSTM, mse) and 3.0 dB
     (PP-OCRv4 rec, mse) against keeping the minmax table).
 
-    ``channels``: tensors whose per-channel ranges over all of DATA the calibration of a chosen
-    method measures on the way (``pick.channel_ranges``), for the per-channel scales step."""
+    ``channels``: tensors whose per-channel ranges the candidates' calibration on the fit samples
+    and a chosen method's on all of DATA measure on the way (``pick.fit_channel_ranges``,
+    ``pick.channel_ranges``), for the per-channel scales step."""
     start = time.perf_counter()
     pick = MethodPick(table_method=table.method, chosen=table.method)
     if options.activation_type == "int16":
@@ -599,7 +602,9 @@ def choose_method(model_path, table: Table, options, table_name: str, data_path,
     pick.ends = len(ends & set(table.tensors))
     # one pass over the fit samples for the methods that read the same histograms
     collected = collect_methods(model_path, data_path, [m for m in candidates if m != table.method],
-                                batch_size=batch_size, progress=False, preprocess=preprocess, feeds=fit)
+                                batch_size=batch_size, progress=False, preprocess=preprocess, feeds=fit,
+                                channels=channels)
+    pick.fit_channel_ranges = next((s.channel_ranges for s in collected.values() if s.channel_ranges), {})
     models = {}
     with progress_bar(len(candidates), "methods", progress, unit="method") as bar:
         for method in candidates:

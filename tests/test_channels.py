@@ -248,3 +248,20 @@ def test_a_calibration_measures_the_same_ranges_on_the_way(made, monkeypatch):
     fit(model, table, QuantizeOptions(), "t", data, progress=False,
         measured={t: stats.channel_ranges[t] for t in tensors[1:]})
     assert len(passes) == 1
+    # the fit samples' ranges likewise, from the method choice's calibration of its candidates
+    from qtool.analyze import split_batches
+
+    fitted, _ = split_batches(float_model, data, 16, 16, 8)
+    on_fit = collect(model, data, "mse", progress=False, batch_size=8, feeds=fitted, channels=tensors)
+    own_fit = channel_ranges(float_model, tensors, fitted, progress=False)
+    for t in tensors:
+        np.testing.assert_array_equal(on_fit.channel_ranges[t][0], own_fit[t][0], err_msg=t)
+        np.testing.assert_array_equal(on_fit.channel_ranges[t][1], own_fit[t][1], err_msg=t)
+    own_passes = []
+    monkeypatch.setattr(channels, "channel_ranges", lambda *a, **k: own_passes.append(a) or {})
+    _, again = fit(model, table, QuantizeOptions(), "t", data, progress=False, measured=stats.channel_ranges,
+                   measured_fit=on_fit.channel_ranges)
+    def judged(p):
+        return {k: v for k, v in p.to_dict().items() if k != "seconds"}
+
+    assert not own_passes and judged(again) == judged(pick)
