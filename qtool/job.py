@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -521,22 +522,29 @@ def staged(path: Path) -> Path:
     """Where a job builds the output ``path`` before it takes its place: a hidden file beside the
     file it replaces (a symlink's target: the link stays), so that the rename is atomic."""
     target = replaced(path)
-    # the process's own: two runs of one job at once do not take each other's staged files
-    return target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
+    # the process's own, named by its host and pid: two runs of one job at once do not take each
+    # other's staged files, on one machine or on the hosts of a cluster sharing the folder
+    return target.with_name(f".{target.stem}.partial-{_HOST}-{os.getpid()}{target.suffix}")
+
+
+# this machine's name as a staged file carries it (letters, digits, '.', '_'; never a '-')
+_HOST = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
 
 
 def _left_by_the_dead(path: Path) -> list[Path]:
-    """The staged files of ``path`` that a process no longer running here left (killed: SIGKILL,
-    or a cluster's worker stopped under its job), for the next run to remove."""
+    """The staged files of ``path`` that a process no longer running on this machine left (killed:
+    SIGKILL, or a cluster's worker stopped under its job), for the next run to remove. Another
+    host's are left alone: whether its process still runs cannot be told from here."""
     target = replaced(path)
     found = []
-    pattern = re.compile(rf"\.{re.escape(target.stem)}\.partial-(\d+){re.escape(target.suffix)}")
+    pattern = re.compile(rf"\.{re.escape(target.stem)}\.partial-(?:([^-]+)-)?(\d+){re.escape(target.suffix)}")
     for candidate in target.parent.glob(f".{glob.escape(target.stem)}.partial-*{glob.escape(target.suffix)}"):
         match = pattern.fullmatch(candidate.name)
-        if match is None or int(match.group(1)) == os.getpid():
+        # (a name without a host: staged before hosts were named, here)
+        if match is None or match.group(1) not in (None, _HOST) or int(match.group(2)) == os.getpid():
             continue
         try:
-            os.kill(int(match.group(1)), 0)
+            os.kill(int(match.group(2)), 0)
         except ProcessLookupError:
             found.append(candidate)
         except OSError:  # alive, another user's

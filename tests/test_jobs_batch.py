@@ -393,15 +393,20 @@ def test_staged_files_a_killed_run_left_are_removed_by_the_next(tmp_path, inputs
     dead.wait()
     out = inputs.parent / "out" / "asym"
     out.mkdir(parents=True)
-    left = [out / f".asym.table.partial-{dead.pid}.yaml", out / f".asym.q.partial-{dead.pid}.onnx"]
-    alive = out / f".asym.table.partial-{os.getppid()}.yaml"
-    for path in left + [alive]:
+    from qtool.job import _HOST
+
+    left = [out / f".asym.table.partial-{_HOST}-{dead.pid}.yaml", out / f".asym.q.partial-{dead.pid}.onnx"]
+    alive = out / f".asym.table.partial-{_HOST}-{os.getppid()}.yaml"
+    # another host of a cluster sharing the folder: its process may run, whatever its pid is here
+    elsewhere = out / f".asym.table.partial-other.host-{dead.pid}.yaml"
+    for path in left + [alive, elsewhere]:
         path.write_text("half")
     spec = batch(inputs)
     spec["jobs"] = spec["jobs"][:1]
     result = invoke("run", write(tmp_path, spec), "-q")
     assert result.exit_code == 0, result.output
     assert not any(path.exists() for path in left) and alive.read_text() == "half"
+    assert elsewhere.read_text() == "half"
     assert (out / "asym.table.yaml").exists()
 
 
