@@ -976,13 +976,15 @@ def exec_(
     """Run QMODEL on the integer-only executor and save its outputs.
 
     Samples are on the first axis of each array and run --batch-size at a time; the outputs are
-    written as they come (memory does not grow with the number of samples). A scalar input takes
-    a 0-d array, fed whole to every run; an input whose first size is fixed above 1 and another open (a
-    state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
-    batch. An array shaped exactly as its model input (every size fixed) is fed whole to every
-    run when the arrays' sample counts disagree: a state, or inputs of different fixed sizes run
-    once as they are. An output whose shape changes from sample to sample (a decoder that stops
-    on a value) is written per sample, as arrays NAME/0, NAME/1, ... of the .npz.
+    written as they come (memory does not grow with the number of samples). A scalar input takes a
+    0-d array, fed whole to every run; an input whose first size is fixed above 1 and another open
+    (a state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
+    batch. Otherwise an output whose one axis of the batch's size is not its first (a state
+    [2,N,128] the model does not declare) is written with that axis moved first. An array shaped
+    exactly as its model input (every size fixed) is fed whole to every run when the arrays' sample
+    counts disagree: a state, or inputs of different fixed sizes run once as they are. An output
+    whose shape changes from sample to sample (a decoder that stops on a value) is written per
+    sample, as arrays NAME/0, NAME/1, ... of the .npz.
 
     \b
     Examples:
