@@ -467,7 +467,8 @@ def quantize(
                                                    "the op int16 activations, INT8 8-bit ones; F32, F16 "
                                                    "or BF16 keeps it float."),
     strict: bool = typer.Option(False, "--strict", help="Fail (exit 2), listing every op that "
-                                "cannot run integer-only, unless named by --keep-float."),
+                                "cannot run integer-only, unless named by --keep-float (ops on shapes, "
+                                "such as Shape, are not counted)."),
     target: str = typer.Option("portable", "--target", help="What the model is written for: portable "
                                "(uint8 activations and weights, zero point 128: exact in onnxruntime "
                                "on every x86-64 and arm64 CPU), x86-vnni (int8: onnxruntime's u8 x s8 "

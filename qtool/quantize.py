@@ -414,7 +414,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
     if options.format != "qoperator":
         _list_hazards(report, executor, options.target)
     if options.strict:
-        _enforce_strict(report, options)
+        _enforce_strict(report, options, _shape_arithmetic(rewritten))
     params = integer_params(rewritten, executor)
     rewritten.metadata_props.append(onnx.StringStringEntryProto(
         key=PARAMS_KEY, value=json.dumps(params, separators=(",", ":"))))
@@ -549,9 +549,31 @@ def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str
     report.warnings.append(f"target {target}: {x86.hazard_summary(report.hazards, layers)}")
 
 
-def _enforce_strict(report: QuantizeReport, options: QuantizeOptions) -> None:
+def _shape_arithmetic(model: onnx.ModelProto) -> set[str]:
+    """The main graph's nodes that compute on shapes, not values: Shape and Size (they read a
+    tensor's dims only), and nodes whose every input is an integer or boolean tensor (a Gather,
+    Concat or Cast of shapes). An integer-only device runs or folds them as they are."""
+    graph = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output]
+             if vi.type.HasField("tensor_type")}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    floating = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+    found = set()
+    for node in graph.node:
+        inputs = [n for n in node.input if n]
+        if node.name and node.op_type in ("Shape", "Size") or node.name and (
+                inputs and all(types.get(n, TensorProto.UNDEFINED) not in floating | {TensorProto.UNDEFINED}
+                               for n in inputs)):
+            found.add(node.name)
+    return found
+
+
+def _enforce_strict(report: QuantizeReport, options: QuantizeOptions, shapes: set[str] = frozenset()) -> None:
+    """``--strict``: every op left float that --keep-float does not name fails, but shape
+    arithmetic (``_shape_arithmetic``), which no quantization applies to."""
     asked = set(options.keep_float)
-    blocking = [(t, n, r) for t, n, r in report.kept_float if t not in asked and n not in asked]
+    blocking = [(t, n, r) for t, n, r in report.kept_float
+                if t not in asked and n not in asked and n not in shapes]
     if blocking:
         listed = "; ".join(f"{t} '{n}' ({r})" for t, n, r in blocking[:10])
         more = f"; and {len(blocking) - 10} more" if len(blocking) > 10 else ""

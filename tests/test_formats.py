@@ -140,3 +140,17 @@ def test_strict_lists_what_cannot_be_integer(tmp_path):
                     "--strict", "--keep-float", "Sin")
     assert_no_crash(result)
     assert result.exit_code == 0 and (tmp_path / "q.onnx").exists()
+
+
+def test_strict_passes_shape_arithmetic(tmp_path):
+    """Sweep 9: --strict refused PP-OCR's mobile cls for its Shape node ('Shape_180', the batch of
+    a Reshape): ops on shapes are no quantization's business. It is still listed as float."""
+    from conftest import packaged_file
+
+    model = packaged_file("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx", "rapidocr-onnxruntime")
+    np.savez(tmp_path / "cls.npz", x=np.random.default_rng(0).uniform(-1, 1, (4, 3, 48, 192)).astype(np.float32))
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", model, "--data", tmp_path / "cls.npz", "-o", table, "-q").exit_code == 0
+    result = invoke("quantize", model, "-t", table, "-o", tmp_path / "q.onnx", "--strict")
+    assert result.exit_code == 0, result.output
+    assert "Shape x1: no integer kernel for this op type ('Shape_180')" in result.output
