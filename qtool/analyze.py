@@ -31,7 +31,7 @@ from onnx import helper, numpy_helper
 
 from .sizing import fixed_batch
 from .data import load_dataset
-from .errors import QtoolError
+from .errors import DataError, QtoolError
 from .joins import find_joins, part_map
 from .model import all_nodes, batch_hint, first_line, graph_inputs, prepare_file, subgraphs
 from .ops.flat import saturation_window
@@ -474,6 +474,8 @@ class Evaluator:
         try:
             session = self.runs.session(model)
             return self.runs.run(session, names, [feeds_for(pixels, feeds) for feeds in self.runs.feeds])
+        except DataError:
+            raise  # the data, said as they are (qtool/pixels.py), not as onnxruntime's failure
         except Exception as e:
             hint = (" (on one sample: these steps run each sample alone, so a model that needs several in "
                     "one run, such as the frames of one sequence, cannot be scored; quantize it without "

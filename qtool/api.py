@@ -123,8 +123,16 @@ def _options(kind, options: dict):
         default = fields[key].default
         if isinstance(default, bool) and not isinstance(value, bool):
             raise QtoolError(f"option {key} is true or false, not {value!r}")
+        if isinstance(default, int) and not isinstance(default, bool) and \
+                (not isinstance(value, int) or isinstance(value, bool)):
+            raise QtoolError(f"option {key} is a whole number, not {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise QtoolError(f"option {key} is a name, not {value!r}")
         if isinstance(default, tuple):
-            options[key] = (value,) if isinstance(value, str) else tuple(value)
+            names = () if value is None else (value,) if isinstance(value, str) else value
+            if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
+                raise QtoolError(f"option {key} is a list of names, not {value!r}")
+            options[key] = tuple(names)
     return kind(**options)
 
 
@@ -147,7 +155,7 @@ def _in_api_words(message: str, folder: str) -> str:
     message = message.replace(f"'{folder}'", "data")
     message = _SAMPLE_FILES.sub(lambda m: f"samples {int(m.group(1))} to {int(m.group(2))}" if m.group(2)
                                 else f"sample {int(m.group(1))}", message)
-    return message.replace("use --batch-size 1", "give batch_size=1")
+    return message.replace("--batch-size 1", "batch_size=1")
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .analyze import Batches, Evaluator, split_batches, with_outputs
-from .errors import QtoolError
+from .errors import DataError, QtoolError
 from .model import first_line, node_reads, prepare_file
 from .pixels import feeds_for, pixel_inputs
 from .quantize import quantize
@@ -310,6 +310,8 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
         for got in runs.each(session, names, [feeds_for(pixels, feeds) for feeds in runs.feeds]):
             for mean, y in zip(means, got):
                 mean.add(y)
+    except DataError:
+        raise  # the data, said as they are (qtool/pixels.py), not as onnxruntime's failure
     except Exception as e:
         raise QtoolError(f"bias correction: onnxruntime failed: {first_line(e)}") from None
     return [mean.result() for mean in means]

@@ -26,7 +26,6 @@ from .batching import CALIBRATE_BATCH_CAP, DEFAULT_LAYERS, DEFAULT_MEMORY_MB, EX
 DATA_AXES = (" Samples lie on each array's first axis, except: a scalar input takes a 0-d array, fed "
              "whole to every run; an input whose first size is fixed above 1 and another open (a state "
              "[2,N,128]) takes them on that open axis.")
-DATA_SAMPLES = 16  # quantize --num-samples: the judged steps' fit samples
 EXIT_CODES = ("Exit codes: 0 ok, 1 verification failed, 2 user error (bad file, key, option), "
               "3 internal error (a model or case qtool does not handle).")
 
@@ -540,8 +539,8 @@ def quantize(
                                               "best output SQNR (needs --data)."),
     table_out: Optional[Path] = typer.Option(None, "--table-out", parser=_output_path, help="With --try-methods or the "
                                              "method choice, also write the table chosen."),
-    num_samples: int = typer.Option(DATA_SAMPLES, help="Samples of DATA (spread evenly over it) that bias "
-                                             "correction and the searches fit on."),
+    num_samples: Optional[int] = typer.Option(None, help="Samples of DATA (spread evenly over it) that bias "
+                                              "correction and the searches fit on [default: 16]."),
     holdout: Optional[int] = typer.Option(None, "--holdout", help="Other samples of DATA (spread "
                                           "over it, disjoint from those) that judge each fitted "
                                           "step: it is kept only if it scores better there "
@@ -592,7 +591,7 @@ def quantize(
     from .pixels import PixelInput
     from .precision import Precisions, read_precision_table
     from .quantize import QuantizeOptions, quantize as run
-    from .table_formats import dumps_table, output_format, read_table
+    from .table_formats import dropped, dumps_table, output_format, read_table
 
     try:
         given = _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input)
@@ -655,13 +654,13 @@ def quantize(
             raise QtoolError(f"--max-float-layers must be >= 0, got {max_float_layers}")
         if target_sqnr is not None and not (math.isfinite(target_sqnr) and target_sqnr > 0):
             raise QtoolError(f"--target-sqnr must be a finite number of dB above 0, got {target_sqnr}")
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise QtoolError(f"--num-samples must be at least 1, got {num_samples}")
         if batch_size is not None and batch_size < 1:
             raise QtoolError(f"--batch-size must be at least 1, got {batch_size}")
         if holdout is not None and holdout < 0:
             raise QtoolError(f"--holdout must be >= 0, got {holdout}")
-        unused = [flag for flag, given in (("--num-samples", num_samples != DATA_SAMPLES),
+        unused = [flag for flag, given in (("--num-samples", num_samples is not None),
                                            ("--holdout", holdout is not None),
                                            ("--batch-size", batch_size is not None)) if given]
         if unused and data is None:
@@ -687,7 +686,8 @@ def quantize(
             options = dataclasses.replace(options, input_pixels=pixels)
         if data is not None:
             steps = DataSteps(tuple(methods), method_choice, placement, weight_rounding, bias_correction,
-                              target_sqnr, max_float_layers, allow_float, num_samples, batch_size, holdout,
+                              target_sqnr, max_float_layers, allow_float,
+                              DataSteps.num_samples if num_samples is None else num_samples, batch_size, holdout,
                               _image_preprocess(data, given, recorded, f"table file '{table}'"),
                               channel_scales=channel_scales)
             qmodel, report, loaded, _ = quantize_with_data(model, loaded, options, str(table), data, steps,
@@ -698,6 +698,8 @@ def quantize(
         extras = []
         if table_out is not None:
             extras.append((table_out, dumps_table(loaded, output_format(table_out)).encode()))
+            if dropped(loaded, output_format(table_out)):
+                report.warnings.append(dropped(loaded, output_format(table_out)))
         if params_out is not None:
             extras.append((params_out, (json.dumps(model_params(qmodel), indent=1) + "\n").encode()))
         if not params_metadata:

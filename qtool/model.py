@@ -84,24 +84,28 @@ def load_model(path: str | Path) -> onnx.ModelProto:
 def stored_bytes(path: str | Path) -> int:
     """The bytes a model takes on disk: its file and the external data files its tensors name
     (each once; a ResNet-18 of a 91 KB graph and a 45 MB weights file reported 91179 bytes).
-    Kept for the file as it is (quantize --data builds a dozen candidates of one model: each
-    read the file again, 10 ms a time on PP-OCRv4 rec)."""
+    Kept for a file with no external data, as it is (quantize --data builds a dozen candidates
+    of one model: each read the file again, 10 ms a time on PP-OCRv4 rec)."""
     path = Path(path)
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    if _STORED.get("key") != key:
-        _STORED.update(key=key, total=_stored_bytes(path, stat.st_size))
-    return _STORED["total"]
+    if _STORED.get("key") == key:
+        return _STORED["total"]
+    total, external = _stored_bytes(path, stat.st_size)
+    if not external:  # (another file's size could change under the same graph)
+        _STORED.update(key=key, total=total)
+    return total
 
 
-_STORED: dict = {}  # the last file stored_bytes measured: its identity and its total
+_STORED: dict = {}  # the last file without external data that stored_bytes measured, and its size
 
 
-def _stored_bytes(path: Path, total: int) -> int:
+def _stored_bytes(path: Path, total: int) -> tuple[int, bool]:
+    """``total`` and the sizes of the external data files, and whether there were any."""
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:
-        return total
+        return total, True  # (not kept: nothing known of it)
     locations = {next((e.value for e in t.external_data if e.key == "location"), "")
                  for t in _all_tensors(model.graph) if t.data_location == TensorProto.EXTERNAL}
     for location in sorted(locations - {""}):
@@ -109,7 +113,7 @@ def _stored_bytes(path: Path, total: int) -> int:
             total += (path.parent / location).stat().st_size
         except OSError:
             pass
-    return total
+    return total, bool(locations)
 
 
 def _check_external_data(model: onnx.ModelProto, path: Path) -> bool:

@@ -140,11 +140,16 @@ def fold(model: onnx.ModelProto, spec: PixelInput, tensors: dict | None = None) 
     return name, zero
 
 
+# grey levels beyond 0-255 that float data may reach and still be pixels (clipped): a float resize
+# (bicubic, Lanczos) overshoots by a few; other preprocessing misses by far more (3x, 255x)
+PIXEL_SLACK = 16
+
+
 def pixel_span(spec: PixelInput, channels: int) -> tuple[float, float]:
-    """The lowest and highest normalized value that pixels -0.5 to 255.5 (0 to 255 and half a
-    grey level of rounding) give under ``spec``, over every channel."""
+    """The lowest and highest normalized value that pixels -PIXEL_SLACK to 255 + PIXEL_SLACK give
+    under ``spec``, over every channel."""
     mean, std = spec.per_channel(channels)
-    ends = [(p * spec.scale - mean) / std for p in (-0.5, 255.5)]
+    ends = [(p * spec.scale - mean) / std for p in (-PIXEL_SLACK, 255 + PIXEL_SLACK)]
     return float(np.minimum(*ends).min()), float(np.maximum(*ends).max())
 
 
@@ -158,12 +163,18 @@ def check_range(name: str, spec: PixelInput, channels: int, lo: float, hi: float
     """The calibrated range [lo, hi] of input ``name`` is one that 8-bit pixels give under
     ``spec``, or a one-line error: the data were made with other preprocessing, and a uint8 input
     cannot hold what the table measured (at --scale 0.001 for data of range [0, 1]: pixels up to
-    1000, clipped to 255)."""
+    1000, clipped to 255). A range symmetric about 0 may be a bound on |x| alone (a TensorRT
+    cache keeps one threshold): it is checked as one."""
     low, high = pixel_span(spec, channels)
-    if lo < low or hi > high:
-        raise QtoolError(f"--input-pixels: the table's range of input '{name}' is [{lo:.4g}, {hi:.4g}], beyond "
-                         f"[{low:.4g}, {high:.4g}], what pixels 0 to 255 give at {_settings(spec)}: the "
-                         f"calibration data were made with other preprocessing; give the one they were made with")
+    if lo == -hi:  # the largest |x| the data reached is one that pixels give
+        beyond = hi > max(abs(low), abs(high))
+    else:
+        beyond = lo < low or hi > high
+    if beyond:
+        raise QtoolError(f"--input-pixels: the table's range of input '{name}' is [{lo:.4g}, {hi:.4g}], "
+                         f"beyond [{low:.4g}, {high:.4g}], what pixels 0 to 255 give at {_settings(spec)} "
+                         f"({PIXEL_SLACK} levels either side allowed): the calibration data were made with "
+                         f"other preprocessing; give the one they were made with")
 
 
 def _fresh(base: str, taken: set[str]) -> str:
@@ -187,17 +198,19 @@ def pixel_inputs(model: onnx.ModelProto) -> dict[str, dict]:
 
 def as_pixels(x: np.ndarray, info: dict, name: str = "") -> np.ndarray:
     """Float data normalized as ``info`` says, back to the uint8 pixels they were made from
-    (rounded: data that came from 8-bit pixels come back exactly). Data that give pixels beyond
-    0 to 255 (by more than half a grey level) were made with other preprocessing: a one-line
-    error naming input ``name``, not pixels clipped without a word."""
+    (rounded: data that came from 8-bit pixels come back exactly; a few levels beyond 0-255, as a
+    float resize overshoots, are clipped). Data that give pixels further beyond (``PIXEL_SLACK``)
+    were made with other preprocessing: a one-line error naming input ``name``, not pixels
+    clipped without a word."""
     channels = x.shape[1]
     spec = PixelInput(tuple(info["mean"]), tuple(info["std"]), info["scale"])
     mean, std = spec.per_channel(channels)
     shape = (1, -1) + (1,) * (x.ndim - 2)
     p = (x.astype(np.float64) * std.reshape(shape) + mean.reshape(shape)) / info["scale"]
-    if p.size and not (p.min() >= -0.5 and p.max() <= 255.5):
+    if p.size and not (p.min() >= -PIXEL_SLACK and p.max() <= 255 + PIXEL_SLACK):
         raise DataError(f"input '{name}': the float data give pixels from {p.min():.4g} to {p.max():.4g} under the "
-                         f"preprocessing the model records ({_settings(spec)}), beyond 0 to 255: they were made "
+                         f"preprocessing the model records ({_settings(spec)}), beyond 0 to 255 by more than "
+                        f"{PIXEL_SLACK} levels: they were made "
                          f"with other preprocessing; give data made with it, or its uint8 pixels")
     return np.clip(np.rint(p), 0, 255).astype(np.uint8)
 

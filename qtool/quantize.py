@@ -551,19 +551,21 @@ def _list_hazards(report: QuantizeReport, executor: IntegerExecutor, target: str
 
 def _shape_arithmetic(model: onnx.ModelProto) -> set[str]:
     """The main graph's nodes that compute on shapes, not values: Shape and Size (they read a
-    tensor's dims only), and nodes whose every input is an integer or boolean tensor (a Gather,
-    Concat or Cast of shapes). An integer-only device runs or folds them as they are."""
+    tensor's dims only), and nodes whose every input and output is an integer or boolean tensor (a
+    Gather, Concat or Cast of shapes; not a Cast or Range to float). An integer-only device runs or
+    folds them as they are."""
     graph = model.graph
     types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output]
              if vi.type.HasField("tensor_type")}
     types.update({t.name: t.data_type for t in graph.initializer})
     floating = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+    known_integer = set(types) - {n for n, t in types.items() if t in floating | {TensorProto.UNDEFINED}}
     found = set()
     for node in graph.node:
-        inputs = [n for n in node.input if n]
-        if node.name and node.op_type in ("Shape", "Size") or node.name and (
-                inputs and all(types.get(n, TensorProto.UNDEFINED) not in floating | {TensorProto.UNDEFINED}
-                               for n in inputs)):
+        inputs, outputs = [n for n in node.input if n], [n for n in node.output if n]
+        if not node.name or not all(o in known_integer for o in outputs):
+            continue  # (a Cast or Range to float computes values)
+        if node.op_type in ("Shape", "Size") or (inputs and all(n in known_integer for n in inputs)):
             found.add(node.name)
     return found
 

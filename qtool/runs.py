@@ -189,7 +189,8 @@ def dequantized_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     kept = [n for n in out.graph.node if not (n.op_type == "DequantizeLinear" and n.output and n.output[0] in made)]
-    read = {name for n in kept for name in node_reads(n)} | outputs
+    # (an initializer an older exporter also lists as an input stays: onnxruntime would ask for it)
+    read = {name for n in kept for name in node_reads(n)} | outputs | {vi.name for vi in graph.input}
     inits_kept = [t for t in out.graph.initializer if t.name in read]
     del out.graph.node[:]
     out.graph.node.extend(kept)

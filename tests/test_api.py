@@ -89,7 +89,7 @@ def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, 
     assert _one_line(e).startswith("data sample 0 has no array for model input 'input'")
     with pytest.raises(QtoolError) as e:
         calibrate(demo_model, iter([{"input": calib[:1]}, {"input": calib[:1, :, :4]}]))
-    assert _one_line(e).endswith("give batch_size=1")
+    assert _one_line(e).endswith("use batch_size=1")
     with pytest.raises(QtoolError, match="the dict holds no arrays"):
         calibrate(demo_model, {})
     with pytest.raises(QtoolError, match="params must be a dict of parameter names and values, not str"):
@@ -101,6 +101,11 @@ def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, 
         quantize(demo_model, table, {"input": calib}, steps="all")
     with pytest.raises(QtoolError, match="option per_channel is true or false, not 'no'"):
         quantize(demo_model, table, per_channel="no")
+    for bad, said in (({"keep_float": 5}, "option keep_float is a list of names, not 5"),
+                      ({"multiplier_bits": "32"}, "option multiplier_bits is a whole number, not '32'"),
+                      ({"format": 3}, "option format is a name, not 3")):
+        with pytest.raises(QtoolError, match=said):
+            quantize(demo_model, table, **bad)
     _, report = quantize(demo_model, table, keep_float="Gemm")
     assert [(op, node) for op, node, _ in report.kept_float] == [("Gemm", "fc")]
     qmodel, _ = quantize(demo_model, table)
@@ -110,6 +115,9 @@ def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, 
     assert verify(demo_model, qmodel, held, tolerance=0.5).tolerance == (0.5, None)
     assert verify(demo_model, qmodel, held, tolerance="0.5,10").tolerance == (0.5, 10.0)
     assert verify(demo_model, qmodel, held, tolerance=(0.5, None)).tolerance == (0.5, None)
+    for bad in ((None, 20), [0.9, None, 1]):
+        with pytest.raises(QtoolError, match="tolerance must be COS or COS,SQNR"):
+            verify(demo_model, qmodel, held, tolerance=bad)
     with pytest.raises(QtoolError, match="verify: unknown keyword argument 'bogus'"):
         verify(demo_model, qmodel, held, bogus=1)
     with pytest.raises(QtoolError, match="execute: unknown keyword argument 'bogus'"):

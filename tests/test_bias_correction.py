@@ -175,7 +175,7 @@ def test_bias_correction_needs_data(demo_model, table_file, tmp_path):
 def test_sample_counts_must_be_positive(demo_model, table_file, demo_calib, tmp_path, option):
     result = invoke("quantize", demo_model, "-t", table_file, "-o", tmp_path / "q.onnx",
                     "--data", demo_calib, option, "0")
-    assert_user_error(result, "--num-samples and --batch-size must be at least 1")
+    assert_user_error(result, f"{option} must be at least 1, got 0")
 
 
 def test_bad_data_file_is_one_line(demo_model, table_file, tmp_path):

@@ -17,6 +17,7 @@ def table(tmp_path_factory, demo_table):
 @pytest.mark.parametrize("args, message", [
     (["--holdout", "4"], "--holdout sets how --data's samples are used: add --data DATA, or drop it"),
     (["--num-samples", "4"], "--num-samples sets how --data's samples are used"),
+    (["--num-samples", "16"], "--num-samples sets how --data's samples are used"),  # the default, given
     (["--batch-size", "4"], "--batch-size sets how --data's samples are used"),
     (["--multiplier-bits", "16"], "--multiplier-bits must be one of 32, 8, got 16"),
 ])

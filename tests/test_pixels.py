@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibrate import calibrate
+from qtool.errors import QtoolError
 from qtool.executor import IntegerExecutor
 from qtool.model import load_model, prepare
 from qtool.pixels import PixelInput, as_pixels, fold, pixel_inputs
@@ -246,3 +247,39 @@ def test_a_table_range_no_pixels_give_is_refused(files, tmp_path):
     assert_user_error(result, "--input-pixels: the table's range of input 'x' is [")
     assert "what pixels 0 to 255 give at --scale 0.001, --mean 0, --std 1" in result.stderr
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_tensorrt_cache_table_takes_input_pixels(files, tmp_path):
+    """A TensorRT cache keeps one threshold a tensor, so the input's range reads [-T, T]: checked as
+    a bound on |x| (review: every such table was refused as 'other preprocessing')."""
+    paths, _ = files
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    assert invoke("convert-table", table, "-o", tmp_path / "t.cache").exit_code == 0
+    result = invoke("quantize", paths["model"], "-t", tmp_path / "t.cache", "-o", tmp_path / "q.onnx",
+                    "--input-pixels", "--mean", "0.5,0.4,0.3", "--std", "0.5,0.25,0.2", "-q")
+    assert result.exit_code == 0, result.output
+    result = invoke("quantize", paths["model"], "-t", tmp_path / "t.cache", "-o", tmp_path / "q.onnx",
+                    "--input-pixels", "--scale", "0.001", "--mean", "0.5,0.4,0.3", "--std", "0.5,0.25,0.2")
+    assert_user_error(result, "--input-pixels: the table's range of input 'x' is [")
+
+
+def test_float_data_a_little_beyond_the_pixels_are_clipped(files, tmp_path):
+    """A float resize overshoots 0-255 by a few levels: clipped (within PIXEL_SLACK), not refused;
+    quantize --data on data made otherwise says so as the data's error, not as onnxruntime's."""
+    from qtool.pixels import PIXEL_SLACK
+
+    paths, p = files
+    info = {"mean": list(MEAN), "std": list(STD), "scale": SCALE}
+    over = _normalized(p) + np.float32(3 * SCALE / 0.2)  # up to ~3 levels beyond 255 in channel 2
+    np.testing.assert_array_equal(as_pixels(over, info, "x").max(), 255)
+    far = _normalized(p) + np.float32((PIXEL_SLACK + 4) * SCALE / 0.2)
+    with pytest.raises(QtoolError, match="beyond 0 to 255 by more than 16 levels"):
+        as_pixels(far, info, "x")
+    table = tmp_path / "t.yaml"
+    assert invoke("calibrate", paths["model"], "-d", paths["data"], "-o", table, "-q").exit_code == 0
+    np.savez(tmp_path / "other.npz", x=_normalized(p) * 3)
+    result = invoke("quantize", paths["model"], "-t", table, "-o", tmp_path / "q.onnx", "--input-pixels", "--mean",
+                    "0.5,0.4,0.3", "--std", "0.5,0.25,0.2", "--data", tmp_path / "other.npz")
+    assert_user_error(result, "input 'x': the float data give pixels from")
+    assert "onnxruntime failed" not in result.stderr

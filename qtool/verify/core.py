@@ -196,7 +196,7 @@ def parse_tolerance(text: str | float | list) -> tuple[float, float | None]:
     parts = text if isinstance(text, (list, tuple)) else str(text).split(",")
     try:
         values = [float(p) for p in parts]
-    except ValueError:
+    except (TypeError, ValueError):
         raise QtoolError(f"tolerance must be COS or COS,SQNR (numbers), got '{text}'") from None
     if not 1 <= len(values) <= 2 or not -1 <= values[0] <= 1:
         raise QtoolError(f"tolerance must be COS or COS,SQNR with COS in [-1, 1], got '{text}'")
