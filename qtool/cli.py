@@ -1059,7 +1059,8 @@ def scale(
     if as_json:
         typer.echo(json.dumps(info))
         return
-    typer.echo(f"multiplier      {multiplier}\nrshift          {rshift}\nbits            {bits}\n"
+    left = f"  (a left shift by {-rshift})" if rshift < 0 else ""
+    typer.echo(f"multiplier      {multiplier}\nrshift          {rshift}{left}\nbits            {bits}\n"
                f"approx          {approx!r}\nrelative_error  {info['relative_error']:.3g}")
 
 

@@ -173,6 +173,14 @@ def test_scale_32_bit():
     assert abs(2119995857 / 2**34 - 0.1234) < 1e-9  # the literals themselves are right
 
 
+def test_scale_past_the_multiplier_says_left_shift():
+    # sweep 9: 'rshift -96' alone read as a mistake; 1e38 = 1262177448 * 2**96 (to 3e-10)
+    result = invoke("scale", "1e38")
+    assert result.exit_code == 0
+    assert re.search(r"^rshift\s+-96  \(a left shift by 96\)$", result.stdout, re.MULTILINE), result.stdout
+    assert abs(1262177448 * 2.0**96 / 1e38 - 1) < 1e-9
+
+
 def test_scale_8_bit():
     result = invoke("scale", "0.1234", "--bits", "8")
     assert result.exit_code == 0
