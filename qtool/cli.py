@@ -600,7 +600,7 @@ def quantize(
                              "of --input-pixels: add one")
         precisions = Precisions()
         if precision_table is not None:
-            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
+            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)), model)
         options = QuantizeOptions(per_channel, symmetric, activation_type, multiplier_bits, rounding,
                                   format=format, strict=strict, target=target, weight_type=weight_type,
                                   block_size=block_size, **precisions.options(keep_float))

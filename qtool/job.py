@@ -459,7 +459,7 @@ def plan_job(path: Path, where: str, job: dict) -> JobPlan:
     if "precision_table" in qz:
         precision_table = resolve("quantize.precision_table", qz["precision_table"])
         try:
-            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)))
+            precisions = read_precision_table(precision_table, prepare(load_model(model), str(model)), model)
         except QtoolError as e:
             raise fail("quantize.precision_table", str(e)) from None
     options = QuantizeOptions(**{k: v for k, v in qz.items()

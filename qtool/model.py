@@ -403,6 +403,23 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     return [sub for attr in node.attribute for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)]
 
 
+def folded_note(names, model_path) -> str:
+    """For a message about ``names`` that the prepared model lacks: where they are node names of
+    the model file at ``model_path``, that preparation folded them into other ops ('' otherwise)."""
+    try:
+        original = load_model(model_path)
+    except QtoolError:
+        return ""
+    in_file = {n.name for n in all_nodes(original.graph) if n.name}
+    gone = [n for n in names if n in in_file]
+    if not gone:
+        return ""
+    listed = ", ".join(repr(n) for n in gone)
+    return (f"; {listed} {'is a node' if len(gone) == 1 else 'are nodes'} of the model file that preparation "
+            f"folded into other ops (a BatchNormalization into its Conv, a decomposed LayerNorm or GELU into "
+            f"one op): name {'the op it' if len(gone) == 1 else 'the ops they'} went into")
+
+
 def all_nodes(graph: onnx.GraphProto):
     """Every node of ``graph`` and of its subgraphs, depth first."""
     for node in graph.node:

@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 
 from .errors import QtoolError
-from .model import all_nodes
+from .model import all_nodes, folded_note
 
 TYPES = {"int16": "int16", "int8": "int8", "f32": "float", "f16": "float", "bf16": "float",
          "float": "float"}
@@ -39,8 +39,9 @@ class Precisions:
                 "table_float": tuple(n for n in self.keep_float if n not in keep_float), "int16": self.int16}
 
 
-def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions:
-    """The table at ``path``, every name checked against ``model``'s node names and op types."""
+def read_precision_table(path: str | Path, model: onnx.ModelProto, model_path=None) -> Precisions:
+    """The table at ``path``, every name checked against ``model``'s node names and op types
+    (``model_path``: its file, to say which names preparation folded away)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -62,7 +63,8 @@ def read_precision_table(path: str | Path, model: onnx.ModelProto) -> Precisions
             raise QtoolError(f"{where}: unknown type '{fields[1]}'; choose one of "
                              f"{', '.join(t.upper() for t in TYPES if t != 'float')}")
         if name not in names:
-            raise QtoolError(f"{where}: the model has no node or op type '{name}'")
+            note = folded_note([name], model_path) if model_path is not None else ""
+            raise QtoolError(f"{where}: the model has no node or op type '{name}'{note}")
         if name in given and given[name][1] != kind:
             raise QtoolError(f"{where}: '{name}' is {fields[1]} here and {given[name][2]} on line {given[name][0]}: "
                              f"give one type")

@@ -26,7 +26,7 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
-from .model import (default_opset, file_digest, stored_bytes, file_opset, float_tensors, graph_inputs, initializers,
+from .model import (default_opset, file_digest, folded_note, stored_bytes, file_opset, float_tensors, graph_inputs, initializers,
                     names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .ops.flat import SATURATING, readers_cut, saturation_window
@@ -385,6 +385,7 @@ def _quantize(model_path, table: Table, options: QuantizeOptions, table_name: st
                          rounded_weights or {}, channel_ranges=channel_ranges or {}, made_for=made_for)
     # the weights are the prepared file's, but for the pixel folding (and a bias zero added)
     rewriter.source = (digest, repr(options.input_pixels), report.opset)
+    rewriter.model_path = model_path
     rewritten = rewriter.run()
     if get_target(options.target).unsigned:
         to_unsigned(rewritten)
@@ -584,6 +585,7 @@ def _enforce_strict(report: QuantizeReport, options: QuantizeOptions, shapes: se
 
 class _Rewriter:
     source: tuple | None = None  # what identifies the weights (_nearest_integers); None: not kept
+    model_path = None  # the model file, for messages about names preparation folded away
 
     def __init__(self, model, table: Table, options: QuantizeOptions, report: QuantizeReport,
                  table_name: str, bias_corrections: dict[str, np.ndarray], pixels=None,
@@ -739,8 +741,9 @@ class _Rewriter:
         known = {n.op_type for n in all_nodes(self.graph)} | {n.name for n in all_nodes(self.graph)}
         unknown = sorted(keep - known)
         if unknown and self.parent is None:  # a body's rewriter sees the names of its body only
+            note = folded_note(unknown, self.model_path) if self.model_path is not None else ""
             raise QtoolError(f"--keep-float: {', '.join(repr(u) for u in unknown)} is neither an op type "
-                             f"nor a node name of the prepared model (qtool analyze lists them)")
+                             f"nor a node name of the prepared model (qtool analyze lists them){note}")
         layernorm = self._layernorm_variance_nodes()
         front_ends = self._log_front_ends()
         unbounded = set(self.table.unbounded)
