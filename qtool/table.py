@@ -144,11 +144,23 @@ def _entry(path: Path, name: str, e) -> TensorEntry:
     try:
         entry = TensorEntry(float(e["min"]), float(e["max"]), float(e["threshold"]), str(e["method"]))
     except (KeyError, TypeError, ValueError):
-        raise QtoolError(f"table file '{path}': tensor '{name}' needs numbers min, max, threshold "
-                         f"and a method") from None
+        missing = [k for k in ("min", "max", "threshold", "method") if not isinstance(e, dict) or k not in e]
+        wrong = [k for k in ("min", "max", "threshold") if k not in missing and not _is_number(e[k])]
+        what = (f"has no {', '.join(missing)}" if missing else f"{', '.join(wrong)} is not a number" if wrong
+                else "is not an entry")
+        raise QtoolError(f"table file '{path}': tensor '{name}' {what} (it needs numbers min, max, threshold "
+                         f"and a method)") from None
     if not all(math.isfinite(v) for v in (entry.min, entry.max, entry.threshold)):
         raise QtoolError(f"table file '{path}': tensor '{name}' has a non-finite range")
     if entry.min > entry.max or entry.threshold < 0:
         raise QtoolError(f"table file '{path}': tensor '{name}' has an invalid range "
                          f"(min {entry.min}, max {entry.max}, threshold {entry.threshold})")
     return entry
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, bool)

@@ -148,7 +148,7 @@ def _is_ort_cache(text: str) -> bool:
         fields = line.split()
         if not fields:
             continue
-        if len(fields) != 2 or fields[0].endswith(":"):
+        if len(fields) != 2 or fields[0].endswith(":") or fields[0] == "-":  # ('- 1': a YAML list)
             return False
         try:
             float(fields[1])

@@ -378,6 +378,13 @@ BAD_FILES = [
     ("calibration.json", '{"input": [0.0, 1.0],\n "conv": }', ["line 2", "not valid JSON"]),
     ("calibration.json", '{"input": {"lowest": {"data": [0.0, 1.0], "CLS": "numpy.array"}, "highest": 1.0}}',
      ["tensor 'input'", "per-channel"]),
+    # sweep 9: a YAML list was taken for onnxruntime's calibration.cache; an entry's missing or wrong
+    # key was 'needs numbers min, max, threshold and a method' whatever it was
+    ("list.yaml", "- 1\n- 2\n", ["is not a qtool calibration table"]),
+    ("t.yaml", "qtool_table: 1\nmodel: m\nmodel_sha256: ''\nmethod: minmax\nsamples: 1\nqtool_version: x\n"
+               "tensors:\n  a: {min: 2.0, max: 1.0, threshold: 2.0}\n", ["tensor 'a' has no method"]),
+    ("t.yaml", "qtool_table: 1\nmodel: m\nmodel_sha256: ''\nmethod: minmax\nsamples: 1\nqtool_version: x\n"
+               "tensors:\n  a: {min: x, max: 1.0, threshold: 2.0, method: minmax}\n", ["tensor 'a' min is not a number"]),
 ]
 
 
