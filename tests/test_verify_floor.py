@@ -106,6 +106,16 @@ def test_the_loss_starts_at_the_first_sharp_drop_in_graph_order():
     assert "drops most" not in format_report(gentle)
 
 
+def test_a_drop_that_leaves_a_high_level_is_no_loss():
+    # sweep 10: MiniLM's position table (a Gather) at 64.6 dB, 0.55 LSB from float, 10 dB below
+    # the token table, was "where the loss starts" of a model that passed at 31.7 dB
+    tensors = [_comparison("ids", 300, "input"), _comparison("tokens", 75.0), _comparison("positions", 64.6),
+               _comparison("ln", 58.0), _comparison("attention", 31.0)]
+    report = VerifyReport(4, (0.99, 20.0), [], tensors, [])
+    start, drop = report.loss_start()
+    assert start.name == "attention" and abs(drop - 27.0) < 1e-9
+
+
 def test_a_move_of_the_input_sets_no_level_to_drop_from():
     # sweep 6's NHWC siamese VGG: the Transpose of its input, at the input's 57.9 dB, made the first
     # Conv "where the loss starts" (17 dB below it); the real drop was the float |a - b| further on
