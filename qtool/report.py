@@ -157,7 +157,8 @@ def placement_summary(pl: dict) -> str:
     groups = ", ".join(f"{g} ({n} ops)" for g, n in pl["groups"].items())
     fit = f"SQNR on {pl['fit_samples']} fit samples: int8 {pl['fit_int8_sqnr_db']}"
     if not pl["chosen"]:
-        return f"none (no group of {groups} gains {pl['gain_db']:g} dB; {fit} dB)"
+        together = ", alone or together," if any(" + " in g for g in (pl["rounds"] or [{}])[-1]) else ""
+        return f"none (no group of {groups}{together} gains {pl['gain_db']:g} dB; {fit} dB)"
     chosen = " + ".join(pl["chosen"])
     fit += f" -> {pl['fit_chosen_sqnr_db']} dB with {chosen}"
     if not pl["heldout_samples"]:
