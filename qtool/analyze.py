@@ -446,8 +446,8 @@ class Evaluator:
                         if node is not None and ops.get(node) == "Sigmoid" else None
                         for i, (_, node, _) in enumerate(self.items)]
 
-    def _run(self, model: onnx.ModelProto, extra: list[str] = (), cut: int | None = None
-             ) -> list[list[np.ndarray]]:
+    def _run(self, model: onnx.ModelProto, extra: list[str] = (), serialized: bytes | None = None,
+             cut: int | None = None) -> list[list[np.ndarray]]:
         names = []
         for _, node_name, out in self.items:
             if node_name is None:
@@ -458,6 +458,7 @@ class Evaluator:
                 raise QtoolError(f"the model variant has no node '{node_name}' to score")
             names.append(node.input[0])
         names += [n for n in extra]
+        given = model
         pixels = pixel_inputs(model)
         if self._prefixes and not pixels:
             if cut is None:
@@ -472,7 +473,8 @@ class Evaluator:
                 return shared
         model = with_outputs(model, names)
         try:
-            session = self.runs.session(model)
+            session = self.runs.session(serialized if model is given and serialized is not None
+                                        else model.SerializeToString())
             return self.runs.run(session, names, [feeds_for(pixels, feeds) for feeds in self.runs.feeds])
         except DataError:
             raise  # the data, said as they are (qtool/pixels.py), not as onnxruntime's failure
@@ -506,7 +508,7 @@ class Evaluator:
         serialized = model.SerializeToString()
         key = _digest(serialized)
         if key not in self._scores:
-            self._scores[key] = self._score(model, cut)
+            self._scores[key] = self._score(model, serialized, cut)
             while len(self._scores) > self.KEPT_SCORES:
                 self._scores.popitem(last=False)
         return list(self._scores[key])
@@ -528,8 +530,9 @@ class Evaluator:
         finally:
             self._prefixes = kept
 
-    def _score(self, model: onnx.ModelProto, cut: int | None = None) -> list[float]:
-        got = self._run(model, cut=cut)
+    def _score(self, model: onnx.ModelProto, serialized: bytes | None = None, cut: int | None = None
+               ) -> list[float]:
+        got = self._run(model, serialized=serialized, cut=cut)
         out = []
         for piece in self.pieces:
             i, b_range = piece[0], range(len(got))

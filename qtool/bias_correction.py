@@ -223,7 +223,7 @@ class _Pieces:
         model.ir_version = self.model.ir_version
         mean = _Mean(axis)
         try:
-            runs = self.runs.each(self.runs.session(model), [tensor, *keep],
+            runs = self.runs.each(self.runs.session(model.SerializeToString()), [tensor, *keep],
                                   [{n: values[n] for n in inputs} for values in self.values])
             for values, got in zip(self.values, runs):  # in the samples' order: the same sums
                 mean.add(got[0])
@@ -305,7 +305,7 @@ def _channel_means(model: onnx.ModelProto, names: list[str], axes: list[int],
     means = [_Mean(axis) for axis in axes]
     runs = Runs(batches)
     try:
-        session = runs.session(with_outputs(model, names))
+        session = runs.session(with_outputs(model, names).SerializeToString())
         pixels = pixel_inputs(model)
         for got in runs.each(session, names, [feeds_for(pixels, feeds) for feeds in runs.feeds]):
             for mean, y in zip(means, got):

@@ -115,7 +115,7 @@ class SharedPrefix:
                         [onnx.ValueInfoProto(name=n) for n in wanted],
                         [variant_inits[n] for n in dict.fromkeys(r for node in suffix for r in node_reads(node))
                          if n in variant_inits], f"{variant.graph.name or 'model'}_from_{cut}")
-        session = self.runs.session(tail)
+        session = self.runs.session(tail.SerializeToString())
         runs = self.runs.run(session, wanted, [{n: (state[n] if n in state else batch[n]) for n in suffix_inputs}
                                               for state, batch in zip(states, self.batches)])
         out = []
@@ -165,7 +165,7 @@ class SharedPrefix:
                              f"{self.base.graph.name or 'model'}_{start}_{cut}")
             runs = [[] for _ in self.batches]
             if outputs:
-                runs = self.runs.run(self.runs.session(piece), outputs,
+                runs = self.runs.run(self.runs.session(piece.SerializeToString()), outputs,
                                      [{n: state[n] if n in state else batch[n] for n in inputs}
                                       for state, batch in zip(held, self.batches)])
             new = []
