@@ -208,10 +208,10 @@ def as_pixels(x: np.ndarray, info: dict, name: str = "") -> np.ndarray:
     shape = (1, -1) + (1,) * (x.ndim - 2)
     p = (x.astype(np.float64) * std.reshape(shape) + mean.reshape(shape)) / info["scale"]
     if p.size and not (p.min() >= -PIXEL_SLACK and p.max() <= 255 + PIXEL_SLACK):
-        raise DataError(f"input '{name}': the float data give pixels from {p.min():.4g} to {p.max():.4g} under the "
-                         f"preprocessing the model records ({_settings(spec)}), beyond 0 to 255 by more than "
-                        f"{PIXEL_SLACK} levels: they were made "
-                         f"with other preprocessing; give data made with it, or its uint8 pixels")
+        raise DataError(f"input '{name}': the float data give pixels from {p.min():.4g} to {p.max():.4g} under "
+                        f"the preprocessing the model records ({_settings(spec)}), beyond 0 to 255 by more "
+                        f"than {PIXEL_SLACK} levels: they were made with other preprocessing; give data made "
+                        f"with it, or its uint8 pixels")
     return np.clip(np.rint(p), 0, 255).astype(np.uint8)
 
 

@@ -26,8 +26,8 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
-from .model import (default_opset, file_digest, folded_note, stored_bytes, file_opset, float_tensors, graph_inputs, initializers,
-                    names_read, prepare_file, upgrade, all_nodes)
+from .model import (default_opset, file_digest, folded_note, stored_bytes, file_opset, float_tensors, graph_inputs,
+                    initializers, names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .ops.flat import SATURATING, readers_cut, saturation_window
 from .data import PREPROCESS_KEY
