@@ -52,6 +52,19 @@ def _distributed():
         raise QtoolError(f"--cluster needs dask.distributed, which is not installed: {INSTALL}") from None
 
 
+# what qtool's local workers start with:
+# - without the glibc trim threshold dask sets in its workers' environment (None unsets it): with
+#   it, every large array is a fresh mmap (verify on PP-OCR cls 7.3 s instead of 3.3 s);
+# - without dask's statistical profiler: every 10 ms it reads every thread's frame
+#   (sys._current_frames), and on Python 3.11 a full garbage collection inside that read, whose
+#   callback (dask's GC diagnosis) waits for the GIL while holding the interpreter's thread list,
+#   deadlocks a thread that is ending (a fresh clone's CI hung once in a `run --cluster` job, the
+#   worker's main thread in the GC callback under sys._current_frames and a ThreadPoolExecutor
+#   thread of qtool/runs.py waiting on a lock, for good).
+LOCAL_WORKER_CONFIG = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                       "distributed.worker.profile.enabled": False}
+
+
 @contextlib.contextmanager
 def connect(address: str):
     """A ``distributed.Client`` on ADDRESS (see the module's docstring), closed on exit."""
@@ -62,9 +75,7 @@ def connect(address: str):
 
         import dask
 
-        # without the glibc trim threshold dask sets in its workers' environment (None unsets it):
-        # with it, every large array is a fresh mmap (verify on PP-OCR cls 7.3 s instead of 3.3 s)
-        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        with dask.config.set(LOCAL_WORKER_CONFIG):
             cluster = _started_ignoring_ctrl_c(lambda: distributed.LocalCluster(
                 n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                 silence_logs=logging.CRITICAL))

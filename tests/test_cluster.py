@@ -28,10 +28,15 @@ from test_jobs_batch import batch, inputs, write  # noqa: E402,F401  (inputs: a 
 
 
 def _local_cluster(**kwargs):
+    """Two worker processes, started as qtool starts its own (cluster.LOCAL_WORKER_CONFIG: no
+    statistical profiler, whose sys._current_frames can deadlock a worker on Python 3.11)."""
     import logging
 
-    return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                    dashboard_address=":0", silence_logs=logging.ERROR, **kwargs)
+    import dask
+
+    with dask.config.set(cluster.LOCAL_WORKER_CONFIG):
+        return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                        dashboard_address=":0", silence_logs=logging.ERROR, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +300,17 @@ def test_dask_is_not_imported_without_cluster(tmp_path, demo_model, demo_calib):
     assert yaml.safe_load(table.read_text())["samples"] == 256
     # the check sees dask when it is imported: a --cluster whose address dask refuses
     assert run("--cluster", "nowhere://x") == "2 ['dask', 'distributed']"
+
+
+def test_local_workers_run_without_the_statistical_profiler():
+    """qtool's local workers start without dask's profiler (cluster.LOCAL_WORKER_CONFIG): its
+    sys._current_frames every 10 ms deadlocked a worker once in CI, a full garbage collection's
+    callback inside it waiting for the GIL while a qtool/runs.py thread ended."""
+    def settings():
+        import dask
+
+        return (dask.config.get("distributed.worker.profile.enabled"),
+                dask.config.get("distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_", None))
+
+    with cluster.connect("local:2") as client:
+        assert set(client.run(settings).values()) == {(False, None)}
