@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 import re
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -123,16 +124,18 @@ def _options(kind, options: dict):
         default = fields[key].default
         if isinstance(default, bool) and not isinstance(value, bool):
             raise QtoolError(f"option {key} is true or false, not {value!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and \
-                (not isinstance(value, int) or isinstance(value, bool)):
-            raise QtoolError(f"option {key} is a whole number, not {value!r}")
+        if isinstance(default, int) and not isinstance(default, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise QtoolError(f"option {key} is a whole number, not {value!r}")
+            options[key] = int(value)
         if isinstance(default, str) and not isinstance(value, str):
             raise QtoolError(f"option {key} is a name, not {value!r}")
         if isinstance(default, tuple):
             names = () if value is None else (value,) if isinstance(value, str) else value
-            if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
+            names = tuple(names) if isinstance(names, Iterable) else None  # (a generator: read once)
+            if names is None or not all(isinstance(n, str) for n in names):
                 raise QtoolError(f"option {key} is a list of names, not {value!r}")
-            options[key] = tuple(names)
+            options[key] = names
     return kind(**options)
 
 

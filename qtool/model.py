@@ -416,8 +416,8 @@ def folded_note(names, model_path) -> str:
         return ""
     listed = ", ".join(repr(n) for n in gone)
     return (f"; {listed} {'is a node' if len(gone) == 1 else 'are nodes'} of the model file that preparation "
-            f"folded into other ops (a BatchNormalization into its Conv, a decomposed LayerNorm or GELU into "
-            f"one op): name {'the op it' if len(gone) == 1 else 'the ops they'} went into")
+            f"removed or folded into other ops (a Dropout or Identity removed, a BatchNormalization folded into "
+            f"its Conv, a decomposed LayerNorm or GELU fused into one op): name the op that does its work")
 
 
 def all_nodes(graph: onnx.GraphProto):

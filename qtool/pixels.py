@@ -114,7 +114,10 @@ def fold(model: onnx.ModelProto, spec: PixelInput, tensors: dict | None = None) 
     zero = spec.zero_point(channels)
     entry = (tensors or {}).get(name)
     if entry is not None:
-        check_range(name, spec, channels, entry.min, entry.max)
+        # a table whose every range is symmetric about 0 keeps one threshold a tensor (a TensorRT
+        # cache): its input's range bounds |x| only
+        bound_only = all(e.min == -e.max for e in tensors.values())
+        check_range(name, spec, channels, entry.min, entry.max, bound_only)
     for node in readers:
         w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
         if w.shape[1] != channels:
@@ -159,14 +162,15 @@ def _settings(spec: PixelInput) -> str:
     return f"--scale {spec.scale:g}, --mean {values(spec.mean)}, --std {values(spec.std)}"
 
 
-def check_range(name: str, spec: PixelInput, channels: int, lo: float, hi: float) -> None:
+def check_range(name: str, spec: PixelInput, channels: int, lo: float, hi: float,
+                bound_only: bool = False) -> None:
     """The calibrated range [lo, hi] of input ``name`` is one that 8-bit pixels give under
     ``spec``, or a one-line error: the data were made with other preprocessing, and a uint8 input
     cannot hold what the table measured (at --scale 0.001 for data of range [0, 1]: pixels up to
-    1000, clipped to 255). A range symmetric about 0 may be a bound on |x| alone (a TensorRT
-    cache keeps one threshold): it is checked as one."""
+    1000, clipped to 255). ``bound_only``: the range is a bound on |x| alone (a TensorRT cache
+    keeps one threshold a tensor), checked as one."""
     low, high = pixel_span(spec, channels)
-    if lo == -hi:  # the largest |x| the data reached is one that pixels give
+    if bound_only and hi > 0:  # the largest |x| the data reached is one that pixels give
         beyond = hi > max(abs(low), abs(high))
     else:
         beyond = lo < low or hi > high

@@ -19,7 +19,8 @@ where none does, the groups left are tried all together once (two bottlenecks in
 capping the output while the other stays int8: smart-turn's speech encoder, its GELU outputs and
 its attention pooling, 11.3 dB on the fit samples with either and 43 dB on others with both).
 The groups chosen are then scored on held-out samples against the all-int8 model and kept only
-where they score higher there. A model with no LayerNormalization, no Gelu (after fusion) and no
+where they score higher there (where the groups taken together lose there, the greedy rounds' own
+choice is judged instead). A model with no LayerNormalization, no Gelu (after fusion) and no
 Softmax of attention scores (a MatMul of two activations) is not a transformer: nothing is tried.
 Costs one quantize and one onnxruntime run over the fit samples per try (at most 10 for the four
 groups), then two over the held-out ones.
@@ -43,6 +44,7 @@ from .targets import DEFAULT_TARGET
 GAIN_DB = 1.0
 MARKERS = ("LayerNormalization", "Gelu")  # and a Softmax of attention scores (_reads)
 _FEEDERS = ("Add", "Sub", "Mul", "Div", "Where", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+_RESHAPES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand")
 
 
 def groups(model: onnx.ModelProto) -> dict[str, list[str]]:
@@ -80,14 +82,35 @@ def groups(model: onnx.ModelProto) -> dict[str, list[str]]:
 
 def _pooling(nodes: list[onnx.NodeProto], constants: set[str]) -> set[str]:
     """Attention pooling: a Mul of a Softmax's weights by an activation and the ReduceSum or
-    ReduceMean over it (a speech encoder's pooling over 400 frames: each int8 product of a weight
-    near 1/400 is a few steps, and the sum adds 400 roundings; smart-turn's pooled features fell
-    from 39 to 17 dB there). Node names."""
-    softmax = {o for n in nodes if n.op_type == "Softmax" for o in n.output}
-    muls = {n.output[0]: n.name for n in nodes if n.op_type == "Mul" and any(i in softmax for i in n.input)
-            and not any(i in constants for i in n.input)}
-    sums = {n.name for n in nodes if n.op_type in ("ReduceSum", "ReduceMean") and n.input and n.input[0] in muls}
-    return set(muls.values()) | sums
+    ReduceMean over it, through ops that only reshape on the way (PyTorch's
+    ``softmax(s).unsqueeze(-1) * x``), those included (a speech encoder's pooling over 400 frames:
+    each int8 product of a weight near 1/400 is a few steps, and the sum adds 400 roundings;
+    smart-turn's pooled features fell from 39 to 17 dB there). Node names."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def onward(tensor: str, wanted) -> tuple[list[onnx.NodeProto], list[str]]:
+        """The nodes ``wanted`` accepts that read ``tensor`` through reshaping ops, and those ops."""
+        found, moved, todo = [], [], [tensor]
+        while todo:
+            for reader in readers.get(todo.pop(), []):
+                if wanted(reader):
+                    found.append(reader)
+                elif reader.op_type in _RESHAPES:
+                    moved.append(reader.name)
+                    todo += [o for o in reader.output if o]
+        return found, moved
+
+    out: set[str] = set()
+    for softmax in (n for n in nodes if n.op_type == "Softmax"):
+        muls, on_way = onward(softmax.output[0], lambda r: r.op_type == "Mul" and
+                              not any(i in constants for i in r.input))
+        for mul in muls:
+            sums, more = onward(mul.output[0], lambda r: r.op_type in ("ReduceSum", "ReduceMean"))
+            out |= {mul.name, *on_way, *{s.name for s in sums}, *(more if sums else [])}
+    return out
 
 
 def _reads(producer: dict, node: onnx.NodeProto, sources: set[str]) -> bool:
@@ -165,6 +188,7 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
     models = {(): build([])}
     best = None
     chosen: list[str] = []
+    greedy: list[str] = []  # the groups greedy rounds chose, where the groups left together won after
     tries = len(found) * (len(found) + 1) // 2
     with progress_bar(tries, "int16 placement", progress, unit="try") as bar:
         while len(chosen) < len(found):
@@ -183,10 +207,11 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
                 if len(names) > 1:  # none alone, maybe all together: two bottlenecks in a row
                     together = tuple(chosen + names)
                     models[together] = build(list(together))
+                    bar.update(1)
                     score = evaluator.sqnrs(models[tuple(chosen)], models[together])[1]
                     result.rounds.append({" + ".join(names): score})
                     if score >= best + GAIN_DB:
-                        chosen, best = list(together), score
+                        greedy, chosen, best = list(chosen), list(together), score
                 break
             chosen.append(pick)
             best = scores[pick]
@@ -197,6 +222,11 @@ def place(model_path, table: Table, options, table_name: str, data_path, num_sam
         judge = Evaluator(float_model, held)
         result.heldout = held.samples
         result.heldout_int8_db, result.heldout_chosen_db = judge.sqnrs(models[()], models[tuple(chosen)])
+        if not result.heldout_chosen_db > result.heldout_int8_db and greedy:
+            # the groups left together lost there: the greedy rounds' choice is judged as before
+            chosen, result.fit_chosen_db = greedy, result.rounds[len(greedy) - 1][greedy[-1]]
+            result.chosen = chosen
+            result.heldout_chosen_db = judge.sqnrs(models[()], models[tuple(chosen)])[1]
         if result.heldout_chosen_db > result.heldout_int8_db:
             result.int16 = [n for g in chosen for n in found[g]]
     result.seconds = time.perf_counter() - start

@@ -144,10 +144,11 @@ def _entry(path: Path, name: str, e) -> TensorEntry:
     try:
         entry = TensorEntry(float(e["min"]), float(e["max"]), float(e["threshold"]), str(e["method"]))
     except (KeyError, TypeError, ValueError):
-        missing = [k for k in ("min", "max", "threshold", "method") if not isinstance(e, dict) or k not in e]
-        wrong = [k for k in ("min", "max", "threshold") if k not in missing and not _is_number(e[k])]
-        what = (f"has no {', '.join(missing)}" if missing else f"{', '.join(wrong)} is not a number" if wrong
-                else "is not an entry")
+        missing = [k for k in ("min", "max", "threshold", "method") if isinstance(e, dict) and k not in e]
+        wrong = [k for k in ("min", "max", "threshold") if isinstance(e, dict) and k not in missing
+                 and not _is_number(e[k])]
+        what = ("is not an entry" if not isinstance(e, dict) else f"has no {', '.join(missing)}" if missing
+                else f"{', '.join(wrong)} is not a number" if wrong else "is not an entry")
         raise QtoolError(f"table file '{path}': tensor '{name}' {what} (it needs numbers min, max, threshold "
                          f"and a method)") from None
     if not all(math.isfinite(v) for v in (entry.min, entry.max, entry.threshold)):

@@ -106,6 +106,8 @@ def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, 
                       ({"format": 3}, "option format is a name, not 3")):
         with pytest.raises(QtoolError, match=said):
             quantize(demo_model, table, **bad)
+    _, report = quantize(demo_model, table, keep_float=(n for n in ["Gemm"]), multiplier_bits=np.int64(8))
+    assert [(op, node) for op, node, _ in report.kept_float] == [("Gemm", "fc")]  # (a generator read once)
     _, report = quantize(demo_model, table, keep_float="Gemm")
     assert [(op, node) for op, node, _ in report.kept_float] == [("Gemm", "fc")]
     qmodel, _ = quantize(demo_model, table)

@@ -142,6 +142,22 @@ def test_strict_lists_what_cannot_be_integer(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "q.onnx").exists()
 
 
+def test_shape_arithmetic_makes_no_float():
+    """A Cast of a shape to float computes values (review): it is not shape arithmetic."""
+    from qtool.quantize import _shape_arithmetic
+
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+         helper.make_node("Gather", ["s", "zero"], ["n"], name="batch", axis=0),
+         helper.make_node("Cast", ["n"], ["nf"], name="to_float", to=TensorProto.FLOAT),
+         helper.make_node("Mul", ["x", "nf"], ["y"], name="scale")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.array(0, np.int64), "zero")])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    assert _shape_arithmetic(model) == {"shape", "batch"}
+
+
 def test_strict_passes_shape_arithmetic(tmp_path):
     """Sweep 9: --strict refused PP-OCR's mobile cls for its Shape node ('Shape_180', the batch of
     a Reshape): ops on shapes are no quantization's business. It is still listed as float."""

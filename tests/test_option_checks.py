@@ -89,7 +89,7 @@ def test_a_foreign_table_on_standard_input_is_named_so(tmp_path, demo_model, dem
 def test_a_name_folded_away_at_preparation_is_said_so(tmp_path, demo_model, table):
     """Sweep 9: 'bn1' (a BatchNormalization of the file, folded into conv1) was 'not a node' of
     the model; the message says where it went, and a name of no node says nothing more."""
-    folded = "'bn1' is a node of the model file that preparation folded into other ops"
+    folded = "'bn1' is a node of the model file that preparation removed or folded into other ops"
     result = invoke("quantize", demo_model, "-t", table, "-o", tmp_path / "q.onnx", "--keep-float", "bn1")
     assert_user_error(result, "--keep-float: 'bn1' is neither an op type nor a node name", folded)
     (tmp_path / "p.txt").write_text("bn1 INT16\n")

@@ -262,6 +262,13 @@ def test_a_tensorrt_cache_table_takes_input_pixels(files, tmp_path):
     result = invoke("quantize", paths["model"], "-t", tmp_path / "t.cache", "-o", tmp_path / "q.onnx",
                     "--input-pixels", "--scale", "0.001", "--mean", "0.5,0.4,0.3", "--std", "0.5,0.25,0.2")
     assert_user_error(result, "--input-pixels: the table's range of input 'x' is [")
+    # a qtool table whose input happens to be symmetric keeps both ends checked (review: [-1, 1] passed
+    # as a bound at mean 0, std 1, where pixels give [0, 1])
+    from qtool.pixels import check_range
+
+    with pytest.raises(QtoolError, match=r"is \[-1, 1\], beyond"):
+        check_range("x", PixelInput((0.0,), (1.0,), 1 / 255), 3, -1.0, 1.0)
+    check_range("x", PixelInput((0.0,), (1.0,), 1 / 255), 3, -1.0, 1.0, bound_only=True)
 
 
 def test_float_data_a_little_beyond_the_pixels_are_clipped(files, tmp_path):
@@ -271,7 +278,7 @@ def test_float_data_a_little_beyond_the_pixels_are_clipped(files, tmp_path):
 
     paths, p = files
     info = {"mean": list(MEAN), "std": list(STD), "scale": SCALE}
-    over = _normalized(p) + np.float32(3 * SCALE / 0.2)  # up to ~3 levels beyond 255 in channel 2
+    over = _normalized(p) + np.float32(3 * SCALE / 0.2)  # up to 3 to 7.5 levels beyond 255 (channels 2 to 0)
     np.testing.assert_array_equal(as_pixels(over, info, "x").max(), 255)
     far = _normalized(p) + np.float32((PIXEL_SLACK + 4) * SCALE / 0.2)
     with pytest.raises(QtoolError, match="beyond 0 to 255 by more than 16 levels"):

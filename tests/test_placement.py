@@ -123,6 +123,16 @@ def test_attention_pooling_joins_the_attention_probabilities():
                               [helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["N", D])], inits)
     found = groups(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert set(found["attention probabilities"]) >= {"weight", "weighted", "pooled"}
+    # PyTorch's softmax(s).unsqueeze(-1) * x: a reshape between the weights and the Mul
+    nodes[2:4] = [helper.make_node("Softmax", ["score"], ["w2"], name="weight", axis=1),
+                  helper.make_node("Squeeze", ["w2", "last"], ["w1"], name="squeeze"),
+                  helper.make_node("Unsqueeze", ["w1", "last"], ["weight"], name="unsqueeze"),
+                  helper.make_node("Mul", ["h", "weight"], ["weighted"], name="weighted")]
+    inits.append(numpy_helper.from_array(np.array([-1], np.int64), "last"))
+    graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", T, D])],
+                              [helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["N", D])], inits)
+    found = groups(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert set(found["attention probabilities"]) >= {"weight", "squeeze", "unsqueeze", "weighted", "pooled"}
 
 
 def test_groups_that_help_only_together_are_taken_together(block, monkeypatch):
@@ -153,6 +163,35 @@ def test_groups_that_help_only_together_are_taken_together(block, monkeypatch):
     assert result.rounds[-1] == {" + ".join(rest): 30.0}
     assert result.kept and result.heldout_chosen_db == 30.0 and result.heldout_int8_db == 10.0
     assert set(options.int16) == {n for members in found.values() for n in members}
+    from qtool.report import placement_summary
+
+    assert f"{len(options.int16)} ops placed ({' + '.join(result.chosen)})" in placement_summary(result.to_dict())
+    # the groups left together win on the fit samples and lose on the held-out ones: the greedy
+    # rounds' choice is judged as it was before the together try
+    made = []
+
+    class HeldJudge(Judge):  # the first made judges the fit samples, the second the held-out ones
+        def __init__(self, float_model, batches):
+            super().__init__(float_model, batches)
+            made.append(self)
+
+        def sqnrs(self, *models):
+            if self is made[0]:
+                return super().sqnrs(*models)
+            everything = sum(len(m) for m in found.values())
+            return [{0: 10.0, everything: 9.0}.get(len(m), 14.0) for m in models]
+
+    monkeypatch.setattr(placement, "Evaluator", HeldJudge)
+    options, result = place(model, table, QuantizeOptions(), "t", data, progress=False)
+    assert len(made) == 2 and result.rounds[-1] == {" + ".join(rest): 30.0}
+    assert result.chosen == [first] and result.fit_chosen_db == 15.0
+    assert result.heldout_chosen_db == 14.0 and result.heldout_int8_db == 10.0 and result.kept
+    assert set(options.int16) == set(found[first])
+    # none alone and not together either: the report says both were tried
+    monkeypatch.setattr(placement, "Evaluator", Judge)
+    monkeypatch.setattr(placement, "GAIN_DB", 100.0)
+    _, result = place(model, table, QuantizeOptions(), "t", data, progress=False)
+    assert not result.chosen and ", alone or together, gains 100 dB" in placement_summary(result.to_dict())
 
 
 def test_a_cnn_has_no_groups(demo_model):

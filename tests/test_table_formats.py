@@ -385,6 +385,8 @@ BAD_FILES = [
                "tensors:\n  a: {min: 2.0, max: 1.0, threshold: 2.0}\n", ["tensor 'a' has no method"]),
     ("t.yaml", "qtool_table: 1\nmodel: m\nmodel_sha256: ''\nmethod: minmax\nsamples: 1\nqtool_version: x\n"
                "tensors:\n  a: {min: x, max: 1.0, threshold: 2.0, method: minmax}\n", ["tensor 'a' min is not a number"]),
+    ("t.yaml", "qtool_table: 1\nmodel: m\nmodel_sha256: ''\nmethod: minmax\nsamples: 1\nqtool_version: x\n"
+               "tensors:\n  a: 5\n", ["tensor 'a' is not an entry"]),
 ]
 
 
