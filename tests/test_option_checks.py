@@ -99,3 +99,43 @@ def test_a_name_folded_away_at_preparation_is_said_so(tmp_path, demo_model, tabl
     result = invoke("quantize", demo_model, "-t", table, "-o", tmp_path / "q.onnx", "--keep-float", "nope")
     assert_user_error(result, "--keep-float: 'nope' is neither")
     assert "folded" not in result.stderr
+
+
+def test_table_out_to_a_tensorrt_cache_says_what_it_leaves_out(tmp_path, demo_model, demo_calib, table):
+    """quantize --table-out x.cache wrote the cache without a word about the preprocessing it has no
+    room for (convert-table, calibrate and merge said it)."""
+    import yaml
+
+    doc = yaml.safe_load(table.read_text())
+    doc["preprocess"] = {"resize": None, "fit": "stretch", "pad": 114.0, "mean": [0.0], "std": [1.0],
+                         "scale": 1 / 16, "channels": "gray", "layout": "nchw", "input": None}
+    given = tmp_path / "t.yaml"
+    given.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = invoke("quantize", demo_model, "-t", given, "-o", tmp_path / "q.onnx", "--data", demo_calib,
+                    "--table-out", tmp_path / "t.cache")
+    assert result.exit_code == 0, result.output
+    assert "warning: a TensorRT cache cannot hold the image preprocessing: they are left out" in result.stderr
+    assert (tmp_path / "t.cache").read_text().startswith("TRT-")
+
+
+def test_stored_bytes_follows_external_data(tmp_path):
+    """The size kept for a model file is not kept where its weights live in another file, whose
+    size can change under the same graph."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtool.model import stored_bytes
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="w.bin",
+              size_threshold=0)
+    before = stored_bytes(path)
+    assert before == path.stat().st_size + (tmp_path / "w.bin").stat().st_size
+    with open(tmp_path / "w.bin", "ab") as f:
+        f.write(b"\0" * 1000)
+    assert stored_bytes(path) == before + 1000
