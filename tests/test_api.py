@@ -90,6 +90,10 @@ def test_errors_speak_of_the_data_and_arguments_given(demo_model, demo_heldout, 
     with pytest.raises(QtoolError) as e:
         calibrate(demo_model, iter([{"input": calib[:1]}, {"input": calib[:1, :, :4]}]))
     assert _one_line(e).endswith("use batch_size=1")
+    from qtool.api import _in_api_words
+
+    hint = "onnxruntime failed (on a batch of 8 samples; if the model runs one sample at a time, add --batch-size 1)"
+    assert _in_api_words(hint, "/tmp/qtool-api-x").endswith("add batch_size=1)")
     with pytest.raises(QtoolError, match="the dict holds no arrays"):
         calibrate(demo_model, {})
     with pytest.raises(QtoolError, match="params must be a dict of parameter names and values, not str"):
