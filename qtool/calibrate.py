@@ -73,8 +73,7 @@ def typed_params(method: str, params: dict | None) -> dict:
     """``params`` checked against ``method``'s parameters, strings (from the command line) turned
     into the type of the parameter's default: what a table and a statistics file record, so that
     ``--param percentile=99.9`` and a job's ``percentile: 99.9`` are the same parameters."""
-    signature = inspect.signature(_calibrator_class(method).__init__)
-    allowed = {n: p.default for n, p in signature.parameters.items() if n != "self"}
+    allowed = _defaults(method)
     kwargs = {}
     for name, value in (params or {}).items():
         if name not in allowed:
@@ -95,13 +94,18 @@ def typed_params(method: str, params: dict | None) -> dict:
     return kwargs
 
 
+def _defaults(method: str) -> dict:
+    """``method``'s parameters and their defaults."""
+    signature = inspect.signature(_calibrator_class(method).__init__)
+    return {n: p.default for n, p in signature.parameters.items() if n != "self"}
+
+
 def _with_defaults(method: str, params: dict) -> dict:
     """``params`` of ``method`` with every parameter it leaves out at its default."""
     try:
-        signature = inspect.signature(_calibrator_class(method).__init__)
+        return {**_defaults(method), **params}
     except QtoolError:
         return dict(params)
-    return {**{n: p.default for n, p in signature.parameters.items() if n != "self"}, **params}
 
 
 def _number(text: str):

@@ -26,8 +26,8 @@ from .errors import QtoolError
 from .executor import IntegerExecutor
 from .fixedpoint import DEFAULT_ROUNDING, MULTIPLIER_BITS, ROUNDING_MODES
 from .joins import find_joins
-from .model import (default_opset, file_digest, folded_note, stored_bytes, file_opset, float_tensors, graph_inputs,
-                    initializers, names_read, prepare_file, upgrade, all_nodes)
+from .model import (FLOAT_TYPES, default_opset, file_digest, folded_note, stored_bytes, file_opset, float_tensors,
+                    graph_inputs, initializers, names_read, prepare_file, upgrade, all_nodes)
 from .ops import REGISTRY, Bias, Raw, Unsupported, Weight, node_attrs
 from .ops.flat import SATURATING, readers_cut, saturation_window
 from .data import PREPROCESS_KEY
@@ -559,8 +559,7 @@ def _shape_arithmetic(model: onnx.ModelProto) -> set[str]:
     types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output]
              if vi.type.HasField("tensor_type")}
     types.update({t.name: t.data_type for t in graph.initializer})
-    floating = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
-    known_integer = set(types) - {n for n, t in types.items() if t in floating | {TensorProto.UNDEFINED}}
+    known_integer = {n for n, t in types.items() if t not in FLOAT_TYPES | {TensorProto.UNDEFINED}}
     found = set()
     for node in graph.node:
         inputs, outputs = [n for n in node.input if n], [n for n in node.output if n]
