@@ -121,6 +121,9 @@ def _output_path(value: str) -> Path:
     return Path(value)
 
 
+_output_path.__name__ = "path"  # typer's help shows a parser's name as the metavar: <path>, as for the other paths
+
+
 def _new_folders(*paths) -> list[Path]:
     """For each output path, the outermost of its folders that does not exist yet (writing it
     will make them): to say so afterwards (``_made``)."""

@@ -149,6 +149,8 @@ def test_command_help(command):
         assert "Examples" in result.stdout
     usage = result.stdout.splitlines()[0]
     assert "{" not in usage and "}" not in usage, usage  # MODEL, not typer's {MODEL}
+    # a metavar is a word for the user, not a Python name (the output paths read <_output_path>)
+    assert not re.search(r"<_", result.stdout), result.stdout
 
 
 def test_quantize_help_groups_its_options():
