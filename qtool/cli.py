@@ -162,23 +162,32 @@ def _one_stdout_writer(as_json: bool, output) -> None:
 
 
 # image preprocessing, the same options for every command that reads DATA (a folder of images);
-# unset ones come from what calibrate recorded in the table or the quantized model
-_RESIZE = typer.Option(None, "--resize", metavar="HxW", help="Images: HEIGHTxWIDTH (default: "
-                       "recorded by calibrate, else the model input's).")
-_FIT = typer.Option(None, "--fit", help="Images: stretch, letterbox (keep the aspect, pad) or crop "
-                    "(keep it, cut the centre). Default: recorded, else stretch.")
-_PAD = typer.Option(None, "--pad", help="Images: letterbox padding pixel value, 0-255 (default 114).")
-_MEAN = typer.Option(None, "--mean", help="Images: per-channel mean after scaling, e.g. 0.5,0.5,0.5 "
-                     "(default: recorded, else 0).")
-_STD = typer.Option(None, "--std", help="Images: per-channel std, e.g. 0.5,0.5,0.5 (default: "
-                    "recorded, else 1).")
-_SCALE = typer.Option(None, "--scale", help="Images: pixel multiplier before mean/std (default: "
-                      "recorded, else 1/255).")
-_CHANNELS = typer.Option(None, "--channels", help="Images: rgb, bgr or gray (default: recorded, else rgb).")
-_LAYOUT = typer.Option(None, "--layout", help="Images: nchw or nhwc (default: recorded, else nchw).")
-_IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.")
-for _option in (_RESIZE, _FIT, _PAD, _MEAN, _STD, _SCALE, _CHANNELS, _LAYOUT, _IMAGE_INPUT):
-    _option.rich_help_panel = "Images (a folder as DATA)"
+# unset ones come from what calibrate recorded in the table or the quantized model (calibrate's
+# own: ``recorded=False``, the plain defaults)
+def _image_option(flag: str, text: str, default: str, recorded: bool = True, **kw):
+    said = f"recorded by calibrate, else {default}" if recorded else default
+    return typer.Option(None, flag, help=f"Images: {text} (default: {said}).",
+                        rich_help_panel="Images (a folder as DATA)", **kw)
+
+
+def _image_options(recorded: bool) -> tuple:
+    """--resize, --fit, --mean, --std, --scale, --channels and --layout."""
+    return (_image_option("--resize", "HEIGHTxWIDTH", "the model input's", recorded, metavar="HxW"),
+            _image_option("--fit", "stretch, letterbox (keep the aspect, pad) or crop (keep it, cut the "
+                          "centre)", "stretch", recorded),
+            _image_option("--mean", "per-channel mean after scaling, e.g. 0.5,0.5,0.5", "0", recorded),
+            _image_option("--std", "per-channel std, e.g. 0.5,0.5,0.5", "1", recorded),
+            _image_option("--scale", "pixel multiplier before mean/std", "1/255", recorded),
+            _image_option("--channels", "rgb, bgr or gray", "rgb", recorded),
+            _image_option("--layout", "nchw or nhwc", "nchw", recorded))
+
+
+_RESIZE, _FIT, _MEAN, _STD, _SCALE, _CHANNELS, _LAYOUT = _image_options(recorded=True)
+_C_RESIZE, _C_FIT, _C_MEAN, _C_STD, _C_SCALE, _C_CHANNELS, _C_LAYOUT = _image_options(recorded=False)
+_PAD = typer.Option(None, "--pad", help="Images: letterbox padding pixel value, 0-255 (default 114).",
+                    rich_help_panel="Images (a folder as DATA)")
+_IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.",
+                            rich_help_panel="Images (a folder as DATA)")
 
 
 def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input) -> dict:
@@ -264,14 +273,14 @@ def calibrate(
                                                         "qtool merge."),
     histogram_samples: int = typer.Option(4096, help="Histogram methods: values binned per sample "
                                                      "and tensor (every k-th); 0 bins them all."),
-    resize: Optional[str] = _RESIZE,
-    fit: Optional[str] = _FIT,
+    resize: Optional[str] = _C_RESIZE,
+    fit: Optional[str] = _C_FIT,
     pad: Optional[float] = _PAD,
-    mean: Optional[str] = _MEAN,
-    std: Optional[str] = _STD,
-    scale: Optional[float] = _SCALE,
-    channels: Optional[str] = _CHANNELS,
-    layout: Optional[str] = _LAYOUT,
+    mean: Optional[str] = _C_MEAN,
+    std: Optional[str] = _C_STD,
+    scale: Optional[float] = _C_SCALE,
+    channels: Optional[str] = _C_CHANNELS,
+    layout: Optional[str] = _C_LAYOUT,
     input_name: Optional[str] = typer.Option(None, "--input", "--image-input", help="Images: the "
                                              "model input they feed."),
     as_json: bool = typer.Option(False, "--json", help="Print a summary (tensors, samples, method, "

@@ -153,6 +153,16 @@ def test_command_help(command):
     assert not re.search(r"<_", result.stdout), result.stdout
 
 
+def test_image_defaults_are_said_as_each_command_takes_them():
+    # calibrate records the preprocessing: nothing is recorded for it to default to
+    calibrate = " ".join(invoke("calibrate", "--help").stdout.split())
+    assert "recorded" not in calibrate
+    assert "--channels <str> Images: rgb, bgr or gray (default: rgb)." in calibrate
+    for command in ("quantize", "verify", "exec", "analyze"):
+        text = " ".join(invoke(command, "--help").stdout.split())
+        assert "rgb, bgr or gray (default: recorded by calibrate, else rgb)." in text, command
+
+
 def test_quantize_help_groups_its_options():
     text = invoke("quantize", "--help").stdout
     headings = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
