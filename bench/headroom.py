@@ -30,6 +30,12 @@ Both are scored as `quantize --data` judges its steps (``qtool.analyze.Evaluator
 output, an output that concatenates parts part by part, a Softmax/Sigmoid output on its input)
 on eval.npz, which no step saw. A gain near zero says that no equalization can lift the model:
 its int8 loss is not in the spread of channel ranges at the inputs of its weighted layers.
+
+Two more columns say where the loss is: "weights only" is the model with every activation fence
+removed (its weights and biases as quantized, activations float), "activations only" the model
+with every quantized constant back to its float original (activations as quantized). Where
+"activations only" is below a target, no change to the weights (rounding, equalization's
+weight side) can reach it.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ sys.path.insert(0, str(BENCH.parent))
 import equalize  # noqa: E402
 import zoo  # noqa: E402
 
-from qtool.analyze import Evaluator, split_batches  # noqa: E402
+from qtool.analyze import Evaluator, QdqModel, split_batches  # noqa: E402
 from qtool.model import prepare_file  # noqa: E402
 
 WEIGHTED = ("Conv", "MatMul", "Gemm")
@@ -171,9 +177,16 @@ def bench(entry, work: Path, bias_correction: bool) -> dict:
     evaluator = Evaluator(float_model, batches)
     base, wide, oracle = evaluator.sqnrs(qmodel, per_channel(qmodel, targets, fitted),
                                          per_channel(qmodel, targets, seen))
+    # where the loss is: the same model with float activations (its weights and biases as
+    # quantized), and with float weights and biases (its activations as quantized)
+    qdq = QdqModel(qmodel, float_model)
+    weights_only = evaluator.sqnr(qdq.ablated(qdq.all_tensors(), ()))
+    activations_only = evaluator.sqnr(qdq.ablated((), qdq.all_weights()))
     return {"key": entry.key, "cle_pairs": equalizable_pairs(float_model), "convs": sum(
                 n.op_type == "Conv" for n in float_model.graph.node), "tensors": len(targets), "as_written_db": round(base, 2),
-            "per_channel_db": round(wide, 2), "per_channel_seen_db": round(oracle, 2), "scored": evaluator.scored}
+            "per_channel_db": round(wide, 2), "per_channel_seen_db": round(oracle, 2),
+            "weights_only_db": round(weights_only, 2), "activations_only_db": round(activations_only, 2),
+            "scored": evaluator.scored}
 
 
 def main(argv=None) -> None:
@@ -188,14 +201,14 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown zoo keys: {', '.join(unknown)}")
     print(f"{'model':14s} {'CLE pairs':>11s} {'tensors':>7s} {'as written':>11s} {'per channel':>12s} {'ranges seen':>12s}"
-          "  (worst output, dB, eval.npz)")
+          f" {'weights only':>13s} {'activations only':>17s}  (worst output, dB, eval.npz)")
     for key in args.only.split(","):
         row = bench(entries[key], args.work.resolve(), args.bias_correction)
         if "error" in row:
             print(f"{key:14s} {row['error']}")
             continue
         print(f"{key:14s} {row['cle_pairs']:4d} of {row['convs']:3d} {row['tensors']:7d} {row['as_written_db']:11.2f} {row['per_channel_db']:12.2f} "
-              f"{row['per_channel_seen_db']:12.2f}")
+              f"{row['per_channel_seen_db']:12.2f} {row['weights_only_db']:13.2f} {row['activations_only_db']:17.2f}")
 
 
 if __name__ == "__main__":
