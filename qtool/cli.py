@@ -164,10 +164,12 @@ def _one_stdout_writer(as_json: bool, output) -> None:
 # image preprocessing, the same options for every command that reads DATA (a folder of images);
 # unset ones come from what calibrate recorded in the table or the quantized model (calibrate's
 # own: ``recorded=False``, the plain defaults)
+_IMAGES = "Images (a folder as DATA)"  # their heading in --help
+
+
 def _image_option(flag: str, text: str, default: str, recorded: bool = True, **kw):
     said = f"recorded by calibrate, else {default}" if recorded else default
-    return typer.Option(None, flag, help=f"Images: {text} (default: {said}).",
-                        rich_help_panel="Images (a folder as DATA)", **kw)
+    return typer.Option(None, flag, help=f"Images: {text} (default: {said}).", rich_help_panel=_IMAGES, **kw)
 
 
 def _image_options(recorded: bool) -> tuple:
@@ -183,11 +185,11 @@ def _image_options(recorded: bool) -> tuple:
 
 
 _RESIZE, _FIT, _MEAN, _STD, _SCALE, _CHANNELS, _LAYOUT = _image_options(recorded=True)
+# calibrate's (``_C_``): the command that records them
 _C_RESIZE, _C_FIT, _C_MEAN, _C_STD, _C_SCALE, _C_CHANNELS, _C_LAYOUT = _image_options(recorded=False)
 _PAD = typer.Option(None, "--pad", help="Images: letterbox padding pixel value, 0-255 (default 114).",
-                    rich_help_panel="Images (a folder as DATA)")
-_IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.",
-                            rich_help_panel="Images (a folder as DATA)")
+                    rich_help_panel=_IMAGES)
+_IMAGE_INPUT = typer.Option(None, "--image-input", help="Images: the model input they feed.", rich_help_panel=_IMAGES)
 
 
 def _image_given(resize, fit, pad, mean, std, scale, channels, layout, image_input) -> dict:
