@@ -613,3 +613,38 @@ def test_compiled_requantization_refuses_an_output_it_would_write_past():
             fast.rows(sums, bad_out, 0, 3, channels=channels)
         with pytest.raises(ValueError, match="do not fit"):
             fast.joined(sums, sums, np.zeros(2, np.int64), out=bad_out, channels=channels)
+
+
+@pytest.mark.parametrize("shape, c_out, kernel, strides, group", [
+    ((4, 16, 40, 60), 6, (5, 5), (1, 3), 1),  # im2col: the patches are the large part
+    ((2, 12, 18, 10), 4, (3, 3), (1, 1), 1),  # taps (fewer outputs than inputs)
+    ((2, 8, 18, 40), 8, (3, 3), (1, 1), 8),  # depthwise
+])
+def test_numpy_path_works_in_bands_of_rows_with_the_same_integers(shape, c_out, kernel, strides, group, monkeypatch):
+    """The numpy path's working arrays stay within BAND_BYTES a band of output rows: the same
+    output as in one band, and for im2col a traced peak well below one thread's patches at once
+    (basic-pitch's exec at batch 8 had peaked at 1.6 GB)."""
+    import tracemalloc
+
+    monkeypatch.setattr(ortconv, "ENABLED", False)
+    rng = np.random.default_rng(sum(shape))
+    weight = rng.integers(-127, 128, size=(c_out, shape[1] // group, *kernel)).astype(np.int8)
+    p = _params(weight, zero_in=-5, pads=(2, 1, 2, 1), strides=strides, group=group)
+    x = rng.integers(-128, 128, size=shape).astype(np.int8)
+    whole = ConvPlan.of(p, shape)
+    assert whole.band >= whole.out_hw[0]  # these small shapes: one band by default
+    expected = REGISTRY["Conv"].run(whole, x)
+    monkeypatch.setattr(conv, "BAND_BYTES", 1)  # a row at a time
+    banded = ConvPlan.of(p, shape)
+    assert banded.band == 1
+    tracemalloc.start()
+    try:
+        got = REGISTRY["Conv"].run(banded, x)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got, expected) and np.array_equal(got, run_scanned(p, x))
+    assert np.array_equal(banded.numpy_sums(x), whole.numpy_sums(x))
+    if whole.method == "im2col":
+        patches = shape[0] * shape[1] * kernel[0] * kernel[1] * whole.out_hw[0] * whole.out_hw[1] * 4  # all rows'
+        assert peak < patches / 4, (peak, patches)

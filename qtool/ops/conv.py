@@ -215,10 +215,10 @@ class Conv(IntegerOp):
         out = np.empty((x.shape[0], params.weight.shape[0], *plan.out_hw), dtype=params.dtype)
 
         def rows(start: int, stop: int) -> None:
-            acc = accumulate(plan, prepared, start, stop)
-            if tail.unproven.size:
-                check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
-            tail.requant(acc, out=out[:, :, start:stop])
+            for lo, hi, acc in plan.numpy_bands(functools.partial(accumulate, plan, prepared), start, stop):
+                if tail.unproven.size:
+                    check_int32(acc[:, tail.unproven], params.bias[tail.unproven].reshape(-1, 1, 1))
+                tail.requant(acc, out=out[:, :, lo:hi])
 
         parallel.run_parts(rows, plan.row_parts)
         return _mapped(out, table)
@@ -390,6 +390,10 @@ def run_volume(p: ConvParams, x: np.ndarray) -> np.ndarray:
 
 # the largest |q| of an input type: a bound that holds for every input of that type
 INPUT_MAX = {np.dtype(np.int8): 128, np.dtype(np.uint8): 255}
+# the numpy path's working arrays for one band of output rows (im2col patches, float32 sums), at
+# most about this: a whole thread's rows at once took basic-pitch's 5x5 conv over 8 samples to
+# 1.3 GB of patches (exec peaked at 1.6 GB against a --memory of 512 MB)
+BAND_BYTES = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -476,6 +480,21 @@ class ConvPlan:
         return cls(p, tuple(shape), out_hw, method, weight, tails, row_parts)
 
     @functools.cached_property
+    def band(self) -> int:
+        """Output rows the numpy path computes at once (``BAND_BYTES``): the same sums in any
+        bands, each row's from its own windows."""
+        n, c_in = self.in_shape[:2]
+        c_out, _, kh, kw = self.params.weight.shape
+        per_row = c_out + (c_in * kh * kw if self.method == "im2col" else c_out if self.method == "taps" else 0)
+        return max(1, BAND_BYTES // (4 * n * self.out_hw[1] * per_row))
+
+    def numpy_bands(self, rows, start: int, stop: int):
+        """``rows(lo, hi)`` over [start, stop) in bands of ``band`` rows: (lo, hi, its result)."""
+        for lo in range(start, stop, self.band):
+            hi = min(stop, lo + self.band)
+            yield lo, hi, rows(lo, hi)
+
+    @functools.cached_property
     def split16(self) -> "Tail | None":
         """For int16 inputs (made on the first one): the tail after ``split_sums``, proven for
         every int16 input; None where the halves are not proven exact. An int16 input is
@@ -542,8 +561,9 @@ class ConvPlan:
         return lambda start, stop: np.array(accumulate(self, prepared, start, stop))
 
     def numpy_sums(self, x: np.ndarray) -> np.ndarray:
-        """The float32 sums of the whole output by the numpy path."""
-        return self.numpy_rows(x)(0, self.out_hw[0])
+        """The float32 sums of the whole output by the numpy path, a band of rows at a time."""
+        bands = [acc for _, _, acc in self.numpy_bands(self.numpy_rows(x), 0, self.out_hw[0])]
+        return bands[0] if len(bands) == 1 else np.concatenate(bands, axis=2)
 
 
 def split_high(x: np.ndarray) -> np.ndarray:
