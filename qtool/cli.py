@@ -997,7 +997,7 @@ def exec_(
     0-d array, fed whole to every run; an input whose first size is fixed above 1 and another open
     (a state [2,N,128]) takes its samples on that axis, and an output shaped so is written in one
     batch. Otherwise an output whose one axis of the batch's size is not its first (a state
-    [2,N,128] the model does not declare) is written with that axis moved first. An array shaped
+    [2,N,128], a time-major [T,N,C]) is written with that axis moved first, and the log says so. An array shaped
     exactly as its model input (every size fixed) is fed whole to every run when the arrays' sample
     counts disagree: a state, or inputs of different fixed sizes run once as they are. An output
     whose shape changes from sample to sample (a decoder that stops on a value) is written per
@@ -1030,6 +1030,9 @@ def exec_(
         for name, count in result.per_sample.items():
             _log(f"output '{name}' changes shape from sample to sample: written per sample, as "
                  f"'{name}/0' ... '{name}/{count - 1}'")
+        for name, axis in result.moved.items():
+            _log(f"output '{name}' has its samples on axis {axis}: written with them first, as "
+                 f"{result.outputs.get(name)}")
     if not result.integer_steps:
         _log(f"warning: no op of '{qmodel}' ran integer; is it a float model? (see qtool quantize)")
     if as_json:
@@ -1037,7 +1040,7 @@ def exec_(
             "steps": result.steps, "integer_steps": result.integer_steps,
             "float_nodes": [{"op_type": t, "node": n, "reason": r} for t, n, r in result.float_nodes],
             "outputs": result.outputs, "per_sample_outputs": list(result.per_sample),
-            "output": str(output)}, indent=1))
+            "samples_moved_first": result.moved, "output": str(output)}, indent=1))
     elif not quiet:
         _log(f"ran {result.steps} steps, {len(result.float_nodes)} in float -> {output}")
         for line in float_node_lines(result.float_nodes):

@@ -34,6 +34,7 @@ class ExecResult:
     per_sample: dict  # output name -> samples, for the outputs written as NAME/0, NAME/1, ...
     note: str = ""  # how the batch size was chosen, or why it fell to 1
     warnings: list = field(default_factory=list)  # image preprocessing given against recorded
+    moved: dict = field(default_factory=dict)  # output name -> the axis its samples were on, written first
 
 
 def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, batch_size: int | None = None,
@@ -61,14 +62,19 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
     whole = as_they_are or one_batch
     chosen = chosen and not whole
     writer = NpzWriter(output, None if whole else len(data))
+    # per_sample's: where each output's samples are, from the model where it declares them (so a
+    # batch of one sample writes [T, C] per sample as a larger one does, not [T, 1, C])
+    declared = {name: axis for name, axis in output_sample_axes(model).items() if axis}
+    axes = dict(declared)
     try:
         try:
-            shapes = _batches(executor, data, batch_size, writer, whole, progress, chosen)
+            shapes = _batches(executor, data, batch_size, writer, whole, progress, chosen, axes)
         except OneAtATime as retry:  # the batch size exec chose failed on its first batch
             writer.discard()
             batch_size, note = 1, retry.note
             writer = NpzWriter(output, None if whole else len(data))
-            shapes = _batches(executor, data, 1, writer, whole, progress, False)
+            axes = dict(declared)
+            shapes = _batches(executor, data, 1, writer, whole, progress, False, axes)
         per_sample = dict(writer.ragged)
         writer.close()
     except BaseException:
@@ -77,13 +83,15 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
     for name in per_sample:
         shapes[name] = None
     return ExecResult(len(list(executor.all_steps())), sum(s.kind == "integer" for s in executor.all_steps()),
-                      executor.float_nodes(), shapes, per_sample, note if len(data) > 1 else "", warnings)
+                      executor.float_nodes(), shapes, per_sample, note if len(data) > 1 else "", warnings,
+                      {} if whole or data.whole_samples else {name: axis for name, axis in axes.items() if axis})
 
 
-def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool) -> dict:
+def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool,
+             axes: dict) -> dict:
     """Each batch's outputs to ``writer``: the outputs' shapes. A first batch of a ``chosen``
-    size above 1 that fails raises ``OneAtATime``."""
-    shapes, done, axes = {}, 0, {}  # (a disabled bar counts nothing); axes: per_sample's
+    size above 1 that fails raises ``OneAtATime``. ``axes``: per_sample's, filled in."""
+    shapes, done = {}, 0  # (a disabled bar counts nothing)
     with progress_bar(len(data), "exec", progress) as bar:
         for feeds in data.batches(batch_size):
             n = data.samples_in(feeds)
@@ -107,9 +115,10 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
 
 def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
     """A batch's outputs with the samples on the first axis: one sample's output whose first axis
-    is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample; an output
-    of a larger batch whose one axis of that size is not the first (a state [2, N, 128] that the
-    model does not declare) has it moved first, and ``axes`` (kept from batch to batch) remembers
+    is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample, unless
+    ``axes`` knows its sample axis (declared by the model, or seen in an earlier batch); an output
+    of a larger batch whose one axis of that size is not the first (a state [2, N, 128], a
+    time-major [T, N, C]) has it moved first, and ``axes`` (kept from batch to batch) remembers
     where, for a later batch whose size matches more than one axis; otherwise an output of a
     larger batch that does not lead with it cannot be split, a one-line error."""
     axes = {} if axes is None else axes
@@ -118,7 +127,7 @@ def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
         matching = [k for k, size in enumerate(np.shape(value)) if size == n]
         if n > 1 and name not in axes and len(matching) == 1:
             axes[name] = matching[0]
-        if n > 1 and axes.get(name, 0) != 0 and axes[name] in matching:
+        if axes.get(name, 0) != 0 and axes[name] in matching:  # a batch of one too, once the axis is known
             shaped[name] = np.moveaxis(value, axes[name], 0)
         elif value.ndim and value.shape[0] == n:
             shaped[name] = value

@@ -558,6 +558,41 @@ def test_exec_writes_logits(tmp_path, pipeline, demo_heldout):
     assert np.mean(logits.argmax(-1) == labels) > 0.95  # a working digits classifier
 
 
+def test_exec_says_it_moved_a_time_major_outputs_samples_first(tmp_path):
+    """A declared [T, N, C] output (a CTC recognizer's logits) is written [N, T, C], as every
+    output has its samples first, and the log says so: a decoder that reads the model's layout
+    would read it wrong without a word (sweep 12's captcha CRNN)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2], name="tm"),
+             helper.make_node("Relu", ["t"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, "N", 4])])
+    model = tmp_path / "tm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), model)
+    x = np.random.default_rng(0).normal(size=(5, 3, 4)).astype(np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    assert invoke("calibrate", model, "-d", tmp_path / "x.npz", "-o", tmp_path / "t.yaml", "-q").exit_code == 0
+    assert invoke("quantize", model, "-t", tmp_path / "t.yaml", "-o", tmp_path / "q.onnx", "-q").exit_code == 0
+    result = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "x.npz", "-o", tmp_path / "y.npz",
+                    "--batch-size", "2")
+    assert_no_crash(result)
+    assert result.exit_code == 0, result.output
+    assert "output 'y' has its samples on axis 1: written with them first, as [5, 3, 4]" in result.stderr
+    with np.load(tmp_path / "y.npz") as y:
+        got = y["y"]
+    assert got.shape == (5, 3, 4)
+    assert np.abs(got - np.maximum(x, 0)).max() < 0.05  # sample i's own rows, not another's
+    listed = invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "x.npz", "-o", tmp_path / "y2.npz",
+                    "--batch-size", "2", "--json")
+    assert json.loads(listed.stdout)["samples_moved_first"] == {"y": 1}
+    # one sample a batch writes the same layout (the model declares where its samples are)
+    assert invoke("exec", tmp_path / "q.onnx", "--input", tmp_path / "x.npz", "-o", tmp_path / "y1.npz",
+                  "--batch-size", "1", "-q").exit_code == 0
+    with np.load(tmp_path / "y1.npz") as y:
+        assert np.array_equal(y["y"], got)
+
+
 def test_exec_warns_on_a_float_model(tmp_path, demo_model, demo_heldout):
     result = invoke("exec", demo_model, "--input", demo_heldout, "-o", tmp_path / "y.npz", "--quiet")
     assert_no_crash(result)
