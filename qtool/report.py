@@ -45,6 +45,11 @@ class _Silent:
         pass
 
 
+def _plural(unit: str) -> str:
+    """"samples", "ops", "tries"."""
+    return unit[:-1] + "ies" if unit.endswith("y") and unit[-2:-1] not in tuple("aeiou") else unit + "s"
+
+
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "sample"):
     """A units/s bar on a terminal's stderr; on any other stderr a line every
     ``HEARTBEAT_SECONDS`` with done/total and the time left, the first after that long (short
@@ -57,7 +62,7 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "sample"):
         return tqdm(total=total, unit=unit, desc=desc, leave=False)
     return tqdm(total=total, unit=unit, desc=desc, file=_Lines(sys.stderr), mininterval=HEARTBEAT_SECONDS,
                 maxinterval=HEARTBEAT_SECONDS, delay=HEARTBEAT_SECONDS, leave=False, ascii=True,
-                bar_format="{desc}: {n_fmt}/{total_fmt} " + unit + "s, {elapsed} elapsed, about {remaining} left")
+                bar_format="{desc}: {n_fmt}/{total_fmt} " + _plural(unit) + ", {elapsed} elapsed, about {remaining} left")
 
 
 def finite(x: float):

@@ -211,6 +211,12 @@ def test_long_steps_print_a_line_now_and_then_when_stderr_is_a_log(monkeypatch, 
             time.sleep(0.05)
             bar.update(1)
     assert capsys.readouterr().err == ""
+    with report.progress_bar(3, "int16 placement", True, unit="try") as bar:  # sweep 12 read "3/3 trys"
+        for _ in range(3):
+            time.sleep(0.15)
+            bar.update(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all("/3 tries," in line for line in lines), lines
 
 
 def test_usage_errors_point_to_the_command_s_help_and_version_prints():
