@@ -65,16 +65,16 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
     # per_sample's: where each output's samples are, from the model where it declares them (so a
     # batch of one sample writes [T, C] per sample as a larger one does, not [T, 1, C])
     declared = {name: axis for name, axis in output_sample_axes(model).items() if axis}
-    axes = dict(declared)
+    axes, moved = dict(declared), set()
     try:
         try:
-            shapes = _batches(executor, data, batch_size, writer, whole, progress, chosen, axes)
+            shapes = _batches(executor, data, batch_size, writer, whole, progress, chosen, axes, moved)
         except OneAtATime as retry:  # the batch size exec chose failed on its first batch
             writer.discard()
             batch_size, note = 1, retry.note
             writer = NpzWriter(output, None if whole else len(data))
-            axes = dict(declared)
-            shapes = _batches(executor, data, 1, writer, whole, progress, False, axes)
+            axes, moved = dict(declared), set()
+            shapes = _batches(executor, data, 1, writer, whole, progress, False, axes, moved)
         per_sample = dict(writer.ragged)
         writer.close()
     except BaseException:
@@ -84,13 +84,13 @@ def execute(qmodel_path: str | Path, inputs: str | Path, output: str | Path, bat
         shapes[name] = None
     return ExecResult(len(list(executor.all_steps())), sum(s.kind == "integer" for s in executor.all_steps()),
                       executor.float_nodes(), shapes, per_sample, note if len(data) > 1 else "", warnings,
-                      {} if whole or data.whole_samples else {name: axis for name, axis in axes.items() if axis})
+                      {name: axes[name] for name in sorted(moved)})
 
 
 def _batches(executor, data, batch_size: int, writer, whole: bool, progress: bool, chosen: bool,
-             axes: dict) -> dict:
+             axes: dict, moved: set) -> dict:
     """Each batch's outputs to ``writer``: the outputs' shapes. A first batch of a ``chosen``
-    size above 1 that fails raises ``OneAtATime``. ``axes``: per_sample's, filled in."""
+    size above 1 that fails raises ``OneAtATime``. ``axes``, ``moved``: per_sample's, filled in."""
     shapes, done = {}, 0  # (a disabled bar counts nothing)
     with progress_bar(len(data), "exec", progress) as bar:
         for feeds in data.batches(batch_size):
@@ -100,7 +100,7 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
                 if data.whole_samples:  # each output whole, on a new first axis of samples
                     outputs = {name: np.asarray(value)[None] for name, value in outputs.items()}
                 elif not whole:  # an output of no sample axis (a state [25]): one at a time too
-                    outputs = per_sample(outputs, n, axes)
+                    outputs = per_sample(outputs, n, axes, moved)
             except QtoolError as e:
                 if chosen and done == 0 and batch_size > 1 and n > 1 and not isinstance(e, DataError):
                     raise OneAtATime(batch_size, e, e.note if isinstance(e, Unsplittable) else "") from None
@@ -113,14 +113,15 @@ def _batches(executor, data, batch_size: int, writer, whole: bool, progress: boo
     return shapes
 
 
-def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
+def per_sample(outputs: dict, n: int, axes: dict | None = None, moved: set | None = None) -> dict:
     """A batch's outputs with the samples on the first axis: one sample's output whose first axis
     is not its batch of 1 (a sequence [T, 1, C]) gains a leading axis, one per sample, unless
     ``axes`` knows its sample axis (declared by the model, or seen in an earlier batch); an output
     of a larger batch whose one axis of that size is not the first (a state [2, N, 128], a
     time-major [T, N, C]) has it moved first, and ``axes`` (kept from batch to batch) remembers
     where, for a later batch whose size matches more than one axis; otherwise an output of a
-    larger batch that does not lead with it cannot be split, a one-line error."""
+    larger batch that does not lead with it cannot be split, a one-line error. ``moved`` gets the
+    names of the outputs whose sample axis was moved first."""
     axes = {} if axes is None else axes
     shaped = {}
     for name, value in outputs.items():
@@ -129,6 +130,8 @@ def per_sample(outputs: dict, n: int, axes: dict | None = None) -> dict:
             axes[name] = matching[0]
         if axes.get(name, 0) != 0 and axes[name] in matching:  # a batch of one too, once the axis is known
             shaped[name] = np.moveaxis(value, axes[name], 0)
+            if moved is not None:
+                moved.add(name)
         elif value.ndim and value.shape[0] == n:
             shaped[name] = value
         elif n == 1:
